@@ -1,0 +1,32 @@
+# Thin wrappers: everything real lives in CMake, ctest and scripts/.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+PY := /usr/bin/python3
+
+.PHONY: all deps build test demo bench fmt clean
+
+all: build
+
+deps:
+	@scripts/install-deps
+
+$(BUILD)/build.ninja: | deps
+	cmake -S . -B $(BUILD) -G Ninja
+
+build: deps $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+demo: build
+	$(PY) scripts/demo.py --build $(BUILD)
+
+bench: build
+	scripts/bench-all --build $(BUILD)
+
+fmt:
+	git ls-files '*.cc' '*.h' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD)

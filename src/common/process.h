@@ -1,0 +1,70 @@
+#pragma once
+
+// An owning type for a child process, with a pidfd so that waits and kills never hit a
+// recycled pid.
+
+#include <sys/resource.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace bragg {
+
+struct ExitInfo {
+  int exit_code = -1;  // valid when signal == 0
+  int signal = 0;      // terminating signal, 0 if it exited
+  struct rusage usage {};
+};
+
+// Owns a child pid (and its pidfd). Destruction SIGKILLs and reaps a child still running.
+// Move-only; not thread-safe.
+class ChildProcess {
+ public:
+  ChildProcess() = default;
+  // Takes ownership of `pid`, a child of this process. Opens a pidfd for it.
+  static Result<ChildProcess> Adopt(pid_t pid);
+  ~ChildProcess();
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  int pidfd() const { return pidfd_.get(); }
+  bool running() const { return pid_ > 0; }
+
+  Status Signal(int sig);
+  // Waits for exit. `timeout` nullopt waits forever; DeadlineExceeded if still running.
+  Result<ExitInfo> Wait(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  // Gives up ownership: the caller reaps the pid.
+  pid_t Release();
+
+ private:
+  ChildProcess(pid_t pid, UniqueFd pidfd) : pid_(pid), pidfd_(std::move(pidfd)) {}
+  void KillAndReap();
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;
+};
+
+struct SpawnOptions {
+  std::vector<std::string> env;  // empty: inherit
+  std::string cwd;
+  int stdin_fd = -1;   // -1: /dev/null
+  int stdout_fd = -1;  // -1: inherit
+  int stderr_fd = -1;  // -1: inherit
+  bool new_session = false;
+};
+
+// posix_spawnp of argv[0]. The child's fds other than 0-2 are close-on-exec by convention.
+Result<ChildProcess> Spawn(const std::vector<std::string>& argv, const SpawnOptions& options = {});
+
+// Human-readable "exit 3" / "killed by SIGKILL".
+std::string DescribeExit(const ExitInfo& info);
+
+}  // namespace bragg

@@ -1,0 +1,110 @@
+#pragma once
+
+// The agent's end of the control channel to pbox-init, PID 1 of every native sandbox.
+//
+// The channel is a SOCK_SEQPACKET socketpair: one message per frame (init_protocol.h), with
+// the command's stdin/stdout/stderr passed as file descriptors (SCM_RIGHTS) so that output
+// flows from the command to the agent directly, never copied through init.
+//
+// If the channel closes (the agent died), pbox-init exits and the kernel kills every process
+// of the sandbox's pid namespace with it.
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace bragg::pbox {
+
+struct SpawnRequest {
+  std::vector<std::string> argv;  // argv[0] looked up in PATH from env
+  std::vector<std::string> env;   // "K=V"
+  std::string cwd;                // absolute inside the sandbox; "" = "/"
+  int stdin_fd = -1;              // borrowed; -1: /dev/null
+  int stdout_fd = -1;             // borrowed; -1: /dev/null
+  int stderr_fd = -1;             // borrowed; -1: /dev/null
+};
+
+struct ProcessExit {
+  int exit_code = -1;    // valid when signal == 0
+  int signal = 0;
+  int64_t user_us = 0;   // rusage of the process and its waited-for children
+  int64_t system_us = 0;
+  int64_t max_rss_kb = 0;
+  int spawn_errno = 0;   // non-zero: the program never ran (exit_code is then 127)
+  std::string error;     // e.g. "execvp(foo): No such file or directory"
+};
+
+// One spawned process. Thread-safe.
+class ProcessHandle {
+ public:
+  uint64_t id() const { return id_; }
+  pid_t pid() const { return pid_; }  // inside the sandbox's pid namespace
+  // Blocks until the process exited (or the channel died: Unavailable). `timeout` nullopt:
+  // forever; DeadlineExceeded if still running.
+  Result<ProcessExit> Wait(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  bool done() const;
+  // An eventfd that becomes readable once the process exited (for poll loops). Owned here.
+  int done_fd() const { return done_fd_.get(); }
+
+ private:
+  friend class InitClient;
+  ProcessHandle(uint64_t id, pid_t pid, UniqueFd done_fd)
+      : id_(id), pid_(pid), done_fd_(std::move(done_fd)) {}
+  void Complete(Result<ProcessExit> exit);
+
+  const uint64_t id_;
+  const pid_t pid_;
+  UniqueFd done_fd_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<Result<ProcessExit>> exit_;
+};
+
+// Thread-safe. Destruction closes the channel (which makes init, and the sandbox, exit).
+class InitClient {
+ public:
+  // Takes the agent's end of the socketpair and starts a reader thread.
+  static Result<std::unique_ptr<InitClient>> Create(UniqueFd channel);
+  ~InitClient();
+
+  // Starts a process. Returns once init has forked it (the pid is known) or failed to.
+  // A program that cannot be executed still yields a handle, whose exit has spawn_errno set.
+  // InvalidArgument for empty argv or argv+env over kMaxSpawnBytes; Unavailable if the
+  // channel is closed.
+  Result<std::shared_ptr<ProcessHandle>> Spawn(const SpawnRequest& request);
+  // Sends `signal` to the process's group; with `whole_tree`, also to every process of the
+  // sandbox in its session (what a timeout kill uses).
+  Status Kill(uint64_t process_id, int signal, bool whole_tree);
+  // True while the channel is open (init alive).
+  bool alive() const { return alive_.load(); }
+
+  static constexpr size_t kMaxSpawnBytes = 256 * 1024;
+
+ private:
+  explicit InitClient(UniqueFd channel);
+  void ReaderLoop();
+
+  UniqueFd channel_;
+  std::atomic<bool> alive_{true};
+  std::mutex mu_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::shared_ptr<ProcessHandle>> live_;
+  struct PendingSpawn;
+  std::map<uint64_t, PendingSpawn*> pending_;
+  std::thread reader_;
+};
+
+}  // namespace bragg::pbox

@@ -1,0 +1,69 @@
+#pragma once
+
+// File operations confined to one directory tree: a sandbox's root filesystem as the agent
+// sees it. Every path is resolved by the kernel with openat2(RESOLVE_IN_ROOT |
+// RESOLVE_NO_MAGICLINKS) against a directory fd of the root, so "..", absolute symlinks and
+// symlinks swapped in during a call resolve inside the tree, never outside it. Operations on
+// the last component use *at() calls relative to its parent's fd with no symlink following.
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace bragg::pbox {
+
+enum class FileKind { kUnknown, kRegular, kDirectory, kSymlink, kOther };
+
+struct FileStat {
+  std::string name;  // the last path component (ListDir) or the path asked for (Stat)
+  FileKind kind = FileKind::kUnknown;
+  uint64_t size = 0;
+  uint32_t mode = 0;  // permission bits only
+  int64_t mtime_ns = 0;
+  std::string symlink_target;
+};
+
+// Thread-safe: holds only an fd; every call is independent.
+class SandboxFs {
+ public:
+  // Opens `root` (a directory). NotFound / InvalidArgument if it is not one.
+  static Result<SandboxFs> Open(const std::string& root);
+
+  SandboxFs(SandboxFs&&) = default;
+  SandboxFs& operator=(SandboxFs&&) = default;
+
+  // Paths are taken as inside the root: "/a/b" and "a/b" are the same; "" is the root.
+  // Paths longer than PATH_MAX or holding a NUL byte are InvalidArgument.
+
+  // lstat of the path (a symlink is reported as one, with its target).
+  Result<FileStat> Stat(std::string_view path) const;
+  // Opens a regular file for reading (following symlinks inside the root).
+  // InvalidArgument for directories, FIFOs, sockets and devices (never blocks on a FIFO).
+  Result<UniqueFd> OpenRead(std::string_view path) const;
+  // Opens for writing, creating (mode) or truncating unless `append`. With `make_parents`,
+  // missing directories are created 0755. Same refusals as OpenRead.
+  Result<UniqueFd> OpenWrite(std::string_view path, uint32_t mode, bool make_parents,
+                             bool append) const;
+  // Entries sorted by name, without "." and "..".
+  Result<std::vector<FileStat>> ListDir(std::string_view path) const;
+  Status MakeDir(std::string_view path, uint32_t mode, bool parents) const;
+  // Removes a file, symlink or empty directory; with `recursive` a whole tree, never
+  // following symlinks. Removing the root itself is InvalidArgument.
+  Status Remove(std::string_view path, bool recursive) const;
+  // rename; with `no_replace`, AlreadyExists if dst exists.
+  Status Move(std::string_view src, std::string_view dst, bool no_replace) const;
+
+  int root_fd() const { return root_.get(); }
+
+ private:
+  explicit SandboxFs(UniqueFd root) : root_(std::move(root)) {}
+  UniqueFd root_;
+};
+
+}  // namespace bragg::pbox
