@@ -38,13 +38,13 @@ struct SpawnRequest {
 };
 
 struct ProcessExit {
-  int exit_code = -1;    // valid when signal == 0
+  int exit_code = -1;  // valid when signal == 0
   int signal = 0;
-  int64_t user_us = 0;   // rusage of the process and its waited-for children
+  int64_t user_us = 0;  // rusage of the process and its waited-for children
   int64_t system_us = 0;
   int64_t max_rss_kb = 0;
-  int spawn_errno = 0;   // non-zero: the program never ran (exit_code is then 127)
-  std::string error;     // e.g. "execvp(foo): No such file or directory"
+  int spawn_errno = 0;  // non-zero: the program never ran (exit_code is then 127)
+  std::string error;    // e.g. "execvp(foo): No such file or directory"
 };
 
 // One spawned process. Thread-safe.
@@ -86,7 +86,9 @@ class InitClient {
   // channel is closed.
   Result<std::shared_ptr<ProcessHandle>> Spawn(const SpawnRequest& request);
   // Sends `signal` to the process's group; with `whole_tree`, also to every process of the
-  // sandbox in its session (what a timeout kill uses).
+  // sandbox in its session (what a timeout kill uses). Fire-and-forget: the outcome shows up
+  // in the handle's exit. NotFound if the process is not running (exited or never spawned),
+  // InvalidArgument for a signal outside 0..64, Unavailable if the channel is closed.
   Status Kill(uint64_t process_id, int signal, bool whole_tree);
   // True while the channel is open (init alive).
   bool alive() const { return alive_.load(); }
@@ -96,6 +98,10 @@ class InitClient {
  private:
   explicit InitClient(UniqueFd channel);
   void ReaderLoop();
+  // Completes every pending Spawn and live handle with Unavailable; marks the client dead.
+  void ChannelDied();
+  // One sendmsg of a whole frame, with `fds` as SCM_RIGHTS.
+  Status SendFrame(const std::string& bytes, const std::vector<int>& fds);
 
   UniqueFd channel_;
   std::atomic<bool> alive_{true};

@@ -1,0 +1,367 @@
+#include "pbox/init_client.h"
+
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include <cstring>
+#include <utility>
+
+#include "fmt/format.h"
+#include "pbox/init_protocol.h"
+#include "spdlog/spdlog.h"
+
+namespace bragg::pbox {
+namespace {
+
+namespace proto = init_protocol;
+
+static_assert(InitClient::kMaxSpawnBytes == proto::kMaxArgEnvBytes,
+              "the client's limit must be the protocol's");
+
+Status ChannelClosed() { return absl::UnavailableError("sandbox init exited"); }
+
+void SetBuffer(int fd, int force_opt, int opt, int bytes) {
+  if (::setsockopt(fd, SOL_SOCKET, force_opt, &bytes, sizeof(bytes)) != 0) {
+    // Without CAP_NET_ADMIN the kernel caps the size at net.core.[rw]mem_max (doubled),
+    // which still holds one kMaxFrameBytes frame on default sysctls.
+    (void)::setsockopt(fd, SOL_SOCKET, opt, &bytes, sizeof(bytes));
+  }
+}
+
+}  // namespace
+
+struct InitClient::PendingSpawn {
+  UniqueFd done_fd;  // handed to the ProcessHandle
+  std::string program;
+  bool done = false;
+  Result<std::shared_ptr<ProcessHandle>> result = absl::UnknownError("spawn pending");
+  std::optional<ProcessExit> early_exit;  // Exited that overtook Spawned
+  std::condition_variable cv;
+};
+
+// ---------------------------------------------------------------------------- ProcessHandle
+
+Result<ProcessExit> ProcessHandle::Wait(std::optional<std::chrono::milliseconds> timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto ready = [this] { return exit_.has_value(); };
+  if (!timeout.has_value()) {
+    cv_.wait(lock, ready);
+  } else if (!cv_.wait_for(lock, *timeout, ready)) {
+    return absl::DeadlineExceededError(
+        fmt::format("process {} (pid {}) still running after {} ms", id_, pid_, timeout->count()));
+  }
+  return *exit_;
+}
+
+bool ProcessHandle::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return exit_.has_value();
+}
+
+void ProcessHandle::Complete(Result<ProcessExit> exit) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (exit_.has_value()) {
+      return;
+    }
+    exit_ = std::move(exit);
+    uint64_t one = 1;
+    if (::write(done_fd_.get(), &one, sizeof(one)) != sizeof(one)) {
+      spdlog::warn("process {}: cannot signal its done eventfd: {}", id_, strerror(errno));
+    }
+  }
+  cv_.notify_all();
+}
+
+// ------------------------------------------------------------------------------- InitClient
+
+Result<std::unique_ptr<InitClient>> InitClient::Create(UniqueFd channel) {
+  if (!channel.valid()) {
+    return absl::InvalidArgumentError("InitClient needs a channel fd");
+  }
+  int type = 0;
+  socklen_t len = sizeof(type);
+  if (::getsockopt(channel.get(), SOL_SOCKET, SO_TYPE, &type, &len) != 0) {
+    return ErrnoError("getsockopt", "SO_TYPE");
+  }
+  if (type != SOCK_SEQPACKET) {
+    return absl::InvalidArgumentError(
+        "the pbox-init channel must be an AF_UNIX SOCK_SEQPACKET socket");
+  }
+  SetBuffer(channel.get(), SO_SNDBUFFORCE, SO_SNDBUF, 2 * proto::kMaxFrameBytes);
+  SetBuffer(channel.get(), SO_RCVBUFFORCE, SO_RCVBUF, 2 * proto::kMaxFrameBytes);
+  std::unique_ptr<InitClient> client(new InitClient(std::move(channel)));
+  client->reader_ = std::thread(&InitClient::ReaderLoop, client.get());
+  return client;
+}
+
+InitClient::InitClient(UniqueFd channel) : channel_(std::move(channel)) {}
+
+InitClient::~InitClient() {
+  // Wakes the reader (recvmsg returns 0) and tells init that the agent is gone.
+  (void)::shutdown(channel_.get(), SHUT_RDWR);
+  if (reader_.joinable()) {
+    reader_.join();
+  }
+}
+
+Status InitClient::SendFrame(const std::string& bytes, const std::vector<int>& fds) {
+  iovec iov = {const_cast<char*>(bytes.data()), bytes.size()};
+  msghdr msg = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
+  if (!fds.empty()) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  while (true) {
+    ssize_t n = ::sendmsg(channel_.get(), &msg, MSG_NOSIGNAL);
+    if (n >= 0) {
+      return absl::OkStatus();
+    }
+    int err = errno;
+    if (err == EINTR) {
+      continue;
+    }
+    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) {
+      return ChannelClosed();
+    }
+    if (err == EMSGSIZE) {
+      return absl::InvalidArgumentError(
+          fmt::format("frame of {} bytes does not fit the channel's socket buffer", bytes.size()));
+    }
+    return ErrnoError("sendmsg", "pbox-init channel", err);
+  }
+}
+
+Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& request) {
+  if (request.argv.empty()) {
+    return absl::InvalidArgumentError("spawn: argv is empty");
+  }
+  size_t bytes = proto::ArgEnvBytes(request.argv, request.env);
+  if (bytes > kMaxSpawnBytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("spawn {}: argv and env take {} bytes, more than the {} allowed",
+                    request.argv[0], bytes, kMaxSpawnBytes));
+  }
+  proto::SpawnFrame frame;
+  frame.argv = request.argv;
+  frame.env = request.env;
+  frame.cwd = request.cwd;
+  std::vector<int> fds;
+  const int stdio[3] = {request.stdin_fd, request.stdout_fd, request.stderr_fd};
+  const uint32_t null_bits[3] = {proto::kStdinNull, proto::kStdoutNull, proto::kStderrNull};
+  for (int i = 0; i < 3; ++i) {
+    if (stdio[i] < 0) {
+      frame.flags |= null_bits[i];
+    } else {
+      fds.push_back(stdio[i]);
+    }
+  }
+  int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (efd < 0) {
+    return ErrnoError("eventfd", "");
+  }
+  PendingSpawn pending;
+  pending.done_fd.Reset(efd);
+  pending.program = request.argv[0];
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!alive_.load()) {
+      return ChannelClosed();
+    }
+    frame.id = next_id_++;
+    pending_[frame.id] = &pending;
+  }
+  auto forget = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.erase(frame.id);
+  };
+  std::string wire;
+  std::string error;
+  if (!proto::EncodeFrame(frame, &wire, &error)) {
+    forget();
+    return absl::InvalidArgumentError(fmt::format("spawn {}: {}", request.argv[0], error));
+  }
+  Status sent = SendFrame(wire, fds);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!sent.ok() && !pending.done) {
+    pending_.erase(frame.id);
+    return Annotate(sent, fmt::format("spawn {}", request.argv[0]));
+  }
+  pending.cv.wait(lock, [&] { return pending.done; });
+  return std::move(pending.result);
+}
+
+Status InitClient::Kill(uint64_t process_id, int signal, bool whole_tree) {
+  if (signal < 0 || signal > proto::kMaxSignal) {
+    return absl::InvalidArgumentError(fmt::format("kill: signal {} out of range", signal));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!alive_.load()) {
+      return ChannelClosed();
+    }
+    if (live_.count(process_id) == 0) {
+      return absl::NotFoundError(fmt::format("kill: process {} is not running", process_id));
+    }
+  }
+  std::string wire;
+  std::string error;
+  if (!proto::EncodeFrame(proto::KillFrame{process_id, signal, whole_tree}, &wire, &error)) {
+    return absl::InternalError(fmt::format("kill: {}", error));
+  }
+  return SendFrame(wire, {});
+}
+
+void InitClient::ReaderLoop() {
+  std::vector<char> buffer(proto::kMaxFrameBytes);
+  while (true) {
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
+    iovec iov = {buffer.data(), buffer.size()};
+    msghdr msg = {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t n = ::recvmsg(channel_.get(), &msg, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      spdlog::warn("pbox-init channel: recvmsg: {}", strerror(errno));
+      break;
+    }
+    size_t num_fds = 0;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; ++i) {
+          int fd;
+          memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          UniqueFd unwanted(fd);  // init never sends fds
+          ++num_fds;
+        }
+      }
+    }
+    if (n == 0 && num_fds == 0) {
+      break;
+    }
+    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
+      spdlog::warn("pbox-init channel: dropping an oversized frame");
+      continue;
+    }
+    proto::DecodeResult decoded =
+        proto::DecodeFrame(std::string_view(buffer.data(), static_cast<size_t>(n)), num_fds);
+    if (!decoded.frame.has_value()) {
+      spdlog::warn("pbox-init channel: bad frame: {}", decoded.error);
+      continue;
+    }
+    std::shared_ptr<ProcessHandle> to_complete;
+    Result<ProcessExit> exit = absl::UnknownError("");
+    std::unique_lock<std::mutex> lock(mu_);
+    auto finish_pending = [&](uint64_t id, Result<std::shared_ptr<ProcessHandle>> result) {
+      auto it = pending_.find(id);
+      PendingSpawn* p = it->second;
+      pending_.erase(it);
+      p->result = std::move(result);
+      p->done = true;
+      p->cv.notify_all();
+    };
+    if (auto* f = std::get_if<proto::SpawnedFrame>(&*decoded.frame)) {
+      auto it = pending_.find(f->id);
+      if (it == pending_.end()) {
+        spdlog::warn("pbox-init channel: Spawned for unknown id {}", f->id);
+        continue;
+      }
+      std::shared_ptr<ProcessHandle> handle(
+          new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
+      if (it->second->early_exit.has_value()) {
+        to_complete = handle;
+        exit = *it->second->early_exit;
+      } else {
+        live_[f->id] = handle;
+      }
+      finish_pending(f->id, handle);
+    } else if (auto* f = std::get_if<proto::SpawnFailedFrame>(&*decoded.frame)) {
+      auto it = pending_.find(f->id);
+      if (it == pending_.end()) {
+        spdlog::warn("pbox-init channel: SpawnFailed for unknown id {}", f->id);
+        continue;
+      }
+      if (f->stage == proto::SpawnStage::kExec) {
+        std::shared_ptr<ProcessHandle> handle(
+            new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
+        ProcessExit e;
+        e.exit_code = 127;
+        e.spawn_errno = f->err != 0 ? f->err : EIO;
+        e.error = f->message;
+        to_complete = handle;
+        exit = e;
+        finish_pending(f->id, handle);
+      } else {
+        finish_pending(
+            f->id, Status(ErrnoToCode(f->err) == absl::StatusCode::kOk ? absl::StatusCode::kInternal
+                                                                       : ErrnoToCode(f->err),
+                          fmt::format("pbox-init could not start {}: {}", it->second->program,
+                                      f->message)));
+      }
+    } else if (auto* f = std::get_if<proto::ExitedFrame>(&*decoded.frame)) {
+      ProcessExit e;
+      e.exit_code = f->signal != 0 ? -1 : f->exit_code;
+      e.signal = f->signal;
+      e.user_us = f->user_us;
+      e.system_us = f->system_us;
+      e.max_rss_kb = f->max_rss_kb;
+      if (auto it = live_.find(f->id); it != live_.end()) {
+        to_complete = std::move(it->second);
+        live_.erase(it);
+        exit = e;
+      } else if (auto pit = pending_.find(f->id); pit != pending_.end()) {
+        pit->second->early_exit = e;
+      } else {
+        spdlog::warn("pbox-init channel: Exited for unknown id {}", f->id);
+      }
+    } else if (auto* f = std::get_if<proto::ErrorFrame>(&*decoded.frame)) {
+      if (pending_.count(f->id) != 0) {
+        finish_pending(
+            f->id, absl::InternalError(fmt::format("pbox-init refused the spawn: {}", f->message)));
+      } else {
+        spdlog::warn("pbox-init reported an error for id {}: {}", f->id, f->message);
+      }
+    } else {
+      spdlog::warn("pbox-init channel: unexpected frame from init");
+    }
+    lock.unlock();
+    if (to_complete != nullptr) {
+      to_complete->Complete(std::move(exit));
+    }
+  }
+  ChannelDied();
+}
+
+void InitClient::ChannelDied() {
+  std::map<uint64_t, std::shared_ptr<ProcessHandle>> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    alive_.store(false);
+    for (auto& [id, p] : pending_) {
+      p->result = ChannelClosed();
+      p->done = true;
+      p->cv.notify_all();
+    }
+    pending_.clear();
+    live.swap(live_);
+  }
+  for (auto& [id, handle] : live) {
+    handle->Complete(ChannelClosed());
+  }
+}
+
+}  // namespace bragg::pbox

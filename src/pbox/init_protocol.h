@@ -1,0 +1,161 @@
+#pragma once
+
+// Wire format of the channel between the agent (InitClient) and pbox-init.
+//
+// Pure encode/decode functions: no I/O, no allocation larger than the frame being decoded, and
+// only the C++ standard library (pbox-init links this statically, and fuzzers can drive it).
+//
+// Transport: an AF_UNIX SOCK_SEQPACKET socketpair; one message carries exactly one frame.
+// Every integer is little-endian.
+//
+// Header (16 bytes):
+//   offset 0  u8[3]  magic "PBI"
+//   offset 3  u8     version (kVersion = 1)
+//   offset 4  u16    type (FrameType)
+//   offset 6  u16    reserved, must be 0
+//   offset 8  u64    id: the process id chosen by the agent (request id of Spawn/Kill; the
+//                    answers carry the id of the Spawn they answer)
+//
+// Field encodings used by the payloads:
+//   str      u32 length, then that many bytes (no NUL bytes allowed)
+//   strlist  u32 count, u32 byte length, then `count` NUL-terminated strings filling exactly
+//            that many bytes (so the strings can be handed to execve as they are)
+//
+// Payloads (nothing may follow the last field):
+//   agent -> init
+//     Spawn (1)        u32 flags, str cwd, strlist argv (count >= 1), strlist env.
+//                      flags bit 0/1/2: stdin/stdout/stderr is /dev/null (opened by init);
+//                      other bits must be 0. The message carries one SCM_RIGHTS fd for each
+//                      stream whose bit is clear, in the order stdin, stdout, stderr.
+//                      argv bytes + env bytes <= kMaxArgEnvBytes; cwd <= kMaxPathBytes.
+//     Kill (2)         i32 signal (0..kMaxSignal), u8 whole_tree (0 or 1).
+//   init -> agent
+//     Spawned (0x81)     i32 pid (> 0): the program was exec'd.
+//     SpawnFailed (0x82) u32 stage, i32 errno, i32 pid, str message (<= kMaxMessageBytes).
+//                        stage 1 (kSetup): no process was started (pid 0), e.g. fork failed.
+//                        stage 2 (kExec): the forked child could not chdir or exec; it exited
+//                        with 127 and has been (or will be) reaped by init.
+//     Exited (0x83)      i32 exit_code (-1 when killed), i32 signal (0 when exited),
+//                        i64 user_us, i64 system_us, i64 max_rss_kb (wait4 rusage).
+//     Error (0x84)       str message: a frame with this id was refused (malformed, duplicate
+//                        id, ...).
+//
+// Frames larger than kMaxFrameBytes are refused by both sides.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace bragg::pbox::init_protocol {
+
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kHeaderBytes = 16;
+// Sum of the strlist byte lengths of argv and env (each string counts its NUL).
+inline constexpr size_t kMaxArgEnvBytes = 256 * 1024;
+inline constexpr size_t kMaxPathBytes = 4096;
+inline constexpr size_t kMaxMessageBytes = 4096;
+inline constexpr int kMaxSignal = 64;
+// Largest frame either side sends or accepts: a Spawn at its limits.
+inline constexpr size_t kMaxFrameBytes =
+    kHeaderBytes + 4 + (4 + kMaxPathBytes) + 2 * 8 + kMaxArgEnvBytes;
+// Spawn carries at most this many fds; every other frame carries none.
+inline constexpr size_t kMaxFds = 3;
+
+enum class FrameType : uint16_t {
+  kSpawn = 1,
+  kKill = 2,
+  kSpawned = 0x81,
+  kSpawnFailed = 0x82,
+  kExited = 0x83,
+  kError = 0x84,
+};
+
+inline constexpr uint32_t kStdinNull = 1u << 0;
+inline constexpr uint32_t kStdoutNull = 1u << 1;
+inline constexpr uint32_t kStderrNull = 1u << 2;
+inline constexpr uint32_t kAllNullFlags = kStdinNull | kStdoutNull | kStderrNull;
+
+enum class SpawnStage : uint32_t {
+  kSetup = 1,
+  kExec = 2,
+};
+
+struct SpawnFrame {
+  uint64_t id = 0;
+  uint32_t flags = 0;  // k*Null bits
+  std::string cwd;
+  std::vector<std::string> argv;
+  std::vector<std::string> env;
+};
+
+struct KillFrame {
+  uint64_t id = 0;
+  int32_t signal = 0;
+  bool whole_tree = false;
+};
+
+struct SpawnedFrame {
+  uint64_t id = 0;
+  int32_t pid = 0;
+};
+
+struct SpawnFailedFrame {
+  uint64_t id = 0;
+  SpawnStage stage = SpawnStage::kSetup;
+  int32_t err = 0;
+  int32_t pid = 0;
+  std::string message;
+};
+
+struct ExitedFrame {
+  uint64_t id = 0;
+  int32_t exit_code = -1;
+  int32_t signal = 0;
+  int64_t user_us = 0;
+  int64_t system_us = 0;
+  int64_t max_rss_kb = 0;
+};
+
+struct ErrorFrame {
+  uint64_t id = 0;
+  std::string message;
+};
+
+using Frame =
+    std::variant<SpawnFrame, KillFrame, SpawnedFrame, SpawnFailedFrame, ExitedFrame, ErrorFrame>;
+
+// Number of fds a Spawn frame with `flags` must carry (one per stream that is not /dev/null).
+size_t SpawnFdCount(uint32_t flags);
+
+// Bytes that argv and env occupy on the wire (each string plus its NUL), compared against
+// kMaxArgEnvBytes.
+size_t ArgEnvBytes(const std::vector<std::string>& argv, const std::vector<std::string>& env);
+
+// Encodes `frame` into `*out` (replacing its contents). Returns false and sets `*error` when
+// the frame cannot be sent: a string holds a NUL byte, empty argv, limits exceeded, a signal
+// or stage out of range. Never throws except std::bad_alloc. Thread-compatible.
+[[nodiscard]] bool EncodeFrame(const Frame& frame, std::string* out, std::string* error);
+
+struct DecodeResult {
+  std::optional<Frame> frame;  // set on success
+  std::string error;           // set on failure
+  // The header's id when the header itself was readable (even if the payload was not), so
+  // that the receiver can answer with an Error frame.
+  std::optional<uint64_t> id;
+};
+
+// Decodes one frame of `bytes` that arrived with `num_fds` SCM_RIGHTS fds. Strict: wrong
+// magic/version/reserved bits, unknown types, truncated fields, lengths past the end, trailing
+// bytes, limits exceeded, and an fd count that does not match the frame all fail. Never
+// crashes on any input and never allocates more than bytes.size() plus small constants.
+// Thread-compatible.
+DecodeResult DecodeFrame(std::string_view bytes, size_t num_fds);
+
+// "Spawn", "Kill", ...; "unknown" for anything else.
+const char* FrameTypeName(FrameType type);
+
+}  // namespace bragg::pbox::init_protocol

@@ -1,0 +1,703 @@
+#include "pbox/init_server.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+namespace bragg::pbox {
+namespace {
+
+namespace proto = init_protocol;
+
+void Log(const char* format, ...) __attribute__((format(printf, 1, 2)));
+void Log(const char* format, ...) {
+  char line[1024];
+  va_list args;
+  va_start(args, format);
+  vsnprintf(line, sizeof(line), format, args);
+  va_end(args);
+  fprintf(stderr, "pbox-init: %s\n", line);
+}
+
+std::string ErrnoText(const char* call, const std::string& arg, int err) {
+  return std::string(call) + "(" + arg + "): " + strerror(err);
+}
+
+// Sent by the forked child through its CLOEXEC pipe when chdir or exec fails.
+struct ChildError {
+  int32_t err;
+  char message[512];
+};
+
+// Everything the forked child needs, prepared before fork so that the child only makes
+// async-signal-safe calls.
+struct ExecPlan {
+  std::vector<std::string> candidates;  // full paths to try, in PATH order
+  std::vector<char*> argv;
+  std::vector<char*> env;
+  std::vector<char*> sh_argv;  // {"/bin/sh", <candidate>, argv[1..]} for ENOEXEC scripts
+  std::string cwd;
+  std::string name;
+};
+
+ExecPlan MakePlan(proto::SpawnFrame& frame, const std::string& default_path) {
+  ExecPlan plan;
+  for (auto& s : frame.argv) {
+    plan.argv.push_back(s.data());
+  }
+  plan.argv.push_back(nullptr);
+  for (auto& s : frame.env) {
+    plan.env.push_back(s.data());
+  }
+  plan.env.push_back(nullptr);
+  plan.cwd = frame.cwd.empty() ? "/" : frame.cwd;
+  plan.name = frame.argv[0];
+  const std::string& file = frame.argv[0];
+  if (file.find('/') != std::string::npos) {
+    plan.candidates.push_back(file);
+  } else if (!file.empty()) {
+    std::string path = default_path;
+    for (const auto& kv : frame.env) {
+      if (kv.rfind("PATH=", 0) == 0) {
+        path = kv.substr(5);
+        break;  // getenv() semantics: the first one wins
+      }
+    }
+    size_t start = 0;
+    while (true) {
+      size_t end = path.find(':', start);
+      std::string dir = path.substr(start, end == std::string::npos ? end : end - start);
+      // POSIX: an empty PATH element means the current directory.
+      plan.candidates.push_back((dir.empty() ? std::string(".") : dir) + "/" + file);
+      if (end == std::string::npos) {
+        break;
+      }
+      start = end + 1;
+    }
+  }
+  plan.sh_argv.push_back(const_cast<char*>("/bin/sh"));
+  plan.sh_argv.push_back(nullptr);
+  for (size_t i = 1; i < frame.argv.size(); ++i) {
+    plan.sh_argv.push_back(frame.argv[i].data());
+  }
+  plan.sh_argv.push_back(nullptr);
+  return plan;
+}
+
+[[noreturn]] void ChildFail(int err_fd, int err, const char* call, const char* arg) {
+  ChildError e;
+  memset(&e, 0, sizeof(e));
+  e.err = err;
+  snprintf(e.message, sizeof(e.message), "%s(%s): %s", call, arg, strerror(err));
+  ssize_t unused = write(err_fd, &e, sizeof(e));
+  (void)unused;
+  _exit(127);
+}
+
+void CloseFrom(int first) {
+  if (syscall(SYS_close_range, first, ~0U, 0) == 0) {
+    return;
+  }
+  // Kernels without close_range (and gVisor versions without it).
+  long max = sysconf(_SC_OPEN_MAX);
+  if (max < 0 || max > 65536) {
+    max = 65536;
+  }
+  for (int fd = first; fd < max; ++fd) {
+    close(fd);
+  }
+}
+
+// Runs in the forked child; never returns.
+[[noreturn]] void ChildMain(ExecPlan& plan, const int stdio[3], int err_write) {
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof(dfl));
+  dfl.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig != SIGKILL && sig != SIGSTOP) {
+      sigaction(sig, &dfl, nullptr);
+    }
+  }
+  setsid();
+
+  // The stdio fds may themselves sit on 0-2 (or on each other's targets): move them all above
+  // the error pipe's final slot first, then dup2 into place.
+  int moved[3];
+  for (int i = 0; i < 3; ++i) {
+    moved[i] = fcntl(stdio[i], F_DUPFD_CLOEXEC, 10);
+    if (moved[i] < 0) {
+      ChildFail(err_write, errno, "fcntl", "F_DUPFD");
+    }
+  }
+  int err_moved = fcntl(err_write, F_DUPFD_CLOEXEC, 10);
+  if (err_moved < 0) {
+    ChildFail(err_write, errno, "fcntl", "F_DUPFD");
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (dup2(moved[i], i) < 0) {
+      ChildFail(err_moved, errno, "dup2", "stdio");
+    }
+  }
+  if (dup3(err_moved, 3, O_CLOEXEC) < 0) {
+    ChildFail(err_moved, errno, "dup3", "3");
+  }
+  const int err_fd = 3;
+  CloseFrom(4);
+
+  if (chdir(plan.cwd.c_str()) != 0) {
+    ChildFail(err_fd, errno, "chdir", plan.cwd.c_str());
+  }
+  int err = ENOENT;
+  bool saw_eacces = false;
+  for (auto& candidate : plan.candidates) {
+    execve(candidate.c_str(), plan.argv.data(), plan.env.data());
+    int e = errno;
+    if (e == ENOEXEC) {
+      // execvp's fallback for scripts without a #! line.
+      plan.sh_argv[1] = candidate.data();
+      execve("/bin/sh", plan.sh_argv.data(), plan.env.data());
+      err = e;
+      break;
+    }
+    if (e == EACCES) {
+      saw_eacces = true;
+      continue;
+    }
+    if (e == ENOENT || e == ENOTDIR || e == ESTALE || e == ENODEV || e == ETIMEDOUT) {
+      continue;
+    }
+    err = e;
+    saw_eacces = false;
+    break;
+  }
+  if (saw_eacces) {
+    err = EACCES;
+  }
+  ChildFail(err_fd, err, "execvp", plan.name.c_str());
+}
+
+bool ParseInt(const char* s, int* out) {
+  if (*s == '\0') {
+    return false;
+  }
+  char* end = nullptr;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno != 0 || *end != '\0' || v < 0 || v > 1 << 20) {
+    return false;
+  }
+  *out = static_cast<int>(v);
+  return true;
+}
+
+void SetBuffer(int fd, int force_opt, int opt, int bytes) {
+  if (setsockopt(fd, SOL_SOCKET, force_opt, &bytes, sizeof(bytes)) != 0) {
+    // Without CAP_NET_ADMIN the kernel caps this at net.core.[rw]mem_max (doubled), which
+    // still holds a frame of kMaxFrameBytes on default sysctls.
+    (void)setsockopt(fd, SOL_SOCKET, opt, &bytes, sizeof(bytes));
+  }
+}
+
+}  // namespace
+
+bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error) {
+  *channel_fd = 3;
+  for (int i = 1; i < argc; ++i) {
+    const char* arg = argv[i];
+    constexpr const char kFlag[] = "--channel-fd=";
+    if (strncmp(arg, kFlag, sizeof(kFlag) - 1) == 0) {
+      if (!ParseInt(arg + sizeof(kFlag) - 1, channel_fd)) {
+        *error = std::string("bad --channel-fd value: ") + arg;
+        return false;
+      }
+    } else {
+      *error = std::string("unknown flag: ") + arg + " (usage: pbox-init [--channel-fd=N])";
+      return false;
+    }
+  }
+  return true;
+}
+
+std::unique_ptr<InitServer> InitServer::Create(UniqueFd channel, InitServerOptions options,
+                                               std::string* error) {
+  struct stat st;
+  if (fstat(channel.get(), &st) != 0) {
+    *error = ErrnoText("fstat", "channel fd " + std::to_string(channel.get()), errno);
+    return nullptr;
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    *error = "channel fd " + std::to_string(channel.get()) + " is not a socket";
+    return nullptr;
+  }
+  int type = 0;
+  socklen_t len = sizeof(type);
+  if (getsockopt(channel.get(), SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_SEQPACKET) {
+    *error = "channel fd " + std::to_string(channel.get()) + " is not a SOCK_SEQPACKET socket";
+    return nullptr;
+  }
+  if (fcntl(channel.get(), F_SETFD, FD_CLOEXEC) != 0) {
+    *error = ErrnoText("fcntl", "F_SETFD", errno);
+    return nullptr;
+  }
+  SetBuffer(channel.get(), SO_SNDBUFFORCE, SO_SNDBUF, 2 * proto::kMaxFrameBytes);
+  SetBuffer(channel.get(), SO_RCVBUFFORCE, SO_RCVBUF, 2 * proto::kMaxFrameBytes);
+
+  // Received fds take the lowest free numbers; keep 0-2 occupied so they never land there.
+  for (int fd = 0; fd < 3; ++fd) {
+    if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      int null_fd = open("/dev/null", O_RDWR);
+      if (null_fd >= 0 && null_fd != fd) {
+        close(null_fd);
+      }
+    }
+  }
+
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGCHLD);
+  if (sigprocmask(SIG_BLOCK, &mask, nullptr) != 0) {
+    *error = ErrnoText("sigprocmask", "SIGCHLD", errno);
+    return nullptr;
+  }
+  int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) {
+    *error = ErrnoText("signalfd", "SIGCHLD", errno);
+    return nullptr;
+  }
+  UniqueFd signal_fd(sfd);
+  bool pid1 = getpid() == 1;
+  if (!pid1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0) {
+    *error = ErrnoText("prctl", "PR_SET_CHILD_SUBREAPER", errno);
+    return nullptr;
+  }
+  return std::unique_ptr<InitServer>(
+      new InitServer(std::move(channel), std::move(signal_fd), std::move(options), pid1));
+}
+
+InitServer::InitServer(UniqueFd channel, UniqueFd signal_fd, InitServerOptions options, bool pid1)
+    : channel_(std::move(channel)),
+      signal_fd_(std::move(signal_fd)),
+      options_(std::move(options)),
+      pid1_(pid1),
+      buffer_(proto::kMaxFrameBytes) {}
+
+InitServer::~InitServer() = default;
+
+int InitServer::Run() {
+  std::vector<pollfd> fds;
+  std::vector<uint64_t> pipe_ids;
+  while (!channel_closed_) {
+    fds.clear();
+    pipe_ids.clear();
+    fds.push_back({channel_.get(), POLLIN, 0});
+    fds.push_back({signal_fd_.get(), POLLIN, 0});
+    for (const auto& [id, child] : children_) {
+      if (child.err_pipe.valid()) {
+        fds.push_back({child.err_pipe.get(), POLLIN, 0});
+        pipe_ids.push_back(id);
+      }
+    }
+    int n = poll(fds.data(), fds.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      Log("poll: %s", strerror(errno));
+      channel_failed_ = true;
+      break;
+    }
+    if (fds[1].revents != 0) {
+      signalfd_siginfo info;
+      while (read(signal_fd_.get(), &info, sizeof(info)) == sizeof(info)) {
+      }
+      ReapChildren();
+    }
+    for (size_t i = 0; i < pipe_ids.size(); ++i) {
+      if (fds[i + 2].revents != 0) {
+        HandleErrorPipe(pipe_ids[i]);
+      }
+    }
+    if (fds[0].revents != 0) {
+      if (!ReadChannel()) {
+        break;
+      }
+    }
+  }
+  KillEverything();
+  return channel_failed_ ? 1 : 0;
+}
+
+bool InitServer::ReadChannel() {
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
+  iovec iov = {buffer_.data(), buffer_.size()};
+  msghdr msg = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n = recvmsg(channel_.get(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0) {
+    if (errno == EINTR || errno == EAGAIN) {
+      return true;
+    }
+    Log("recvmsg on the channel: %s; shutting down", strerror(errno));
+    channel_failed_ = true;
+    channel_closed_ = true;
+    return false;
+  }
+  std::vector<UniqueFd> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(fd);
+      }
+    }
+  }
+  if (n == 0 && fds.empty()) {
+    channel_closed_ = true;
+    return false;
+  }
+  if ((msg.msg_flags & MSG_TRUNC) != 0) {
+    Log("dropping a frame larger than %zu bytes", proto::kMaxFrameBytes);
+    return true;
+  }
+  if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+    Log("dropping a frame with more than %zu fds", proto::kMaxFds);
+    return true;
+  }
+  proto::DecodeResult decoded =
+      proto::DecodeFrame(std::string_view(buffer_.data(), static_cast<size_t>(n)), fds.size());
+  if (!decoded.frame.has_value()) {
+    Log("bad frame: %s", decoded.error.c_str());
+    if (decoded.id.has_value()) {
+      SendError(*decoded.id, "bad frame: " + decoded.error);
+    }
+    return !channel_closed_;
+  }
+  if (auto* spawn = std::get_if<proto::SpawnFrame>(&*decoded.frame)) {
+    HandleSpawn(std::move(*spawn), std::move(fds));
+  } else if (auto* kill_frame = std::get_if<proto::KillFrame>(&*decoded.frame)) {
+    HandleKill(*kill_frame);
+  } else {
+    const uint64_t id = std::visit([](const auto& f) { return f.id; }, *decoded.frame);
+    Log("unexpected frame for id %llu from the agent", static_cast<unsigned long long>(id));
+    SendError(id, "frame type not accepted by pbox-init");
+  }
+  return !channel_closed_;
+}
+
+void InitServer::HandleSpawn(proto::SpawnFrame frame, std::vector<UniqueFd> fds) {
+  const uint64_t id = frame.id;
+  if (children_.count(id) != 0) {
+    SendError(id, "duplicate process id " + std::to_string(id));
+    return;
+  }
+  auto fail_setup = [&](int err, std::string message) {
+    proto::SpawnFailedFrame f;
+    f.id = id;
+    f.stage = proto::SpawnStage::kSetup;
+    f.err = err;
+    f.message = std::move(message);
+    Send(f);
+  };
+  UniqueFd null_fd;
+  int stdio[3];
+  size_t next = 0;
+  const uint32_t null_bits[3] = {proto::kStdinNull, proto::kStdoutNull, proto::kStderrNull};
+  for (int i = 0; i < 3; ++i) {
+    if ((frame.flags & null_bits[i]) == 0) {
+      stdio[i] = fds[next++].get();
+      continue;
+    }
+    if (!null_fd.valid()) {
+      null_fd.Reset(open("/dev/null", O_RDWR | O_CLOEXEC));
+      if (!null_fd.valid()) {
+        fail_setup(errno, ErrnoText("open", "/dev/null", errno));
+        return;
+      }
+    }
+    stdio[i] = null_fd.get();
+  }
+  ExecPlan plan = MakePlan(frame, options_.default_path);
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
+    fail_setup(errno, ErrnoText("pipe2", "O_CLOEXEC", errno));
+    return;
+  }
+  UniqueFd err_read(pipe_fds[0]);
+  UniqueFd err_write(pipe_fds[1]);
+  pid_t pid = fork();
+  if (pid < 0) {
+    fail_setup(errno, ErrnoText("fork", plan.name, errno));
+    return;
+  }
+  if (pid == 0) {
+    ChildMain(plan, stdio, err_write.get());
+  }
+  err_write.Reset();
+  (void)fcntl(err_read.get(), F_SETFL, O_NONBLOCK);
+  Child child;
+  child.id = id;
+  child.pid = pid;
+  child.err_pipe = std::move(err_read);
+  children_.emplace(id, std::move(child));
+  ids_by_pid_[pid] = id;
+}
+
+void InitServer::HandleErrorPipe(uint64_t id) {
+  auto it = children_.find(id);
+  if (it == children_.end() || !it->second.err_pipe.valid()) {
+    return;
+  }
+  Child& child = it->second;
+  ChildError e;
+  memset(&e, 0, sizeof(e));
+  ssize_t n = read(child.err_pipe.get(), &e, sizeof(e));
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+    return;
+  }
+  child.err_pipe.Reset();
+  if (n <= 0) {
+    // EOF: the exec succeeded (the pipe was closed by CLOEXEC).
+    child.state = State::kRunning;
+    Send(proto::SpawnedFrame{id, child.pid});
+    if (child.early_exit.has_value()) {
+      Send(*child.early_exit);
+      Forget(id);
+    }
+    return;
+  }
+  proto::SpawnFailedFrame f;
+  f.id = id;
+  f.stage = proto::SpawnStage::kExec;
+  f.pid = child.pid;
+  if (static_cast<size_t>(n) >= sizeof(e.err)) {
+    f.err = e.err;
+    e.message[sizeof(e.message) - 1] = '\0';
+    f.message = e.message;
+  } else {
+    f.err = EIO;
+    f.message = "short error report from the forked child";
+  }
+  child.state = State::kFailed;
+  Send(f);
+  if (child.early_exit.has_value()) {
+    Forget(id);
+  }
+}
+
+void InitServer::HandleKill(const proto::KillFrame& frame) {
+  auto it = children_.find(frame.id);
+  if (it == children_.end() || it->second.state == State::kFailed) {
+    return;  // already exited: the Exited frame is on its way or was sent
+  }
+  const pid_t pid = it->second.pid;
+  if (kill(-pid, frame.signal) != 0 && errno != ESRCH) {
+    Log("kill(-%d, %d): %s", pid, frame.signal, strerror(errno));
+  }
+  if (frame.whole_tree) {
+    KillSession(pid, frame.signal);
+  }
+}
+
+void InitServer::ReapChildren() {
+  while (true) {
+    int status = 0;
+    rusage usage;
+    memset(&usage, 0, sizeof(usage));
+    pid_t pid = wait4(-1, &status, WNOHANG, &usage);
+    if (pid <= 0) {
+      return;
+    }
+    auto pit = ids_by_pid_.find(pid);
+    if (pit == ids_by_pid_.end()) {
+      continue;  // an orphan that was reparented to us
+    }
+    const uint64_t id = pit->second;
+    auto it = children_.find(id);
+    if (it == children_.end()) {
+      ids_by_pid_.erase(pit);
+      continue;
+    }
+    proto::ExitedFrame f;
+    f.id = id;
+    if (WIFEXITED(status)) {
+      f.exit_code = WEXITSTATUS(status);
+    } else if (WIFSIGNALED(status)) {
+      f.signal = WTERMSIG(status);
+    }
+    f.user_us = static_cast<int64_t>(usage.ru_utime.tv_sec) * 1000000 + usage.ru_utime.tv_usec;
+    f.system_us = static_cast<int64_t>(usage.ru_stime.tv_sec) * 1000000 + usage.ru_stime.tv_usec;
+    f.max_rss_kb = usage.ru_maxrss;
+    Child& child = it->second;
+    switch (child.state) {
+      case State::kStarting:
+        // The error pipe has not been read yet; report once we know whether exec worked.
+        child.early_exit = f;
+        break;
+      case State::kRunning:
+        Send(f);
+        Forget(id);
+        break;
+      case State::kFailed:
+        Forget(id);
+        break;
+    }
+  }
+}
+
+void InitServer::Forget(uint64_t id) {
+  auto it = children_.find(id);
+  if (it == children_.end()) {
+    return;
+  }
+  ids_by_pid_.erase(it->second.pid);
+  children_.erase(it);
+}
+
+void InitServer::Send(const proto::Frame& frame) {
+  if (channel_closed_) {
+    return;
+  }
+  std::string bytes;
+  std::string error;
+  if (!proto::EncodeFrame(frame, &bytes, &error)) {
+    Log("cannot encode a reply: %s", error.c_str());
+    return;
+  }
+  while (true) {
+    ssize_t n = send(channel_.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    if (n >= 0) {
+      return;
+    }
+    if (errno == EINTR) {
+      continue;
+    }
+    Log("send on the channel: %s; shutting down", strerror(errno));
+    channel_failed_ = true;
+    channel_closed_ = true;
+    return;
+  }
+}
+
+void InitServer::SendError(uint64_t id, const std::string& message) {
+  proto::ErrorFrame f;
+  f.id = id;
+  f.message = message.substr(0, proto::kMaxMessageBytes);
+  for (char& c : f.message) {
+    if (c == '\0') {
+      c = '?';
+    }
+  }
+  Send(f);
+}
+
+std::vector<pid_t> InitServer::ScanProc(int field, pid_t value) const {
+  std::vector<pid_t> out;
+  DIR* dir = opendir(options_.proc_root.c_str());
+  if (dir == nullptr) {
+    Log("opendir(%s): %s", options_.proc_root.c_str(), strerror(errno));
+    return out;
+  }
+  const pid_t self = getpid();
+  while (dirent* entry = readdir(dir)) {
+    int pid = 0;
+    if (!ParseInt(entry->d_name, &pid) || pid <= 0 || pid == self) {
+      continue;
+    }
+    std::string path = options_.proc_root + "/" + entry->d_name + "/stat";
+    UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) {
+      continue;  // exited meanwhile
+    }
+    char buf[1024];
+    ssize_t n = read(fd.get(), buf, sizeof(buf) - 1);
+    if (n <= 0) {
+      continue;
+    }
+    buf[n] = '\0';
+    // "pid (comm) state ppid pgrp session ...": comm may contain spaces and parentheses, so
+    // parse from the last ')'.
+    char* p = strrchr(buf, ')');
+    if (p == nullptr) {
+      continue;
+    }
+    ++p;
+    int index = 2;  // field 2 is comm; the next tokens are fields 3, 4, ...
+    char* save = nullptr;
+    for (char* tok = strtok_r(p, " ", &save); tok != nullptr; tok = strtok_r(nullptr, " ", &save)) {
+      ++index;
+      if (index == field) {
+        if (atoi(tok) == value) {
+          out.push_back(pid);
+        }
+        break;
+      }
+    }
+  }
+  closedir(dir);
+  return out;
+}
+
+void InitServer::KillSession(pid_t sid, int signal) {
+  for (pid_t pid : ScanProc(6, sid)) {
+    if (kill(pid, signal) != 0 && errno != ESRCH) {
+      Log("kill(%d, %d): %s", pid, signal, strerror(errno));
+    }
+  }
+}
+
+void InitServer::KillEverything() {
+  if (pid1_) {
+    // PID 1 of the sandbox's pid namespace: this reaches every other process in it, and our
+    // exit makes the kernel kill whatever is left.
+    (void)kill(-1, SIGKILL);
+    return;
+  }
+  for (const auto& [id, child] : children_) {
+    (void)kill(-child.pid, SIGKILL);
+    KillSession(child.pid, SIGKILL);
+  }
+  // As a subreaper every descendant (even one that left the session) is reparented to us
+  // once its parent dies, so killing our children until none are left covers them all.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::vector<pid_t> children = ScanProc(4, getpid());
+    for (pid_t pid : children) {
+      (void)kill(pid, SIGKILL);
+    }
+    while (waitpid(-1, nullptr, WNOHANG) > 0) {
+    }
+    if (children.empty() && waitpid(-1, nullptr, WNOHANG) < 0 && errno == ECHILD) {
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  Log("some processes survived shutdown");
+}
+
+}  // namespace bragg::pbox

@@ -1,0 +1,96 @@
+#pragma once
+
+// pbox-init's event loop: PID 1 of a native sandbox. It runs commands for the agent over the
+// channel described in init_protocol.h, reaps every process of the sandbox, and kills them all
+// when the channel closes.
+//
+// This file is linked into a static binary that runs inside the sandbox, so it uses only the
+// C++ standard library, libc and header-only Bragg types (no absl, spdlog or fmt); errors are
+// returned as strings and logged to stderr.
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "pbox/init_protocol.h"
+
+namespace bragg::pbox {
+
+struct InitServerOptions {
+  // Where to scan for processes (Kill with whole_tree, shutdown). Tests may point it elsewhere.
+  std::string proc_root = "/proc";
+  // Used when a Spawn's env has no PATH.
+  std::string default_path = "/usr/local/bin:/usr/bin:/bin";
+};
+
+// Single-threaded: one Run() per object, on the thread that created it. Not copyable.
+class InitServer {
+ public:
+  // Takes ownership of `channel` (the init end of the SOCK_SEQPACKET socketpair). Blocks
+  // SIGCHLD into a signalfd, ignores SIGPIPE, makes the process a child subreaper when it is
+  // not PID 1, and makes sure fds 0-2 are open. Returns nullptr and sets `*error` when one of
+  // those fails (not a socket, signalfd or prctl refused).
+  static std::unique_ptr<InitServer> Create(UniqueFd channel, InitServerOptions options,
+                                            std::string* error);
+  ~InitServer();
+  InitServer(const InitServer&) = delete;
+  InitServer& operator=(const InitServer&) = delete;
+
+  // Serves the channel until it reads EOF or fails, then SIGKILLs every process it can (all of
+  // the pid namespace when it is PID 1; otherwise every descendant, which reach it as a
+  // subreaper) and returns the exit code for main(): 0 after a clean EOF, 1 after a channel
+  // error. Malformed frames are logged to stderr and answered with an Error frame when their
+  // id is readable; they never stop the loop.
+  //
+  // Kill with whole_tree signals the process group and every process whose session id is the
+  // spawned pid. A descendant that called setsid() itself starts a new session and escapes
+  // it (it is still killed when the channel closes).
+  int Run();
+
+ private:
+  enum class State { kStarting, kRunning, kFailed };
+  struct Child {
+    uint64_t id = 0;
+    pid_t pid = 0;
+    State state = State::kStarting;
+    UniqueFd err_pipe;  // read end of the child's CLOEXEC error pipe while kStarting
+    std::optional<init_protocol::ExitedFrame> early_exit;  // reaped while still kStarting
+  };
+
+  InitServer(UniqueFd channel, UniqueFd signal_fd, InitServerOptions options, bool pid1);
+
+  // Returns false when the channel is gone (EOF or error).
+  bool ReadChannel();
+  void HandleSpawn(init_protocol::SpawnFrame frame, std::vector<UniqueFd> fds);
+  void HandleKill(const init_protocol::KillFrame& frame);
+  void HandleErrorPipe(uint64_t id);
+  void ReapChildren();
+  void Send(const init_protocol::Frame& frame);
+  void SendError(uint64_t id, const std::string& message);
+  void Forget(uint64_t id);
+  // Pids from proc_root whose stat field `field` (5: pgrp, 6: session, 4: ppid) equals `value`.
+  std::vector<pid_t> ScanProc(int field, pid_t value) const;
+  void KillSession(pid_t sid, int signal);
+  void KillEverything();
+
+  UniqueFd channel_;
+  UniqueFd signal_fd_;
+  InitServerOptions options_;
+  const bool pid1_;
+  bool channel_failed_ = false;
+  bool channel_closed_ = false;
+  std::vector<char> buffer_;
+  std::map<uint64_t, Child> children_;
+  std::map<pid_t, uint64_t> ids_by_pid_;
+};
+
+// Parses argv ("--channel-fd=N"; default 3). Returns false and sets `*error` on bad flags.
+bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error);
+
+}  // namespace bragg::pbox

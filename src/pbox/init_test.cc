@@ -1,0 +1,768 @@
+// Drives the real static pbox-init binary over a socketpair through InitClient.
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/fs.h"
+#include "common/process.h"
+#include "fmt/format.h"
+#include "pbox/init_client.h"
+#include "pbox/init_protocol.h"
+
+namespace bragg::pbox {
+namespace {
+
+using std::chrono::milliseconds;
+namespace proto = init_protocol;
+
+constexpr const char kInitPath[] = PBOX_INIT_PATH;
+
+struct RunningInit {
+  ChildProcess process;  // pbox-init (or, in a new pid namespace, the parent that waits for it)
+  UniqueFd channel;      // the agent's end
+};
+
+// Starts pbox-init with its end of a fresh socketpair at fd 3. With `new_pid_ns`, an
+// intermediate child unshares a pid namespace so that pbox-init runs as its PID 1.
+Result<RunningInit> StartInit(bool new_pid_ns = false) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    return ErrnoError("socketpair", "");
+  }
+  UniqueFd agent(sv[0]);
+  UniqueFd init_end(sv[1]);
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    return ErrnoError("fork", "");
+  }
+  if (pid == 0) {
+    if (::dup2(init_end.get(), 3) < 0) {
+      _exit(120);
+    }
+    if (new_pid_ns) {
+      if (::unshare(CLONE_NEWPID) != 0) {
+        _exit(121);
+      }
+      pid_t init = ::fork();
+      if (init < 0) {
+        _exit(122);
+      }
+      if (init > 0) {
+        ::close(3);
+        int status = 0;
+        while (::waitpid(init, &status, 0) < 0 && errno == EINTR) {
+        }
+        _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+      }
+    }
+    ::execl(kInitPath, "pbox-init", "--channel-fd=3", nullptr);
+    _exit(127);
+  }
+  BRAGG_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Adopt(pid));
+  return RunningInit{std::move(child), std::move(agent)};
+}
+
+bool ProcessGone(pid_t pid) {
+  std::string stat;
+  auto s = ReadFileToString(fmt::format("/proc/{}/stat", pid));
+  if (!s.ok()) {
+    return true;
+  }
+  auto close = s->rfind(')');
+  return close != std::string::npos && s->size() > close + 2 && (*s)[close + 2] == 'Z';
+}
+
+bool WaitGone(pid_t pid, milliseconds within) {
+  auto deadline = std::chrono::steady_clock::now() + within;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (ProcessGone(pid)) {
+      return true;
+    }
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return ProcessGone(pid);
+}
+
+// Field `field` (1-based, as in proc(5)) of /proc/PID/stat; -1 when unreadable.
+long StatField(pid_t pid, int field) {
+  auto s = ReadFileToString(fmt::format("/proc/{}/stat", pid));
+  if (!s.ok()) {
+    return -1;
+  }
+  std::istringstream in(s->substr(s->rfind(')') + 2));
+  std::string token;
+  for (int i = 3; in >> token; ++i) {
+    if (i == field) {
+      return field == 3 ? token[0] : std::stol(token);
+    }
+  }
+  return -1;
+}
+
+// Reads `fd` until EOF; false if it did not reach EOF within `within`.
+bool ReadToEof(int fd, std::string* out, milliseconds within = milliseconds(10000)) {
+  auto deadline = std::chrono::steady_clock::now() + within;
+  char buf[4096];
+  while (true) {
+    auto left =
+        std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      return false;
+    }
+    pollfd p = {fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (r < 0 && errno == EINTR) {
+      continue;
+    }
+    if (r <= 0) {
+      return false;
+    }
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      return n == 0;
+    }
+    out->append(buf, static_cast<size_t>(n));
+  }
+}
+
+// Reads one line (without the newline) from `fd`.
+std::string ReadLine(int fd) {
+  std::string line;
+  char c;
+  while (::read(fd, &c, 1) == 1 && c != '\n') {
+    line.push_back(c);
+  }
+  return line;
+}
+
+struct Captured {
+  ProcessExit exit;
+  std::string out;
+  std::string err;
+};
+
+class InitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto init = StartInit();
+    ASSERT_TRUE(init.ok()) << init.status();
+    init_ = std::move(init->process);
+    auto client = InitClient::Create(std::move(init->channel));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    auto dir = TempDir::Create("/tmp", "pbox-init-test-");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = std::move(*dir);
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (init_.running()) {
+      auto exit = init_.Wait(milliseconds(10000));
+      ASSERT_TRUE(exit.ok()) << exit.status();
+      if (expect_clean_init_exit_) {
+        EXPECT_EQ(exit->signal, 0);
+        EXPECT_EQ(exit->exit_code, 0);
+      }
+    }
+  }
+
+  // Runs argv with pipes on stdin/stdout/stderr and collects the output.
+  Captured Run(std::vector<std::string> argv, std::vector<std::string> env = {},
+               std::string cwd = "", std::string input = "") {
+    Captured c;
+    auto in = MakePipe();
+    auto out = MakePipe();
+    auto err = MakePipe();
+    EXPECT_TRUE(in.ok() && out.ok() && err.ok());
+    SpawnRequest req;
+    req.argv = std::move(argv);
+    req.env = std::move(env);
+    req.cwd = std::move(cwd);
+    req.stdin_fd = in->read.get();
+    req.stdout_fd = out->write.get();
+    req.stderr_fd = err->write.get();
+    auto handle = client_->Spawn(req);
+    EXPECT_TRUE(handle.ok()) << handle.status();
+    if (!handle.ok()) {
+      return c;
+    }
+    in->read.Reset();
+    out->write.Reset();
+    err->write.Reset();
+    EXPECT_TRUE(WriteAll(in->write.get(), input).ok());
+    in->write.Reset();
+    EXPECT_TRUE(ReadToEof(out->read.get(), &c.out));
+    EXPECT_TRUE(ReadToEof(err->read.get(), &c.err));
+    auto exit = (*handle)->Wait(milliseconds(30000));
+    EXPECT_TRUE(exit.ok()) << exit.status();
+    if (exit.ok()) {
+      c.exit = *exit;
+    }
+    return c;
+  }
+
+  std::shared_ptr<ProcessHandle> SpawnOk(std::vector<std::string> argv, int stdout_fd = -1) {
+    SpawnRequest req;
+    req.argv = std::move(argv);
+    req.stdout_fd = stdout_fd;
+    auto handle = client_->Spawn(req);
+    EXPECT_TRUE(handle.ok()) << handle.status();
+    return handle.ok() ? *handle : nullptr;
+  }
+
+  std::string WriteScript(const std::string& name, const std::string& body, mode_t mode) {
+    std::string path = dir_.path() + "/" + name;
+    EXPECT_TRUE(WriteStringToFile(path, body).ok());
+    EXPECT_EQ(::chmod(path.c_str(), mode), 0);
+    return path;
+  }
+
+  ChildProcess init_;
+  std::unique_ptr<InitClient> client_;
+  TempDir dir_;
+  bool expect_clean_init_exit_ = true;
+};
+
+TEST_F(InitTest, ReportsExitCodes) {
+  EXPECT_EQ(Run({"true"}).exit.exit_code, 0);
+  Captured c = Run({"sh", "-c", "exit 3"});
+  EXPECT_EQ(c.exit.exit_code, 3);
+  EXPECT_EQ(c.exit.signal, 0);
+  EXPECT_EQ(c.exit.spawn_errno, 0);
+  EXPECT_EQ(Run({"sh", "-c", "exit 255"}).exit.exit_code, 255);
+}
+
+TEST_F(InitTest, StdoutAndStderrGoThroughPipes) {
+  Captured c = Run({"sh", "-c", "echo out; echo err >&2; echo more"});
+  EXPECT_EQ(c.out, "out\nmore\n");
+  EXPECT_EQ(c.err, "err\n");
+  EXPECT_EQ(c.exit.exit_code, 0);
+}
+
+TEST_F(InitTest, StdinComesFromThePipe) {
+  std::string input;
+  for (int i = 0; i < 10000; ++i) {
+    input += fmt::format("line {}\n", i);
+  }
+  Captured c = Run({"cat"}, {}, "", input);
+  EXPECT_EQ(c.out, input);
+  EXPECT_EQ(c.exit.exit_code, 0);
+}
+
+TEST_F(InitTest, MinusOneMeansDevNull) {
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  // stdin is /dev/null, so cat sees EOF at once; stderr is /dev/null as well.
+  auto h = SpawnOk({"sh", "-c", "cat; echo done; echo hidden >&2"}, out->write.get());
+  ASSERT_NE(h, nullptr);
+  out->write.Reset();
+  std::string text;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &text));
+  EXPECT_EQ(text, "done\n");
+  auto exit = h->Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+TEST_F(InitTest, EnvIsExactlyWhatWasGiven) {
+  // No PATH in env: the default PATH finds `env`.
+  Captured c = Run({"env"}, {"A=1", "B=two words"});
+  EXPECT_EQ(c.out, "A=1\nB=two words\n");
+  EXPECT_EQ(c.exit.exit_code, 0);
+}
+
+TEST_F(InitTest, CwdIsHonoured) {
+  Captured c = Run({"sh", "-c", "pwd; echo $FOO"}, {"FOO=bar"}, dir_.path());
+  EXPECT_EQ(c.out, dir_.path() + "\nbar\n");
+  EXPECT_EQ(Run({"pwd"}).out, "/\n");  // "" means "/"
+}
+
+TEST_F(InitTest, LooksUpArgv0InThePathFromEnv) {
+  ASSERT_TRUE(MakeDirs(dir_.path() + "/bin").ok());
+  ASSERT_TRUE(MakeDirs(dir_.path() + "/noexec").ok());
+  WriteScript("bin/mytool", "#!/bin/sh\necho mytool \"$@\"\n", 0755);
+  WriteScript("noexec/mytool", "#!/bin/sh\necho wrong\n", 0644);
+  // A non-executable match is skipped in favour of a later executable one.
+  Captured c = Run({"mytool", "x"}, {"PATH=" + dir_.path() + "/noexec:" + dir_.path() + "/bin"});
+  EXPECT_EQ(c.out, "mytool x\n");
+  EXPECT_EQ(c.exit.exit_code, 0);
+  EXPECT_EQ(c.exit.spawn_errno, 0);
+
+  // Only a non-executable match: EACCES, like execvp.
+  Captured denied = Run({"mytool"}, {"PATH=" + dir_.path() + "/noexec"});
+  EXPECT_EQ(denied.exit.spawn_errno, EACCES);
+  EXPECT_EQ(denied.exit.exit_code, 127);
+
+  // Not on this PATH at all.
+  Captured missing = Run({"mytool"}, {"PATH=/usr/bin:/bin"});
+  EXPECT_EQ(missing.exit.spawn_errno, ENOENT);
+
+  // A script without #! runs under /bin/sh, as with execvp.
+  WriteScript("bin/plain", "echo plain script\n", 0755);
+  EXPECT_EQ(Run({"plain"}, {"PATH=" + dir_.path() + "/bin"}).out, "plain script\n");
+}
+
+TEST_F(InitTest, MissingProgramYieldsEnoentAnd127) {
+  for (const std::string program : {"/nonexistent/program", "no-such-program-pbox"}) {
+    SpawnRequest req;
+    req.argv = {program, "arg"};
+    auto handle = client_->Spawn(req);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    auto exit = (*handle)->Wait(milliseconds(10000));
+    ASSERT_TRUE(exit.ok()) << exit.status();
+    EXPECT_EQ(exit->spawn_errno, ENOENT);
+    EXPECT_EQ(exit->exit_code, 127);
+    EXPECT_EQ(exit->signal, 0);
+    EXPECT_NE(exit->error.find("execvp(" + program + ")"), std::string::npos) << exit->error;
+    EXPECT_NE(exit->error.find("No such file"), std::string::npos) << exit->error;
+    EXPECT_TRUE((*handle)->done());
+  }
+  // Directories are not programs.
+  SpawnRequest req;
+  req.argv = {"/tmp"};
+  auto handle = client_->Spawn(req);
+  ASSERT_TRUE(handle.ok());
+  EXPECT_EQ((*handle)->Wait()->spawn_errno, EACCES);
+}
+
+TEST_F(InitTest, BadCwdIsReportedLikeAnExecFailure) {
+  Captured c = Run({"true"}, {}, "/nonexistent-cwd");
+  EXPECT_EQ(c.exit.spawn_errno, ENOENT);
+  EXPECT_EQ(c.exit.exit_code, 127);
+  EXPECT_NE(c.exit.error.find("chdir(/nonexistent-cwd)"), std::string::npos) << c.exit.error;
+  std::string file = WriteScript("file", "x", 0644);
+  EXPECT_EQ(Run({"true"}, {}, file).exit.spawn_errno, ENOTDIR);
+}
+
+TEST_F(InitTest, DeathBySignalIsReported) {
+  Captured c = Run({"sh", "-c", "kill -TERM $$"});
+  EXPECT_EQ(c.exit.signal, SIGTERM);
+  EXPECT_EQ(c.exit.exit_code, -1);
+  EXPECT_EQ(Run({"sh", "-c", "kill -KILL $$"}).exit.signal, SIGKILL);
+}
+
+TEST_F(InitTest, SignalsAreNotInheritedBlockedOrIgnored) {
+  // init ignores SIGPIPE and blocks SIGCHLD; the command must see defaults.
+  Captured c = Run({"sh", "-c", "grep -E '^(SigBlk|SigIgn)' /proc/self/status"});
+  EXPECT_NE(c.out.find("SigBlk:\t0000000000000000"), std::string::npos) << c.out;
+  EXPECT_NE(c.out.find("SigIgn:\t0000000000000000"), std::string::npos) << c.out;
+}
+
+TEST_F(InitTest, CommandLeadsItsOwnSessionWithNoStrayFds) {
+  Captured c = Run({"sh", "-c", "ls /proc/self/fd"});
+  // 0, 1, 2 and the fd ls opens for the directory; nothing of init's.
+  EXPECT_EQ(c.out, "0\n1\n2\n3\n") << c.out;
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  auto h = SpawnOk({"sh", "-c", "echo $$; exec sleep 100"}, out->write.get());
+  ASSERT_NE(h, nullptr);
+  out->write.Reset();
+  EXPECT_EQ(std::stoi(ReadLine(out->read.get())), h->pid());
+  EXPECT_EQ(StatField(h->pid(), 5), h->pid());  // pgrp
+  EXPECT_EQ(StatField(h->pid(), 6), h->pid());  // session
+  ASSERT_TRUE(client_->Kill(h->id(), SIGKILL, false).ok());
+  EXPECT_EQ(h->Wait(milliseconds(10000))->signal, SIGKILL);
+}
+
+TEST_F(InitTest, KillSignalsTheProcessGroup) {
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  auto h = SpawnOk({"sh", "-c", "sleep 100 & echo $!; wait"}, out->write.get());
+  ASSERT_NE(h, nullptr);
+  out->write.Reset();
+  pid_t background = std::stoi(ReadLine(out->read.get()));
+  EXPECT_FALSE(h->Wait(milliseconds(100)).ok());  // still running
+  ASSERT_TRUE(client_->Kill(h->id(), SIGTERM, false).ok());
+  auto exit = h->Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->signal, SIGTERM);
+  EXPECT_TRUE(WaitGone(background, milliseconds(5000)));
+  // The process is gone: killing it again is NotFound, not an error on the wire.
+  EXPECT_EQ(client_->Kill(h->id(), SIGTERM, false).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(InitTest, KillWholeTreeReachesAProcessThatLeftTheGroup) {
+  const std::string script = R"(perl -e '$|=1; setpgrp(0,0); print "$$\n"; sleep 100' & wait)";
+  auto out_a = MakePipe();
+  auto out_b = MakePipe();
+  ASSERT_TRUE(out_a.ok() && out_b.ok());
+  auto a = SpawnOk({"sh", "-c", script}, out_a->write.get());
+  auto b = SpawnOk({"sh", "-c", script}, out_b->write.get());
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  out_a->write.Reset();
+  out_b->write.Reset();
+  pid_t perl_a = std::stoi(ReadLine(out_a->read.get()));
+  pid_t perl_b = std::stoi(ReadLine(out_b->read.get()));
+  ASSERT_EQ(StatField(perl_b, 5), perl_b);    // its own process group
+  ASSERT_EQ(StatField(perl_b, 6), b->pid());  // still in the command's session
+
+  // Group kill only: the shell dies, the perl in its own group survives.
+  ASSERT_TRUE(client_->Kill(a->id(), SIGKILL, false).ok());
+  EXPECT_EQ(a->Wait(milliseconds(10000))->signal, SIGKILL);
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_FALSE(ProcessGone(perl_a));
+
+  // Whole tree: both go.
+  ASSERT_TRUE(client_->Kill(b->id(), SIGKILL, true).ok());
+  EXPECT_EQ(b->Wait(milliseconds(10000))->signal, SIGKILL);
+  EXPECT_TRUE(WaitGone(perl_b, milliseconds(5000)));
+
+  // Closing the channel takes the survivor with it.
+  client_.reset();
+  EXPECT_TRUE(WaitGone(perl_a, milliseconds(5000)));
+}
+
+TEST_F(InitTest, ReportsRusage) {
+  Captured busy = Run({"perl", "-e", "my $x = 0; $x += $_ for 1..5000000; print $x > 0"});
+  EXPECT_EQ(busy.out, "1");
+  EXPECT_GT(busy.exit.user_us, 0);
+  EXPECT_GT(busy.exit.user_us + busy.exit.system_us, 10000);  // well over 10 ms of CPU
+
+  // A 60 MiB string is written byte by byte, so every page is touched.
+  Captured big = Run({"perl", "-e", "my $s = 'a' x (60 * 1024 * 1024); print length($s)"});
+  EXPECT_EQ(big.out, std::to_string(60 * 1024 * 1024));
+  EXPECT_GE(big.exit.max_rss_kb, 50 * 1024);
+  EXPECT_LT(Run({"true"}).exit.max_rss_kb, 50 * 1024);
+}
+
+TEST_F(InitTest, ManyConcurrentSpawnsAllComplete) {
+  constexpr int kThreads = 8;
+  constexpr int kPerThread = 25;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<std::pair<int, std::shared_ptr<ProcessHandle>>> handles;
+      for (int i = 0; i < kPerThread; ++i) {
+        int code = (t * kPerThread + i) % 200;
+        SpawnRequest req;
+        req.argv = {"sh", "-c", fmt::format("exit {}", code)};
+        auto h = client_->Spawn(req);
+        if (h.ok()) {
+          handles.emplace_back(code, *h);
+        } else {
+          ADD_FAILURE() << h.status();
+        }
+      }
+      for (auto& [code, h] : handles) {
+        auto exit = h->Wait(milliseconds(60000));
+        if (exit.ok() && exit->exit_code == code) {
+          ok.fetch_add(1);
+        } else {
+          ADD_FAILURE() << "process " << h->id() << ": "
+                        << (exit.ok() ? std::to_string(exit->exit_code) : exit.status().ToString());
+        }
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  EXPECT_EQ(ok.load(), kThreads * kPerThread);
+}
+
+TEST_F(InitTest, DoneFdBecomesReadableAndWaitTimesOut) {
+  auto h = SpawnOk({"sleep", "0.3"});
+  ASSERT_NE(h, nullptr);
+  EXPECT_GT(h->pid(), 0);
+  EXPECT_FALSE(h->done());
+  auto early = h->Wait(milliseconds(10));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded);
+  pollfd p = {h->done_fd(), POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 0), 0);
+  EXPECT_EQ(::poll(&p, 1, 10000), 1);
+  EXPECT_TRUE(h->done());
+  EXPECT_EQ(h->Wait()->exit_code, 0);
+  EXPECT_EQ(h->Wait()->exit_code, 0);  // repeatable
+}
+
+TEST_F(InitTest, OrphansAreReaped) {
+  // Five grandchildren are orphaned at once; init (a subreaper here) must reap them.
+  Captured c = Run({"sh", "-c", "for i in 1 2 3 4 5; do (sleep 0.2 &); done; exit 0"});
+  EXPECT_EQ(c.exit.exit_code, 0);
+  auto zombies_or_children = [&] {
+    int n = 0;
+    for (const auto& dir : std::filesystem::directory_iterator("/proc")) {
+      std::string name = dir.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) {
+        continue;
+      }
+      pid_t pid = std::stoi(name);
+      if (StatField(pid, 4) == init_.pid()) {
+        ++n;
+      }
+    }
+    return n;
+  };
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (zombies_or_children() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_EQ(zombies_or_children(), 0);
+}
+
+TEST_F(InitTest, ClosingTheChannelKillsEverything) {
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  // `setsid` escapes the session; the subreaper shutdown must still find it.
+  auto h = SpawnOk({"sh", "-c", "setsid sleep 1000 & echo $$; sleep 1000"}, out->write.get());
+  ASSERT_NE(h, nullptr);
+  out->write.Reset();
+  EXPECT_EQ(std::stoi(ReadLine(out->read.get())), h->pid());
+  auto start = std::chrono::steady_clock::now();
+  client_.reset();
+  // EOF on the pipe means every holder of its write end (sh and both sleeps) is dead.
+  std::string rest;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(1000)));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  EXPECT_TRUE(WaitGone(h->pid(), milliseconds(1000)));
+  auto exit = h->Wait(milliseconds(1000));
+  EXPECT_EQ(exit.status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(InitTest, RefusesBadRequestsWithoutSending) {
+  SpawnRequest big;
+  big.argv = {"echo", std::string(InitClient::kMaxSpawnBytes, 'x')};
+  auto r = client_->Spawn(big);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("allowed"), std::string::npos);
+
+  SpawnRequest big_env;
+  big_env.argv = {"true"};
+  big_env.env.assign(20000, std::string(20, 'e'));
+  EXPECT_EQ(client_->Spawn(big_env).status().code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(client_->Spawn(SpawnRequest{}).status().code(), absl::StatusCode::kInvalidArgument);
+  SpawnRequest nul;
+  nul.argv = {std::string("a\0b", 3)};
+  EXPECT_EQ(client_->Spawn(nul).status().code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(client_->Kill(12345, SIGKILL, true).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Kill(1, 99, true).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->Kill(1, -1, true).code(), absl::StatusCode::kInvalidArgument);
+
+  // The channel is still fine, and a near-limit argv goes through.
+  EXPECT_TRUE(client_->alive());
+  SpawnRequest near;
+  // (Linux refuses a single string over 128 KiB, so split it.)
+  near.argv = {"sh",
+               "-c",
+               "echo ${#1} ${#2}",
+               "sh",
+               std::string(100 * 1024, 'y'),
+               std::string(100 * 1024, 'z')};
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  near.stdout_fd = out->write.get();
+  auto h = client_->Spawn(near);
+  ASSERT_TRUE(h.ok()) << h.status();
+  out->write.Reset();
+  std::string text;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &text));
+  EXPECT_EQ(text, "102400 102400\n");
+  EXPECT_EQ((*h)->Wait()->exit_code, 0);
+}
+
+TEST_F(InitTest, InitDeathFailsEverythingPending) {
+  expect_clean_init_exit_ = false;
+  auto h = SpawnOk({"sleep", "1000"});
+  ASSERT_NE(h, nullptr);
+  ASSERT_TRUE(init_.Signal(SIGKILL).ok());
+  auto exit = h->Wait(milliseconds(10000));
+  EXPECT_EQ(exit.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(exit.status().message().find("sandbox init exited"), std::string::npos);
+  pollfd p = {h->done_fd(), POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 0), 1);
+  EXPECT_FALSE(client_->alive());
+  SpawnRequest req;
+  req.argv = {"true"};
+  EXPECT_EQ(client_->Spawn(req).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client_->Kill(h->id(), SIGKILL, false).code(), absl::StatusCode::kUnavailable);
+  // The orphaned sleep is not init's business any more; clean it up.
+  ::kill(h->pid(), SIGKILL);
+}
+
+// Talks to pbox-init directly with hand-made frames.
+class RawInitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto init = StartInit();
+    ASSERT_TRUE(init.ok()) << init.status();
+    init_ = std::move(init->process);
+    channel_ = std::move(init->channel);
+    int size = 4 * proto::kMaxFrameBytes;
+    ::setsockopt(channel_.get(), SOL_SOCKET, SO_SNDBUF, &size, sizeof(size));
+    timeval tv = {10, 0};
+    ::setsockopt(channel_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+
+  void SendRaw(const std::string& bytes, std::vector<int> fds = {}) {
+    iovec iov = {const_cast<char*>(bytes.data()), bytes.size()};
+    msghdr msg = {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+    if (!fds.empty()) {
+      msg.msg_control = control.data();
+      msg.msg_controllen = control.size();
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    ASSERT_EQ(::sendmsg(channel_.get(), &msg, MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()))
+        << strerror(errno);
+  }
+
+  std::optional<proto::Frame> Receive() {
+    std::string buf(proto::kMaxFrameBytes, '\0');
+    ssize_t n = ::recv(channel_.get(), buf.data(), buf.size(), 0);
+    if (n <= 0) {
+      return std::nullopt;
+    }
+    auto r = proto::DecodeFrame(std::string_view(buf.data(), n), 0);
+    EXPECT_TRUE(r.frame.has_value()) << r.error;
+    return r.frame;
+  }
+
+  std::string Encode(const proto::Frame& f) {
+    std::string out;
+    std::string error;
+    EXPECT_TRUE(proto::EncodeFrame(f, &out, &error)) << error;
+    return out;
+  }
+
+  ChildProcess init_;
+  UniqueFd channel_;
+};
+
+TEST_F(RawInitTest, SurvivesHostileFrames) {
+  auto null_fd = OpenFile("/dev/null", O_RDWR);
+  ASSERT_TRUE(null_fd.ok());
+  int fd = null_fd->get();
+
+  SendRaw("garbage that is not a frame");
+  SendRaw(std::string(proto::kMaxFrameBytes + 100, 'P'));  // oversized: dropped
+  // A Spawn with the wrong number of fds has a readable id: answered with Error.
+  SendRaw(Encode(proto::SpawnFrame{41, 0, "/", {"true"}, {}}), {fd});
+  auto reply = Receive();
+  ASSERT_TRUE(reply.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::ErrorFrame>(*reply));
+  EXPECT_EQ(std::get<proto::ErrorFrame>(*reply).id, 41u);
+  // Too many fds for any frame.
+  SendRaw(Encode(proto::SpawnFrame{42, 0, "/", {"true"}, {}}), {fd, fd, fd, fd, fd});
+  // An init->agent frame sent to init.
+  SendRaw(Encode(proto::SpawnedFrame{43, 1}));
+  reply = Receive();
+  ASSERT_TRUE(reply.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::ErrorFrame>(*reply));
+  EXPECT_EQ(std::get<proto::ErrorFrame>(*reply).id, 43u);
+  // Kill of an unknown id is ignored.
+  SendRaw(Encode(proto::KillFrame{999, SIGKILL, true}));
+
+  // Still serving: a valid spawn gets Spawned, then Exited.
+  SendRaw(Encode(proto::SpawnFrame{44, proto::kAllNullFlags, "/", {"sh", "-c", "exit 7"}, {}}));
+  reply = Receive();
+  ASSERT_TRUE(reply.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::SpawnedFrame>(*reply));
+  reply = Receive();
+  ASSERT_TRUE(reply.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::ExitedFrame>(*reply));
+  EXPECT_EQ(std::get<proto::ExitedFrame>(*reply).id, 44u);
+  EXPECT_EQ(std::get<proto::ExitedFrame>(*reply).exit_code, 7);
+
+  // A duplicate id of a running process is refused.
+  SendRaw(Encode(proto::SpawnFrame{45, proto::kAllNullFlags, "/", {"sleep", "100"}, {}}));
+  reply = Receive();
+  ASSERT_TRUE(reply.has_value() && std::holds_alternative<proto::SpawnedFrame>(*reply));
+  SendRaw(Encode(proto::SpawnFrame{45, proto::kAllNullFlags, "/", {"true"}, {}}));
+  reply = Receive();
+  ASSERT_TRUE(reply.has_value() && std::holds_alternative<proto::ErrorFrame>(*reply));
+
+  EXPECT_TRUE(init_.running());
+  channel_.Reset();
+  auto exit = init_.Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+TEST(InitFlagsTest, BadFlagsAndChannelsAreRefused) {
+  for (auto args : std::vector<std::vector<std::string>>{
+           {"--channel-fd=abc"}, {"--bogus"}, {"--channel-fd="}, {"--channel-fd=0"}}) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      std::vector<char*> argv = {const_cast<char*>("pbox-init")};
+      for (auto& a : args) {
+        argv.push_back(a.data());
+      }
+      argv.push_back(nullptr);
+      int devnull = ::open("/dev/null", O_RDWR);
+      ::dup2(devnull, 2);
+      ::execv(kInitPath, argv.data());
+      _exit(99);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    // fd 0 is not a SOCK_SEQPACKET socket; the others are bad flags.
+    EXPECT_NE(WEXITSTATUS(status), 0) << args[0];
+    EXPECT_NE(WEXITSTATUS(status), 99);
+  }
+}
+
+TEST(InitPid1Test, ClosingTheChannelKillsThePidNamespace) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root (CAP_SYS_ADMIN) to unshare a pid namespace";
+  }
+  auto init = StartInit(/*new_pid_ns=*/true);
+  ASSERT_TRUE(init.ok()) << init.status();
+  auto client = InitClient::Create(std::move(init->channel));
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  SpawnRequest req;
+  req.argv = {"sh", "-c", "setsid sleep 1000 & sleep 1000 & echo $$; wait"};
+  req.stdout_fd = out->write.get();
+  auto h = (*client)->Spawn(req);
+  if (!h.ok() && h.status().code() == absl::StatusCode::kUnavailable) {
+    GTEST_SKIP() << "cannot create a pid namespace here";
+  }
+  ASSERT_TRUE(h.ok()) << h.status();
+  out->write.Reset();
+  // Inside the namespace init is PID 1, so the first command gets a small pid.
+  EXPECT_EQ(std::stoi(ReadLine(out->read.get())), (*h)->pid());
+  EXPECT_LT((*h)->pid(), 10);
+  client->reset();
+  std::string rest;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(2000)));
+  auto exit = init->process.Wait(milliseconds(5000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+}  // namespace
+}  // namespace bragg::pbox
