@@ -1,0 +1,250 @@
+#include "pbox/agent.h"
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/fs.h"
+#include "fmt/format.h"
+#include "pbox/cgroup.h"
+#include "pbox/cpuset.h"
+#include "pbox/image_store.h"
+#include "pbox/metrics.h"
+#include "pbox/native_runtime.h"
+#include "pbox/service.h"
+#include "spdlog/spdlog.h"
+
+namespace bragg::pbox {
+namespace {
+
+constexpr const char* kVersion = "0.1.0";
+
+std::string DefaultCgroupParent(const std::string& state_dir) {
+  uint32_t h = 2166136261u;  // FNV-1a: stable across restarts with the same state dir
+  for (unsigned char c : state_dir) {
+    h = (h ^ c) * 16777619u;
+  }
+  return fmt::format("pbox-{:08x}", h);
+}
+
+std::string SelfDir() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) {
+    return ".";
+  }
+  std::string path(buf, static_cast<size_t>(n));
+  return path.substr(0, path.rfind('/'));
+}
+
+Result<std::string> ReadToken(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return ErrnoError("stat", path);
+  }
+  if ((st.st_mode & 077) != 0) {
+    return absl::FailedPreconditionError(fmt::format(
+        "token file {} is readable by others (mode {:o}): chmod 600 it", path, st.st_mode & 0777));
+  }
+  BRAGG_ASSIGN_OR_RETURN(std::string token, ReadFileToString(path));
+  while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) {
+    token.pop_back();
+  }
+  if (token.size() < 16) {
+    return absl::InvalidArgumentError(
+        fmt::format("token in {} is shorter than 16 characters", path));
+  }
+  return token;
+}
+
+}  // namespace
+
+Result<std::string> ListenAddressToGrpc(const std::string& listen, bool* is_tcp) {
+  if (listen.rfind("unix://", 0) == 0) {
+    std::string path = listen.substr(7);
+    if (path.empty() || path[0] != '/') {
+      return absl::InvalidArgumentError(
+          fmt::format("--listen {}: use unix:///absolute/path.sock", listen));
+    }
+    *is_tcp = false;
+    return "unix:" + path;
+  }
+  if (listen.rfind("tcp://", 0) == 0) {
+    std::string hostport = listen.substr(6);
+    if (hostport.find(':') == std::string::npos) {
+      return absl::InvalidArgumentError(fmt::format("--listen {}: use tcp://HOST:PORT", listen));
+    }
+    *is_tcp = true;
+    return hostport;
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("--listen {}: expected unix:///path or tcp://HOST:PORT", listen));
+}
+
+Status RunAgent(const AgentConfig& config) {
+  // Termination signals are taken synchronously by this thread; every thread started from
+  // here on inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  BRAGG_RETURN_IF_ERROR(MakeDirs(config.state_dir, 0700));
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd lock,
+                         OpenFile(config.state_dir + "/agent.lock", O_RDWR | O_CREAT, 0600));
+  if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    return absl::FailedPreconditionError(
+        fmt::format("another pboxd is using state dir {}: stop it or pass another --state-dir",
+                    config.state_dir));
+  }
+
+  std::string token;
+  if (!config.token_file.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(token, ReadToken(config.token_file));
+  }
+
+  BRAGG_ASSIGN_OR_RETURN(CpuSet own, CpuSet::ForThisProcess());
+  CpuSet sandbox_cpus = own;
+  if (!config.cpus.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(sandbox_cpus, CpuSet::Parse(config.cpus));
+    if (sandbox_cpus.empty() || !sandbox_cpus.IsSubsetOf(own)) {
+      return absl::InvalidArgumentError(fmt::format(
+          "--cpus {} is not a subset of this process's CPUs {}", config.cpus, own.ToString()));
+    }
+  }
+
+  CgroupManagerOptions cg;
+  cg.mode = config.cgroup_mode;
+  cg.parent_name =
+      config.cgroup_parent.empty() ? DefaultCgroupParent(config.state_dir) : config.cgroup_parent;
+  cg.cpus = sandbox_cpus.ToString();
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<CgroupManager> cgroups, CgroupManager::Create(cg));
+  // What a killed agent left behind: its sandboxes' processes (and with them their
+  // namespaces and mounts) go with their cgroups.
+  BRAGG_ASSIGN_OR_RETURN(std::vector<std::string> reaped, cgroups->ReapAll());
+  if (!reaped.empty()) {
+    spdlog::warn("reaped {} sandboxes left by a previous agent", reaped.size());
+  }
+  BRAGG_RETURN_IF_ERROR(RemoveTree(config.state_dir + "/mnt"));
+
+  BRAGG_ASSIGN_OR_RETURN(ImageStore images,
+                         ImageStore::Create(config.state_dir + "/images", config.images));
+  NativeRuntimeOptions rt_opts;
+  rt_opts.state_dir = config.state_dir;
+  rt_opts.init_path = config.init_path.empty() ? SelfDir() + "/pbox-init" : config.init_path;
+  rt_opts.cgroup_v2 = cgroups->version() == "v2";
+  if (config.runtime != "native") {
+    return absl::InvalidArgumentError(
+        fmt::format("--runtime {}: this agent has the native runtime only", config.runtime));
+  }
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<NativeRuntime> native, NativeRuntime::Create(rt_opts));
+  CpuAllocator allocator(sandbox_cpus);
+
+  Registry registry;
+  AgentMetrics metrics = AgentMetrics::Register(&registry);
+
+  SandboxManager manager({{"native", native.get()}}, "native", &images, cgroups.get(), &allocator,
+                         config.defaults, config.max_sandboxes);
+  registry.AddCallbackGauge("pbox_sandboxes_live", "Sandboxes alive now.",
+                            [&manager] { return static_cast<double>(manager.live()); });
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (!config.metrics_listen.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(metrics_server, MetricsServer::Start(&registry, config.metrics_listen));
+  }
+
+  char hostname[256] = {};
+  ::gethostname(hostname, sizeof(hostname) - 1);
+  ServiceInfo info{.version = kVersion,
+                   .default_runtime = "native",
+                   .runtimes = {"native"},
+                   .cpuset = sandbox_cpus.ToString(),
+                   .images = images.Names(),
+                   .hostname = hostname,
+                   .cgroup_version = cgroups->version()};
+  PboxService service(&manager, &metrics, info, token);
+
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  builder.SetMaxSendMessageSize(16 << 20);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(config.keepalive_ms));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             static_cast<int>(std::max<uint32_t>(config.keepalive_ms / 2, 1000)));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  std::vector<std::string> unix_paths;
+  std::vector<std::pair<std::string, std::unique_ptr<int>>> tcp_ports;
+  for (const std::string& listen : config.listen) {
+    bool is_tcp = false;
+    BRAGG_ASSIGN_OR_RETURN(std::string addr, ListenAddressToGrpc(listen, &is_tcp));
+    if (is_tcp) {
+      if (token.empty()) {
+        return absl::InvalidArgumentError(fmt::format(
+            "--listen {} needs --token-file: TCP clients must present a token", listen));
+      }
+      tcp_ports.emplace_back(addr, std::make_unique<int>(0));
+      builder.AddListeningPort(addr, grpc::InsecureServerCredentials(),
+                               tcp_ports.back().second.get());
+    } else {
+      std::string path = addr.substr(5);
+      BRAGG_RETURN_IF_ERROR(MakeDirs(path.substr(0, path.rfind('/')), 0755));
+      ::unlink(path.c_str());  // a stale socket of a dead agent
+      unix_paths.push_back(path);
+      builder.AddListeningPort(addr, grpc::InsecureServerCredentials());
+    }
+  }
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    return absl::UnavailableError(
+        "cannot start the gRPC server: a listen address is in use or not permitted");
+  }
+  std::vector<std::string> endpoints;
+  for (const std::string& path : unix_paths) {
+    if (::chmod(path.c_str(), 0660) != 0) {
+      return ErrnoError("chmod", path);
+    }
+    endpoints.push_back("unix://" + path);
+  }
+  for (const auto& [addr, port] : tcp_ports) {
+    if (*port == 0) {
+      return absl::UnavailableError(fmt::format("cannot listen on {}", addr));
+    }
+    endpoints.push_back(fmt::format("tcp://{}:{}", addr.substr(0, addr.rfind(':')), *port));
+  }
+  spdlog::info("pboxd {} serving on {} (cpus {}, cgroup {}, max {} sandboxes, state {})", kVersion,
+               fmt::join(endpoints, ", "), sandbox_cpus.ToString(), cgroups->version(),
+               config.max_sandboxes, config.state_dir);
+  if (!config.ready_file.empty()) {
+    nlohmann::json ready = {{"pid", ::getpid()},
+                            {"endpoints", endpoints},
+                            {"cpuset", sandbox_cpus.ToString()},
+                            {"metrics_port", metrics_server ? metrics_server->port() : 0}};
+    std::string tmp = config.ready_file + ".tmp";
+    BRAGG_RETURN_IF_ERROR(WriteStringToFile(tmp, ready.dump() + "\n"));
+    if (::rename(tmp.c_str(), config.ready_file.c_str()) != 0) {
+      return ErrnoError("rename", config.ready_file);
+    }
+  }
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("signal {}: destroying {} sandboxes and stopping", sig, manager.live());
+  manager.DestroyAll();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  manager.DestroyAll();
+  for (const std::string& path : unix_paths) {
+    ::unlink(path.c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace bragg::pbox

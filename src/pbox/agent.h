@@ -1,0 +1,41 @@
+#pragma once
+
+// pboxd's top-level object: builds every part from an AgentConfig, serves until SIGTERM or
+// SIGINT, then destroys every sandbox.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "pbox/sandbox_manager.h"
+
+namespace bragg::pbox {
+
+struct AgentConfig {
+  // "unix:///run/pbox/pbox.sock" (mode 0660) and/or "tcp://HOST:PORT" (token required).
+  std::vector<std::string> listen = {"unix:///run/pbox/pbox.sock"};
+  std::string token_file;
+  std::string state_dir = "/run/pbox/state";
+  std::string cpus;  // sandbox CPU set; empty: every CPU this process may use
+  uint32_t max_sandboxes = 256;
+  SandboxDefaults defaults;
+  std::string metrics_listen;  // "HOST:PORT"; empty: no metrics endpoint
+  std::string runtime = "native";
+  std::map<std::string, std::string> images;  // name -> directory
+  std::string init_path;                      // empty: pbox-init beside the pboxd binary
+  std::string cgroup_mode = "auto";           // auto, v1, v2
+  std::string cgroup_parent;                  // empty: "pbox-<hash of state_dir>"
+  std::string ready_file;  // written (JSON: pid, endpoints, metrics port) once serving
+  uint32_t keepalive_ms = 10000;
+};
+
+// Runs the agent until a termination signal. Returns the error that stopped it from starting
+// or from shutting down cleanly.
+Status RunAgent(const AgentConfig& config);
+
+// "unix:///p" -> grpc "unix:/p"; "tcp://h:p" -> "h:p". InvalidArgument otherwise.
+Result<std::string> ListenAddressToGrpc(const std::string& listen, bool* is_tcp);
+
+}  // namespace bragg::pbox

@@ -1,0 +1,103 @@
+// pboxd: the pbox agent. Parses flags, runs the agent, maps the outcome to an exit code.
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "common/logging.h"
+#include "pbox/agent.h"
+#include "pbox/image_store.h"
+#include "spdlog/spdlog.h"
+
+namespace {
+
+uint64_t ParseBytes(const std::string& text) {
+  size_t pos = 0;
+  double v = std::stod(text, &pos);
+  std::string unit = text.substr(pos);
+  double mult = 1;
+  if (unit == "" || unit == "B") {
+    mult = 1;
+  } else if (unit == "K" || unit == "KiB" || unit == "k") {
+    mult = 1024.0;
+  } else if (unit == "M" || unit == "MiB" || unit == "m") {
+    mult = 1024.0 * 1024;
+  } else if (unit == "G" || unit == "GiB" || unit == "g") {
+    mult = 1024.0 * 1024 * 1024;
+  } else {
+    throw CLI::ValidationError("size", "unknown unit '" + unit + "' (use K, M or G)");
+  }
+  return static_cast<uint64_t>(v * mult);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bragg::pbox::AgentConfig config;
+  std::string log_level = "info";
+  std::string memory = "1G", disk = "1G", max_memory = "0";
+  std::vector<std::string> images, listen;
+  CLI::App app{"pboxd: the pbox sandbox agent (one per node)"};
+  app.add_option("--listen", listen,
+                 "unix:///path.sock (default unix:///run/pbox/pbox.sock) and/or tcp://HOST:PORT "
+                 "(needs --token-file); repeatable");
+  app.add_option("--token-file", config.token_file, "file holding the bearer token for TCP");
+  app.add_option("--state-dir", config.state_dir, "agent state; reaped on start")
+      ->capture_default_str();
+  app.add_option("--cpus", config.cpus, "sandbox CPU set, e.g. 8-15 (default: all)");
+  app.add_option("--max-sandboxes", config.max_sandboxes, "admission limit")->capture_default_str();
+  app.add_option("--default-memory", memory, "memory per sandbox unless asked")
+      ->capture_default_str();
+  app.add_option("--max-memory", max_memory, "largest memory a sandbox may ask for (0: any)")
+      ->capture_default_str();
+  app.add_option("--default-disk", disk, "writable layer size unless asked")->capture_default_str();
+  app.add_option("--default-pids", config.defaults.pids, "pids limit unless asked")
+      ->capture_default_str();
+  app.add_option("--detached-ttl", config.defaults.detached_ttl_seconds,
+                 "idle TTL in seconds of sandboxes created outside a session")
+      ->capture_default_str();
+  app.add_option("--metrics-listen", config.metrics_listen, "HOST:PORT for /metrics");
+  app.add_option("--runtime", config.runtime, "default runtime")->capture_default_str();
+  app.add_option("--image", images, "NAME=DIR: a directory image; repeatable");
+  app.add_option("--init-path", config.init_path, "pbox-init binary (default: beside pboxd)");
+  app.add_option("--cgroup", config.cgroup_mode, "auto, v1 or v2")->capture_default_str();
+  app.add_option("--cgroup-parent", config.cgroup_parent,
+                 "name of the cgroup holding the sandboxes (default derived from --state-dir)");
+  app.add_option("--ready-file", config.ready_file,
+                 "write {pid, endpoints, metrics_port} as JSON here once serving");
+  app.add_option("--keepalive-ms", config.keepalive_ms, "HTTP/2 keepalive ping interval")
+      ->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+    config.defaults.memory_bytes = ParseBytes(memory);
+    config.defaults.disk_bytes = ParseBytes(disk);
+    config.defaults.max_memory_bytes = ParseBytes(max_memory);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::cerr << "pboxd: bad size: " << e.what() << "\n";
+    return 2;
+  }
+  if (!listen.empty()) {
+    config.listen = listen;
+  }
+  for (const std::string& flag : images) {
+    auto parsed = bragg::pbox::ParseImageFlag(flag);
+    if (!parsed.ok()) {
+      std::cerr << "pboxd: " << parsed.status().message() << "\n";
+      return 2;
+    }
+    config.images[parsed->first] = parsed->second;
+  }
+  if (auto s = bragg::InitLogging("pboxd", log_level); !s.ok()) {
+    std::cerr << "pboxd: " << s.message() << "\n";
+    return 2;
+  }
+  bragg::Status s = bragg::pbox::RunAgent(config);
+  if (!s.ok()) {
+    spdlog::critical("{}", std::string(s.message()));
+    return 1;
+  }
+  return 0;
+}

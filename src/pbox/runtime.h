@@ -1,0 +1,49 @@
+#pragma once
+
+// The runtime interface: what turns a sandbox spec into isolated processes. The native
+// runtime (native_runtime.h) uses Linux namespaces directly; others (gVisor) plug in here.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "pbox/cgroup.h"
+#include "pbox/image_store.h"
+#include "pbox/init_client.h"
+#include "pbox/sandbox_fs.h"
+
+namespace bragg::pbox {
+
+struct LaunchSpec {
+  std::string id;
+  const Image* image = nullptr;  // borrowed; outlives the sandbox
+  uint64_t disk_bytes = 0;       // size of the writable layer
+  uint64_t shm_bytes = 64 << 20;
+  std::string hostname;
+  Cgroup* cgroup = nullptr;  // borrowed; already holds the limits; outlives the sandbox
+};
+
+// The kernel side of one running sandbox: its pbox-init, its root filesystem. Destruction
+// kills every process of the sandbox and releases everything the runtime holds for it (the
+// cgroup is its owner's to remove). Thread-safe for init() and fs() use; Stop() once.
+class RuntimeSandbox {
+ public:
+  virtual ~RuntimeSandbox() = default;
+  virtual InitClient* init() = 0;
+  virtual const SandboxFs& fs() const = 0;
+  // Host pid of the sandbox's PID 1.
+  virtual pid_t init_pid() const = 0;
+  // Kills every process (through the cgroup) and waits for PID 1 to be reaped.
+  virtual Status Stop() = 0;
+};
+
+class Runtime {
+ public:
+  virtual ~Runtime() = default;
+  virtual std::string name() const = 0;
+  // Thread-safe.
+  virtual Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) = 0;
+};
+
+}  // namespace bragg::pbox

@@ -1,0 +1,140 @@
+#pragma once
+
+// One sandbox as the agent tracks it, and the commands running in it.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "pbox/cgroup.h"
+#include "pbox/cpuset.h"
+#include "pbox/runtime.h"
+
+namespace bragg::pbox {
+
+// Resolved settings of a sandbox (defaults filled in by the manager).
+struct SandboxSettings {
+  std::string image = "host";
+  std::string runtime;
+  uint32_t cpus = 1;
+  double cpu_quota = 0;
+  uint64_t memory_bytes = 0;
+  uint32_t pids = 0;
+  uint64_t disk_bytes = 0;
+  std::map<std::string, std::string> env;
+  std::string workdir = "/";
+  uint32_t idle_ttl_seconds = 0;
+  std::map<std::string, std::string> labels;
+};
+
+struct CommandSpec {
+  std::vector<std::string> argv;
+  std::map<std::string, std::string> env;  // merged over the sandbox's
+  std::string cwd;                         // "" = the sandbox's workdir
+  std::chrono::milliseconds timeout{0};    // 0 = none
+  bool stdin = false;
+};
+
+struct CommandResult {
+  int exit_code = -1;
+  int signal = 0;
+  bool timed_out = false;
+  bool oom_killed = false;
+  uint64_t stdout_bytes = 0;
+  uint64_t stderr_bytes = 0;
+  double wall_ms = 0;
+  double cpu_ms = 0;
+  uint64_t peak_memory_bytes = 0;
+  std::string error;
+};
+
+// Receives a command's output as it comes. Returning false (the client went away) kills the
+// command. Called from the thread that runs Pump().
+class OutputSink {
+ public:
+  virtual ~OutputSink() = default;
+  virtual bool OnStdout(std::string_view data) = 0;
+  virtual bool OnStderr(std::string_view data) = 0;
+};
+
+class Sandbox;
+
+// A started command. Pump() runs on one thread; WriteStdin/CloseStdin/Signal may be called
+// from another one concurrently.
+class RunningCommand {
+ public:
+  ~RunningCommand();
+  // Streams output to `sink` until the command exits (and its pipes drain, or 200 ms pass
+  // after exit if a background process keeps them open), its timeout expires (the whole
+  // process tree is killed), or the sink refuses data. Then returns what happened.
+  CommandResult Pump(OutputSink& sink);
+  // Blocks while the pipe is full. FailedPrecondition if stdin was not requested or closed.
+  Status WriteStdin(std::string_view data);
+  void CloseStdin();
+  Status Signal(int signal);
+
+ private:
+  friend class Sandbox;
+  RunningCommand() = default;
+
+  std::shared_ptr<Sandbox> sandbox_;
+  std::shared_ptr<ProcessHandle> handle_;
+  UniqueFd stdout_, stderr_;
+  std::mutex stdin_mu_;
+  UniqueFd stdin_;
+  std::chrono::milliseconds timeout_{0};
+  std::chrono::steady_clock::time_point started_;
+  uint64_t oom_kills_before_ = 0;
+};
+
+// Thread-safe.
+class Sandbox : public std::enable_shared_from_this<Sandbox> {
+ public:
+  Sandbox(std::string id, std::string session_id, SandboxSettings settings, CpuSet cpus,
+          std::unique_ptr<Cgroup> cgroup, std::unique_ptr<RuntimeSandbox> runtime);
+  ~Sandbox();
+
+  const std::string& id() const { return id_; }
+  const std::string& session_id() const { return session_id_; }
+  const SandboxSettings& settings() const { return settings_; }
+  const CpuSet& cpus() const { return cpus_; }
+  int64_t created_unix_ms() const { return created_unix_ms_; }
+  int64_t last_used_unix_ms() const { return last_used_unix_ms_.load(); }
+  uint32_t running_commands() const { return running_.load(); }
+  bool destroying() const { return destroying_.load(); }
+  Result<CgroupStats> Stats() const { return cgroup_->Stats(); }
+  const SandboxFs& fs() const { return runtime_->fs(); }
+
+  // Marks the sandbox used now (idle TTL).
+  void Touch();
+  // Starts a command. Unavailable once the sandbox is being destroyed.
+  Result<std::unique_ptr<RunningCommand>> Start(const CommandSpec& spec);
+  // Kills everything and releases the runtime and the cgroup. Idempotent.
+  Status Destroy();
+
+ private:
+  friend class RunningCommand;
+  const std::string id_;
+  const std::string session_id_;
+  const SandboxSettings settings_;
+  const CpuSet cpus_;
+  const int64_t created_unix_ms_;
+  std::atomic<int64_t> last_used_unix_ms_;
+  std::atomic<uint32_t> running_{0};
+  std::atomic<bool> destroying_{false};
+  std::mutex destroy_mu_;
+  std::unique_ptr<Cgroup> cgroup_;
+  std::unique_ptr<RuntimeSandbox> runtime_;
+};
+
+int64_t UnixMillisNow();
+
+}  // namespace bragg::pbox

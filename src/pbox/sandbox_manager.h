@@ -1,0 +1,99 @@
+#pragma once
+
+// Owns every sandbox of the agent: admission, ids, sessions (leases), idle TTLs, CPU
+// placement and teardown.
+
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "pbox/cgroup.h"
+#include "pbox/cpuset.h"
+#include "pbox/image_store.h"
+#include "pbox/runtime.h"
+#include "pbox/sandbox.h"
+
+namespace bragg::pbox {
+
+struct SandboxDefaults {
+  uint64_t memory_bytes = 1ull << 30;
+  uint64_t disk_bytes = 1ull << 30;
+  uint32_t pids = 512;
+  uint32_t detached_ttl_seconds = 3600;
+  uint64_t max_memory_bytes = 0;  // 0: no cap on what a sandbox may ask for
+};
+
+// Counters the manager reports to (owned by the caller; any may be null).
+struct ManagerHooks {
+  std::function<void(double seconds)> on_create;
+  std::function<void()> on_destroy;
+  std::function<void()> on_reject;
+};
+
+// Thread-safe.
+class SandboxManager {
+ public:
+  // `runtimes` by name; `default_runtime` must be one of them. All pointers are borrowed and
+  // must outlive the manager.
+  SandboxManager(std::map<std::string, Runtime*> runtimes, std::string default_runtime,
+                 const ImageStore* images, CgroupManager* cgroups, CpuAllocator* cpus,
+                 SandboxDefaults defaults, uint32_t max_sandboxes, ManagerHooks hooks = {});
+  // Destroys every sandbox.
+  ~SandboxManager();
+
+  // Sessions. OpenSession returns a new id; CloseSession destroys all its sandboxes (in
+  // parallel) and forgets it. Creating in an unknown or closed session is FailedPrecondition.
+  std::string OpenSession(const std::string& client_name);
+  void CloseSession(const std::string& session_id);
+
+  // ResourceExhausted at once when max_sandboxes are live or being created.
+  Result<std::shared_ptr<Sandbox>> Create(const std::string& session_id,
+                                          const SandboxSettings& requested);
+  // NotFound for unknown ids.
+  Result<std::shared_ptr<Sandbox>> Get(const std::string& id);
+  Status Destroy(const std::string& id);
+  std::vector<std::shared_ptr<Sandbox>> List(const std::string& session_id = "");
+  // Destroys all sandboxes (shutdown).
+  void DestroyAll();
+  // Destroys sandboxes idle past their TTL; returns how many. Called by the TTL thread every
+  // second; public for tests.
+  size_t ReapIdle(int64_t now_unix_ms);
+
+  size_t live() const;
+  uint32_t max_sandboxes() const { return max_sandboxes_; }
+  const SandboxDefaults& defaults() const { return defaults_; }
+
+ private:
+  void TtlLoop();
+  void DestroyMany(std::vector<std::shared_ptr<Sandbox>> victims);
+  Status Validate(const SandboxSettings& s) const;
+
+  const std::map<std::string, Runtime*> runtimes_;
+  const std::string default_runtime_;
+  const ImageStore* images_;
+  CgroupManager* cgroups_;
+  CpuAllocator* cpus_;
+  const SandboxDefaults defaults_;
+  const uint32_t max_sandboxes_;
+  ManagerHooks hooks_;
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Sandbox>> sandboxes_;
+  std::map<std::string, std::set<std::string>> sessions_;  // session -> sandbox ids
+  size_t creating_ = 0;
+  bool stopping_ = false;
+  std::condition_variable ttl_cv_;
+  std::thread ttl_thread_;
+};
+
+// "sb-" + 12 random hex digits; "ss-" for sessions.
+std::string NewId(const char* prefix);
+
+}  // namespace bragg::pbox
