@@ -1,0 +1,148 @@
+// Side-by-side benchmark of bragg::pack's planner and the baselines on synthetic RL trace
+// lengths. Prints a markdown table (and optionally CSV for the plot). Single-threaded: the
+// planner uses one core.
+//
+//   pack_bench [--repeat N] [--csv FILE] [--quick]
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fmt/format.h"
+#include "pack/plan.h"
+
+namespace {
+
+using bragg::pack::CostModel;
+using bragg::pack::Method;
+using bragg::pack::PackConfig;
+using bragg::pack::Trace;
+
+struct Dataset {
+  std::string name;
+  std::vector<Trace> traces;
+  int dp;
+};
+
+std::vector<Trace> MakeTraces(const std::vector<int64_t>& lengths) {
+  std::vector<Trace> t(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    t[i] = {.id = static_cast<int64_t>(i), .length = lengths[i]};
+  }
+  return t;
+}
+
+std::vector<int64_t> Lognormal(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::lognormal_distribution<double> d(std::log(2048.0), 1.0);
+  std::vector<int64_t> out(n);
+  for (auto& x : out) {
+    x = std::clamp<int64_t>(static_cast<int64_t>(d(rng)), 64, 65536);
+  }
+  return out;
+}
+
+std::vector<int64_t> Pareto(size_t n, uint64_t seed) {
+  // x_m = 1024, alpha = 1.5: median 1625, heavy tail clipped at 64K.
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<int64_t> out(n);
+  for (auto& x : out) {
+    x = std::clamp<int64_t>(static_cast<int64_t>(1024.0 / std::pow(1.0 - u(rng), 1.0 / 1.5)), 64,
+                            65536);
+  }
+  return out;
+}
+
+struct Variant {
+  std::string name;
+  Method method;
+  bool refine;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int repeat = 5;
+  std::string csv_path;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--repeat") && i + 1 < argc) {
+      repeat = std::max(1, std::atoi(argv[++i]));
+    } else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) {
+      csv_path = argv[++i];
+    } else if (!std::strcmp(argv[i], "--quick")) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: pack_bench [--repeat N] [--csv FILE] [--quick]\n");
+      return 2;
+    }
+  }
+  const size_t big = quick ? 10000 : 100000;
+  std::vector<Dataset> datasets = {
+      {fmt::format("lognormal {}k -> 512", big / 1000), MakeTraces(Lognormal(big, 1)), 512},
+      {fmt::format("pareto {}k -> 512", big / 1000), MakeTraces(Pareto(big, 2)), 512},
+      {"lognormal 4096 -> 64", MakeTraces(Lognormal(4096, 3)), 64},
+      {"pareto 4096 -> 64", MakeTraces(Pareto(4096, 4)), 64},
+  };
+  const std::vector<Variant> variants = {
+      {"bragg lpt+swaps", Method::kLpt, true},
+      {"bragg lpt only", Method::kLpt, false},
+      {"round-robin", Method::kRoundRobin, false},
+      {"arrival greedy", Method::kArrivalGreedy, false},
+      {"karmarkar-karp", Method::kKarmarkarKarp, false},
+      {"padded bshd", Method::kPaddedBshd, false},
+  };
+  // Cost model of a 7B-class dense model (h=4096, 32 layers); FP8 alignment 16, no CP.
+  const CostModel cost = *CostModel::FromModelSize(4096, 32);
+  FILE* csv = csv_path.empty() ? nullptr : std::fopen(csv_path.c_str(), "w");
+  if (csv) {
+    std::fprintf(csv, "dataset,method,plan_ms,max_over_mean,lower_bound,padding_fraction\n");
+  }
+  std::printf(
+      "config: max_tokens=131072 per micro-batch, fp8 (alignment 16), cp=1, cost from "
+      "h=4096 L=32, best of %d runs\n\n",
+      repeat);
+  std::printf(
+      "| dataset | method | plan ms | max/mean | LB | max/mean / LB | padding %% | "
+      "micro-batches/rank | step max/mean |\n");
+  std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const Dataset& d : datasets) {
+    for (const Variant& v : variants) {
+      PackConfig c{.dp = d.dp,
+                   .max_tokens = 131072,
+                   .fp8 = true,
+                   .cost = cost,
+                   .method = v.method,
+                   .refine = v.refine};
+      double best_ms = 1e300;
+      bragg::pack::PlanSummary s;
+      for (int r = 0; r < repeat; ++r) {
+        auto plan = bragg::pack::PlanPacking(d.traces, c);
+        if (!plan.ok()) {
+          std::fprintf(stderr, "%s / %s: %s\n", d.name.c_str(), v.name.c_str(),
+                       std::string(plan.status().message()).c_str());
+          return 1;
+        }
+        best_ms = std::min(best_ms, plan->summary.plan_ms);
+        s = plan->summary;
+      }
+      std::printf("| %s | %s | %.2f | %.4f | %.4f | %.4f | %.3f | %d | %.3f |\n", d.name.c_str(),
+                  v.name.c_str(), best_ms, s.max_over_mean, s.lower_bound,
+                  s.max_over_mean / s.lower_bound, 100 * s.padding_fraction,
+                  s.micro_batches_per_rank, s.step_max_over_mean);
+      if (csv) {
+        std::fprintf(csv, "%s,%s,%.4f,%.6f,%.6f,%.6f\n", d.name.c_str(), v.name.c_str(), best_ms,
+                     s.max_over_mean, s.lower_bound, s.padding_fraction);
+      }
+    }
+  }
+  if (csv) {
+    std::fclose(csv);
+  }
+  return 0;
+}

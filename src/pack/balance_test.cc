@@ -1,0 +1,96 @@
+#include "pack/balance.h"
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace bragg::pack::balance {
+namespace {
+
+std::vector<double> Loads(std::span<const Item> items, std::span<const int32_t> bin_of, int n) {
+  std::vector<double> loads(static_cast<size_t>(n), 0);
+  for (size_t i = 0; i < items.size(); ++i) {
+    loads[static_cast<size_t>(bin_of[i])] += items[i].cost;
+  }
+  return loads;
+}
+
+TEST(LptTest, ClassicInstanceIsBalanced) {
+  // {7,6,5,4,3,2,1} into 2 bins: total 28, LPT reaches 14/14.
+  std::vector<Item> items;
+  for (int c : {3, 7, 1, 5, 6, 2, 4}) {
+    items.push_back({static_cast<double>(c), 1});
+  }
+  auto bins = Lpt(items, 2, kNoCapacity);
+  ASSERT_TRUE(bins.has_value());
+  auto loads = Loads(items, *bins, 2);
+  EXPECT_EQ(loads[0], 14);
+  EXPECT_EQ(loads[1], 14);
+}
+
+TEST(LptTest, RespectsCapacityOrFails) {
+  std::vector<Item> items = {{10, 6}, {1, 6}, {1, 6}};
+  EXPECT_FALSE(Lpt(items, 2, 10).has_value());  // 3 items of 6 tokens, bins of 10
+  auto ok = Lpt(items, 2, 12);
+  ASSERT_TRUE(ok.has_value());
+  // The costly item must be alone: capacity forces both cheap ones together.
+  EXPECT_NE((*ok)[0], (*ok)[1]);
+  EXPECT_EQ((*ok)[1], (*ok)[2]);
+}
+
+TEST(BaselinesTest, RoundRobinAndGreedyPlaceEveryItem) {
+  std::vector<Item> items(100, {1, 1});
+  auto rr = RoundRobin(items, 7, 15);
+  ASSERT_TRUE(rr.has_value());
+  EXPECT_EQ((*rr)[8], 1);
+  auto g = ArrivalGreedy(items, 7, 15);
+  ASSERT_TRUE(g.has_value());
+  EXPECT_FALSE(RoundRobin(items, 7, 14).has_value());
+}
+
+TEST(KarmarkarKarpTest, PerfectSplitFound) {
+  // {8,7,6,5,4} into 2: KK finds 15/15.
+  std::vector<Item> items;
+  for (int c : {8, 7, 6, 5, 4}) {
+    items.push_back({static_cast<double>(c), 1});
+  }
+  auto parts = KarmarkarKarp(items, 2);
+  auto loads = Loads(items, parts, 2);
+  EXPECT_EQ(std::max(loads[0], loads[1]), 16);  // LDM's known result on this instance
+  EXPECT_EQ(loads[0] + loads[1], 30);
+}
+
+TEST(RefineTest, SwapsLowerTheMaximum) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> d(1, 100);
+  std::vector<Item> items(200);
+  for (auto& it : items) {
+    it = {d(rng), 1};
+  }
+  // Start from a bad assignment: arrival order round robin over 4 ranks x 2 steps.
+  auto bin_of = RoundRobin(items, 8, kNoCapacity);
+  ASSERT_TRUE(bin_of.has_value());
+  std::vector<std::vector<int32_t>> rank_bins = {{0, 4}, {1, 5}, {2, 6}, {3, 7}};
+  auto rank_max = [&](const std::vector<int32_t>& b) {
+    auto loads = Loads(items, b, 8);
+    double mx = 0;
+    for (const auto& rb : rank_bins) {
+      mx = std::max(mx, loads[static_cast<size_t>(rb[0])] + loads[static_cast<size_t>(rb[1])]);
+    }
+    return mx;
+  };
+  const double before = rank_max(*bin_of);
+  const int moves = RefineBySwaps(items, *bin_of, rank_bins, kNoCapacity, 1000);
+  EXPECT_GT(moves, 0);
+  double total = 0;
+  for (const auto& it : items) {
+    total += it.cost;
+  }
+  EXPECT_LT(rank_max(*bin_of), before);
+  EXPECT_LT(rank_max(*bin_of), total / 4 * 1.01);
+}
+
+}  // namespace
+}  // namespace bragg::pack::balance

@@ -1,0 +1,512 @@
+#include "pack/plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "fmt/format.h"
+#include "pack/balance.h"
+
+namespace bragg::pack {
+
+Result<Method> ParseMethod(std::string_view name) {
+  if (name == "lpt") {
+    return Method::kLpt;
+  }
+  if (name == "round-robin") {
+    return Method::kRoundRobin;
+  }
+  if (name == "greedy") {
+    return Method::kArrivalGreedy;
+  }
+  if (name == "kk") {
+    return Method::kKarmarkarKarp;
+  }
+  if (name == "bshd") {
+    return Method::kPaddedBshd;
+  }
+  return absl::InvalidArgumentError(fmt::format(
+      "unknown method '{}': use lpt, round-robin, greedy, kk or bshd", std::string(name)));
+}
+
+std::string_view MethodName(Method m) {
+  switch (m) {
+    case Method::kLpt:
+      return "lpt";
+    case Method::kRoundRobin:
+      return "round-robin";
+    case Method::kArrivalGreedy:
+      return "greedy";
+    case Method::kKarmarkarKarp:
+      return "kk";
+    case Method::kPaddedBshd:
+      return "bshd";
+  }
+  return "?";
+}
+
+Result<int64_t> Alignment(const PackConfig& c) {
+  if (c.cp < 1 || c.tp < 1) {
+    return absl::InvalidArgumentError(
+        fmt::format("cp={} tp={}: parallel sizes must be >= 1", c.cp, c.tp));
+  }
+  int64_t a = 1;
+  if (c.cp > 1) {
+    a = 2 * static_cast<int64_t>(c.cp) * c.tp;
+  } else if (c.sequence_parallel) {
+    a = c.tp;
+  }
+  if (c.fp8) {
+    a = std::lcm(a, int64_t{16});
+  }
+  return a;
+}
+
+std::vector<int32_t> PositionIds(const Row& row) {
+  std::vector<int32_t> pos(static_cast<size_t>(row.total_tokens), 0);
+  for (size_t k = 0; k + 1 < row.cu_seqlens_padded.size(); ++k) {
+    for (int32_t t = row.cu_seqlens_padded[k]; t < row.cu_seqlens_padded[k + 1]; ++t) {
+      pos[static_cast<size_t>(t)] = t - row.cu_seqlens_padded[k];
+    }
+  }
+  return pos;
+}
+
+std::vector<int32_t> SegmentIds(const Row& row) {
+  std::vector<int32_t> seg(static_cast<size_t>(row.total_tokens), -1);
+  for (size_t k = 0; k + 1 < row.cu_seqlens_padded.size(); ++k) {
+    const int32_t len = row.cu_seqlens[k + 1] - row.cu_seqlens[k];
+    for (int32_t t = 0; t < len; ++t) {
+      seg[static_cast<size_t>(row.cu_seqlens_padded[k] + t)] = static_cast<int32_t>(k);
+    }
+  }
+  return seg;
+}
+
+namespace {
+
+constexpr int64_t kMaxRowTokens = std::numeric_limits<int32_t>::max();
+
+Status ValidateConfig(const PackConfig& c) {
+  if (c.dp < 1) {
+    return absl::InvalidArgumentError(fmt::format("dp={}: need at least one DP rank", c.dp));
+  }
+  if ((c.max_tokens > 0) == (c.micro_batches > 0)) {
+    return absl::InvalidArgumentError(
+        "give exactly one of max_tokens (tokens per micro-batch) and micro_batches (per rank), "
+        "both > 0");
+  }
+  if (c.max_tokens < 0 || c.micro_batches < 0) {
+    return absl::InvalidArgumentError("max_tokens and micro_batches must not be negative");
+  }
+  if (!std::isfinite(c.cost.a) || !std::isfinite(c.cost.b) || c.cost.a < 0 || c.cost.b < 0 ||
+      (c.cost.a == 0 && c.cost.b == 0)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "cost model a={} b={}: both must be finite and >= 0, not both 0", c.cost.a, c.cost.b));
+  }
+  return absl::OkStatus();
+}
+
+struct Prepared {
+  std::vector<balance::Item> items;
+  std::vector<int64_t> padded;
+  int64_t real_tokens = 0;
+  int64_t padded_tokens = 0;
+  int64_t longest_padded = 0;
+};
+
+Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int64_t align) {
+  Prepared p;
+  p.items.resize(traces.size());
+  p.padded.resize(traces.size());
+  for (size_t i = 0; i < traces.size(); ++i) {
+    const Trace& t = traces[i];
+    if (t.length < 1 || t.length > kMaxRowTokens) {
+      return absl::InvalidArgumentError(fmt::format(
+          "trace {} (id {}) has length {}; lengths must be in [1, 2^31)", i, t.id, t.length));
+    }
+    if (!std::isfinite(t.cost)) {
+      return absl::InvalidArgumentError(
+          fmt::format("trace {} (id {}) has a non-finite cost", i, t.id));
+    }
+    if (t.loss_tokens > t.length) {
+      return absl::InvalidArgumentError(
+          fmt::format("trace {} (id {}) has {} loss tokens but only {} tokens", i, t.id,
+                      t.loss_tokens, t.length));
+    }
+    const int64_t padded = AlignUp(t.length, align);
+    if (c.max_tokens > 0 && padded > c.max_tokens) {
+      return absl::InvalidArgumentError(fmt::format(
+          "trace {} (id {}) has length {} ({} padded to {}), more than max_tokens={}: raise "
+          "max_tokens or split the trace over a larger CP size",
+          i, t.id, t.length, padded, align, c.max_tokens));
+    }
+    p.padded[i] = padded;
+    p.items[i] = {.cost = t.cost >= 0 ? t.cost : c.cost.Cost(padded), .tokens = padded};
+    p.real_tokens += t.length;
+    p.padded_tokens += padded;
+    p.longest_padded = std::max(p.longest_padded, padded);
+  }
+  return p;
+}
+
+Row MakeRow(std::span<const Trace> traces, const Prepared& p, std::span<const int32_t> members) {
+  Row row;
+  row.trace_ids.reserve(members.size());
+  row.cu_seqlens.reserve(members.size() + 1);
+  row.cu_seqlens_padded.reserve(members.size() + 1);
+  row.cu_seqlens.push_back(0);
+  row.cu_seqlens_padded.push_back(0);
+  int64_t real = 0, padded = 0;
+  for (int32_t i : members) {
+    const Trace& t = traces[static_cast<size_t>(i)];
+    row.trace_ids.push_back(t.id);
+    real += t.length;
+    padded += p.padded[static_cast<size_t>(i)];
+    row.cu_seqlens.push_back(static_cast<int32_t>(real));
+    row.cu_seqlens_padded.push_back(static_cast<int32_t>(padded));
+    row.max_seqlen =
+        std::max(row.max_seqlen, static_cast<int32_t>(p.padded[static_cast<size_t>(i)]));
+    row.loss_tokens += t.loss_tokens >= 0 ? t.loss_tokens : t.length - 1;
+    row.cost += p.items[static_cast<size_t>(i)].cost;
+  }
+  row.real_tokens = real;
+  row.total_tokens = padded;
+  return row;
+}
+
+// Assignment of traces to dp*m micro-batches and of micro-batches to ranks.
+struct Assignment {
+  int m = 0;
+  std::vector<int32_t> bin_of;
+  std::vector<std::vector<int32_t>> rank_bins;  // rank -> bins in step order
+};
+
+std::optional<std::vector<int32_t>> AssignBins(Method method, std::span<const balance::Item> items,
+                                               int bins, int64_t cap) {
+  switch (method) {
+    case Method::kLpt:
+      return balance::Lpt(items, bins, cap);
+    case Method::kRoundRobin:
+      return balance::RoundRobin(items, bins, cap);
+    case Method::kArrivalGreedy:
+      return balance::ArrivalGreedy(items, bins, cap);
+    default:
+      return std::nullopt;
+  }
+}
+
+std::vector<std::vector<int32_t>> IdentityRankBins(int dp, int m) {
+  // Bin b is step b / dp of rank b % dp.
+  std::vector<std::vector<int32_t>> rank_bins(static_cast<size_t>(dp));
+  for (int s = 0; s < m; ++s) {
+    for (int r = 0; r < dp; ++r) {
+      rank_bins[static_cast<size_t>(r)].push_back(s * dp + r);
+    }
+  }
+  return rank_bins;
+}
+
+// Splits one rank's traces (given in decreasing cost order) into m micro-batches: each to the
+// least-loaded micro-batch with room. m is small, so a linear scan beats a heap.
+bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> members, int m,
+               int64_t cap, std::vector<double>& load, std::vector<int64_t>& tokens,
+               std::vector<int32_t>& local) {
+  load.assign(static_cast<size_t>(m), 0.0);
+  tokens.assign(static_cast<size_t>(m), 0);
+  local.resize(members.size());
+  for (size_t j = 0; j < members.size(); ++j) {
+    const balance::Item& it = items[static_cast<size_t>(members[j])];
+    int best = -1;
+    for (int b = 0; b < m; ++b) {
+      if (it.tokens <= cap - tokens[static_cast<size_t>(b)] &&
+          (best < 0 || load[static_cast<size_t>(b)] < load[static_cast<size_t>(best)])) {
+        best = b;
+      }
+    }
+    if (best < 0) {
+      return false;
+    }
+    load[static_cast<size_t>(best)] += it.cost;
+    tokens[static_cast<size_t>(best)] += it.tokens;
+    local[j] = best;
+  }
+  return true;
+}
+
+// The library's method: LPT over ranks (each rank holding at most m*cap tokens), swap
+// refinement between ranks until the costliest rank is within 1e-4 of the bound, then LPT of
+// each rank's traces into its micro-batches. Rank-level balance is what DP waits on; splitting
+// a balanced rank into equal micro-batches keeps every pipeline step alike across ranks. May
+// raise a.m when a rank's traces do not fit into m micro-batches. False if nothing fits.
+bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t cap,
+               std::span<const int32_t> order, Assignment& a) {
+  const int64_t rank_cap = cap == balance::kNoCapacity || cap > balance::kNoCapacity / m
+                               ? balance::kNoCapacity
+                               : cap * m;
+  auto rank_of = balance::LptInOrder(p.items, order, c.dp, rank_cap);
+  if (!rank_of) {
+    return false;
+  }
+  if (c.refine) {
+    double total = 0, largest = 0;
+    for (const balance::Item& it : p.items) {
+      total += it.cost;
+      largest = std::max(largest, it.cost);
+    }
+    std::vector<std::vector<int32_t>> single(static_cast<size_t>(c.dp));
+    for (int r = 0; r < c.dp; ++r) {
+      single[static_cast<size_t>(r)] = {r};
+    }
+    balance::RefineBySwaps(p.items, *rank_of, single, rank_cap, 8 * c.dp + 64,
+                           std::max(largest, total / c.dp) * (1 + 1e-4));
+  }
+  // Members of each rank, still in decreasing cost order.
+  std::vector<int32_t> start(static_cast<size_t>(c.dp) + 1, 0);
+  for (int32_t r : *rank_of) {
+    ++start[static_cast<size_t>(r) + 1];
+  }
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int32_t> members(order.size());
+  {
+    std::vector<int32_t> fill(start.begin(), start.end() - 1);
+    for (int32_t i : order) {
+      members[static_cast<size_t>(
+          fill[static_cast<size_t>((*rank_of)[static_cast<size_t>(i)])]++)] = i;
+    }
+  }
+  std::vector<double> load;
+  std::vector<int64_t> tokens;
+  std::vector<int32_t> local;
+  a.bin_of.assign(p.items.size(), -1);
+  for (int r = 0; r < c.dp; ++r) {
+    std::span<const int32_t> mine(members.data() + start[static_cast<size_t>(r)],
+                                  members.data() + start[static_cast<size_t>(r) + 1]);
+    // Every trace fits alone, so m = |mine| always succeeds.
+    if (!SplitRank(p.items, mine, m, cap, load, tokens, local)) {
+      ++m;
+      r = -1;  // all ranks need the same count: start over with the larger m
+      continue;
+    }
+    for (size_t j = 0; j < mine.size(); ++j) {
+      a.bin_of[static_cast<size_t>(mine[j])] = local[j] * c.dp + r;
+    }
+  }
+  a.m = m;
+  a.rank_bins = IdentityRankBins(c.dp, m);
+  return true;
+}
+
+Result<Assignment> Assign(const Prepared& p, const PackConfig& c) {
+  const int64_t cap = c.max_tokens > 0 ? c.max_tokens : balance::kNoCapacity;
+  const int64_t n = static_cast<int64_t>(p.items.size());
+  int m = c.micro_batches;
+  if (c.max_tokens > 0) {
+    const int64_t per_rank = (p.padded_tokens + c.dp - 1) / c.dp;
+    m = static_cast<int>(std::max<int64_t>(1, (per_rank + c.max_tokens - 1) / c.max_tokens));
+  }
+  const int64_t max_m = std::max<int64_t>(m, (n + c.dp - 1) / c.dp);
+  std::vector<int32_t> order;
+  if (c.method == Method::kLpt) {
+    order = balance::DecreasingCostOrder(p.items);
+  }
+  for (;; ++m) {
+    if (static_cast<int64_t>(m) * c.dp > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError("too many micro-batches (dp * micro_batches >= 2^31)");
+    }
+    Assignment a;
+    a.m = m;
+    const int bins = m * c.dp;
+    if (c.method == Method::kKarmarkarKarp) {
+      const std::vector<int32_t> rank_of = balance::KarmarkarKarp(p.items, c.dp);
+      // Within each rank, LPT into m micro-batches.
+      std::vector<std::vector<int32_t>> per_rank(static_cast<size_t>(c.dp));
+      for (size_t i = 0; i < rank_of.size(); ++i) {
+        per_rank[static_cast<size_t>(rank_of[i])].push_back(static_cast<int32_t>(i));
+      }
+      a.bin_of.assign(p.items.size(), -1);
+      bool ok = true;
+      for (int r = 0; r < c.dp && ok; ++r) {
+        std::vector<balance::Item> sub;
+        for (int32_t i : per_rank[static_cast<size_t>(r)]) {
+          sub.push_back(p.items[static_cast<size_t>(i)]);
+        }
+        auto local = balance::Lpt(sub, m, cap);
+        if (!local) {
+          ok = false;
+          break;
+        }
+        for (size_t j = 0; j < sub.size(); ++j) {
+          a.bin_of[static_cast<size_t>(per_rank[static_cast<size_t>(r)][j])] =
+              (*local)[j] * c.dp + r;
+        }
+      }
+      if (!ok) {
+        if (m >= max_m) {
+          break;
+        }
+        continue;
+      }
+      a.rank_bins = IdentityRankBins(c.dp, m);
+      return a;
+    }
+    if (c.method == Method::kPaddedBshd) {
+      // Arrival order, equal trace counts per micro-batch; capacity is not enforced (see
+      // header): the baseline exists to measure padding and imbalance.
+      const int64_t per_bin = std::max<int64_t>(1, (n + bins - 1) / bins);
+      a.bin_of.resize(p.items.size());
+      for (int64_t i = 0; i < n; ++i) {
+        a.bin_of[static_cast<size_t>(i)] = static_cast<int32_t>(i / per_bin);
+      }
+      a.rank_bins = IdentityRankBins(c.dp, m);
+      return a;
+    }
+    if (c.method == Method::kLpt) {
+      if (!AssignLpt(p, c, m, cap, order, a)) {
+        if (m >= max_m) {
+          break;
+        }
+        continue;
+      }
+      return a;
+    }
+    auto bin_of = AssignBins(c.method, p.items, bins, cap);
+    if (!bin_of) {
+      if (m >= max_m) {
+        break;
+      }
+      continue;
+    }
+    a.bin_of = std::move(*bin_of);
+    a.rank_bins = IdentityRankBins(c.dp, m);
+    return a;
+  }
+  return absl::InvalidArgumentError(fmt::format(
+      "could not fit the traces into micro-batches of {} tokens; raise max_tokens", c.max_tokens));
+}
+
+}  // namespace
+
+Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config) {
+  const auto t0 = std::chrono::steady_clock::now();
+  BRAGG_RETURN_IF_ERROR(ValidateConfig(config));
+  if (traces.empty()) {
+    return absl::InvalidArgumentError("no traces to plan");
+  }
+  if (traces.size() >= static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError("too many traces (>= 2^31)");
+  }
+  BRAGG_ASSIGN_OR_RETURN(const int64_t align, Alignment(config));
+  BRAGG_ASSIGN_OR_RETURN(Prepared p, Prepare(traces, config, align));
+  BRAGG_ASSIGN_OR_RETURN(Assignment a, Assign(p, config));
+
+  const size_t bins = static_cast<size_t>(a.m) * static_cast<size_t>(config.dp);
+  // Members of each bin in arrival order (counting sort keeps it linear).
+  std::vector<int32_t> start(bins + 1, 0);
+  for (int32_t b : a.bin_of) {
+    ++start[static_cast<size_t>(b) + 1];
+  }
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int32_t> flat(traces.size());
+  {
+    std::vector<int32_t> fill(start.begin(), start.end() - 1);
+    for (size_t i = 0; i < traces.size(); ++i) {
+      flat[static_cast<size_t>(fill[static_cast<size_t>(a.bin_of[i])]++)] = static_cast<int32_t>(i);
+    }
+  }
+
+  Plan plan;
+  plan.config = config;
+  plan.ranks.resize(static_cast<size_t>(config.dp));
+  const bool bshd = config.method == Method::kPaddedBshd;
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    RankPlan& rank = plan.ranks[r];
+    rank.micro_batches.reserve(static_cast<size_t>(a.m));
+    for (int32_t b : a.rank_bins[r]) {
+      std::span<const int32_t> members(flat.data() + start[static_cast<size_t>(b)],
+                                       flat.data() + start[static_cast<size_t>(b) + 1]);
+      MicroBatch mb;
+      if (!bshd) {
+        mb.rows.push_back(MakeRow(traces, p, members));
+        if (mb.rows[0].total_tokens > kMaxRowTokens) {
+          return absl::InvalidArgumentError(fmt::format(
+              "a packed row would hold {} tokens, over the int32 limit of cu_seqlens; use "
+              "max_tokens or more micro-batches",
+              mb.rows[0].total_tokens));
+        }
+        mb.cost = mb.rows[0].cost;
+        mb.total_tokens = mb.rows[0].total_tokens;
+      } else {
+        int64_t longest = 0;
+        for (int32_t i : members) {
+          longest = std::max(longest, p.padded[static_cast<size_t>(i)]);
+        }
+        for (int32_t i : members) {
+          Row row = MakeRow(traces, p, std::span<const int32_t>(&i, 1));
+          row.cu_seqlens_padded.back() = static_cast<int32_t>(longest);
+          row.max_seqlen = static_cast<int32_t>(longest);
+          row.total_tokens = longest;
+          if (traces[static_cast<size_t>(i)].cost < 0) {
+            row.cost = config.cost.Cost(longest);  // padding is computed too
+          }
+          mb.cost += row.cost;
+          mb.total_tokens += row.total_tokens;
+          mb.rows.push_back(std::move(row));
+        }
+      }
+      rank.cost += mb.cost;
+      rank.micro_batches.push_back(std::move(mb));
+    }
+    if (config.method == Method::kLpt) {
+      std::stable_sort(rank.micro_batches.begin(), rank.micro_batches.end(),
+                       [](const MicroBatch& x, const MicroBatch& y) { return x.cost > y.cost; });
+    }
+  }
+
+  PlanSummary& s = plan.summary;
+  s.traces = static_cast<int64_t>(traces.size());
+  s.ranks = config.dp;
+  s.micro_batches_per_rank = a.m;
+  s.alignment = align;
+  s.real_tokens = p.real_tokens;
+  for (const RankPlan& rank : plan.ranks) {
+    for (const MicroBatch& mb : rank.micro_batches) {
+      s.padded_tokens += mb.total_tokens;
+    }
+    s.max_rank_cost = std::max(s.max_rank_cost, rank.cost);
+    s.mean_rank_cost += rank.cost;
+  }
+  s.mean_rank_cost /= config.dp;
+  s.padding_fraction = s.padded_tokens > 0 ? static_cast<double>(s.padded_tokens - s.real_tokens) /
+                                                 static_cast<double>(s.padded_tokens)
+                                           : 0.0;
+  s.max_over_mean = s.mean_rank_cost > 0 ? s.max_rank_cost / s.mean_rank_cost : 1.0;
+  double largest = 0;
+  for (const balance::Item& it : p.items) {
+    largest = std::max(largest, it.cost);
+  }
+  s.lower_bound = s.mean_rank_cost > 0 ? std::max(1.0, largest / s.mean_rank_cost) : 1.0;
+  for (size_t i = 0; i < traces.size(); ++i) {
+    if (s.mean_rank_cost > 0 && p.items[i].cost > s.mean_rank_cost) {
+      s.oversized_trace_ids.push_back(traces[i].id);
+    }
+  }
+  for (int step = 0; step < a.m; ++step) {
+    double mx = 0, sum = 0;
+    for (const RankPlan& rank : plan.ranks) {
+      const double cst = rank.micro_batches[static_cast<size_t>(step)].cost;
+      mx = std::max(mx, cst);
+      sum += cst;
+    }
+    if (sum > 0) {
+      s.step_max_over_mean = std::max(s.step_max_over_mean, mx / (sum / config.dp));
+    }
+  }
+  s.plan_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return plan;
+}
+
+}  // namespace bragg::pack

@@ -1,0 +1,210 @@
+#include "pack/plan.h"
+
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "pack/plan_json.h"
+
+namespace bragg::pack {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<Trace> Traces(const std::vector<int64_t>& lengths) {
+  std::vector<Trace> t;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    t.push_back({.id = static_cast<int64_t>(i) + 100, .length = lengths[i]});
+  }
+  return t;
+}
+
+TEST(AlignmentTest, FollowsTheIssueRules) {
+  PackConfig c;
+  EXPECT_EQ(*Alignment(c), 1);
+  c.tp = 4;
+  EXPECT_EQ(*Alignment(c), 1);
+  c.sequence_parallel = true;
+  EXPECT_EQ(*Alignment(c), 4);
+  c.cp = 2;
+  EXPECT_EQ(*Alignment(c), 16);
+  c.cp = 3;
+  c.tp = 1;
+  EXPECT_EQ(*Alignment(c), 6);
+  c.fp8 = true;
+  EXPECT_EQ(*Alignment(c), 48);
+  c.cp = 1;
+  c.sequence_parallel = false;
+  EXPECT_EQ(*Alignment(c), 16);
+  c.cp = 0;
+  EXPECT_FALSE(Alignment(c).ok());
+}
+
+TEST(PlanTest, SmallPlanHasExactLayout) {
+  PackConfig c{.dp = 1, .micro_batches = 1, .cp = 2};
+  auto plan = PlanPacking(Traces({3, 5}), c);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->ranks.size(), 1u);
+  const Row& row = plan->ranks[0].micro_batches[0].rows[0];
+  EXPECT_THAT(row.trace_ids, ElementsAre(100, 101));
+  EXPECT_THAT(row.cu_seqlens, ElementsAre(0, 3, 8));
+  EXPECT_THAT(row.cu_seqlens_padded, ElementsAre(0, 4, 12));
+  EXPECT_EQ(row.max_seqlen, 8);
+  EXPECT_EQ(row.total_tokens, 12);
+  EXPECT_EQ(row.loss_tokens, 2 + 4);
+  EXPECT_THAT(PositionIds(row), ElementsAre(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7));
+  EXPECT_THAT(SegmentIds(row), ElementsAre(0, 0, 0, -1, 1, 1, 1, 1, 1, -1, -1, -1));
+  EXPECT_NEAR(plan->summary.padding_fraction, 4.0 / 12.0, 1e-12);
+}
+
+TEST(PlanTest, BalancesAndReportsLowerBound) {
+  std::mt19937 rng(1);
+  std::lognormal_distribution<double> len(std::log(2000.0), 1.0);
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 5000; ++i) {
+    lengths.push_back(std::clamp<int64_t>(static_cast<int64_t>(len(rng)), 64, 65536));
+  }
+  PackConfig c{.dp = 16, .max_tokens = 65536, .fp8 = true, .cost = {.a = 1, .b = 1.0 / 4096}};
+  auto plan = PlanPacking(Traces(lengths), c);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const PlanSummary& s = plan->summary;
+  EXPECT_LE(s.max_over_mean, s.lower_bound * 1.005);
+  EXPECT_LT(s.padding_fraction, 0.005);
+  for (const RankPlan& r : plan->ranks) {
+    EXPECT_EQ(static_cast<int>(r.micro_batches.size()), s.micro_batches_per_rank);
+    // Costlier micro-batches first so that pipeline step j is alike on every rank.
+    for (size_t j = 1; j < r.micro_batches.size(); ++j) {
+      EXPECT_GE(r.micro_batches[j - 1].cost, r.micro_batches[j].cost);
+    }
+  }
+}
+
+TEST(PlanTest, FlagsTracesCostlierThanARank) {
+  PackConfig c{.dp = 4, .micro_batches = 1, .cost = {.a = 0, .b = 1}};
+  auto plan = PlanPacking(Traces({1000, 10, 10, 10, 10, 10}), c);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_THAT(plan->summary.oversized_trace_ids, ElementsAre(100));
+  EXPECT_GT(plan->summary.lower_bound, 3.9);
+  EXPECT_NEAR(plan->summary.max_over_mean, plan->summary.lower_bound, 1e-9);
+}
+
+TEST(PlanTest, ExplicitCostsOverrideTheModel) {
+  std::vector<Trace> t = Traces({10, 10, 10, 10});
+  t[0].cost = 30;  // as costly as the other three together
+  t[1].cost = t[2].cost = t[3].cost = 10;
+  auto plan = PlanPacking(t, {.dp = 2, .micro_batches = 1});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_DOUBLE_EQ(plan->summary.max_over_mean, 1.0);
+  for (const RankPlan& r : plan->ranks) {
+    EXPECT_DOUBLE_EQ(r.cost, 30);
+  }
+}
+
+TEST(PlanTest, MoreTracesThanSlotsLeavesEmptyMicroBatchesAlike) {
+  auto plan = PlanPacking(Traces({5}), {.dp = 3, .micro_batches = 2});
+  ASSERT_TRUE(plan.ok());
+  int nonempty = 0;
+  for (const RankPlan& r : plan->ranks) {
+    ASSERT_EQ(r.micro_batches.size(), 2u);
+    for (const MicroBatch& mb : r.micro_batches) {
+      nonempty += mb.rows[0].trace_ids.empty() ? 0 : 1;
+      EXPECT_EQ(mb.rows[0].cu_seqlens.front(), 0);
+    }
+  }
+  EXPECT_EQ(nonempty, 1);
+}
+
+TEST(PlanTest, RejectsBadInputWithActionableErrors) {
+  EXPECT_FALSE(PlanPacking(Traces({}), {.dp = 1, .micro_batches = 1}).ok());
+  EXPECT_FALSE(PlanPacking(Traces({0}), {.dp = 1, .micro_batches = 1}).ok());
+  EXPECT_FALSE(PlanPacking(Traces({-5}), {.dp = 1, .micro_batches = 1}).ok());
+  EXPECT_FALSE(PlanPacking(Traces({5}), {.dp = 0, .micro_batches = 1}).ok());
+  EXPECT_FALSE(PlanPacking(Traces({5}), {.dp = 1}).ok());
+  EXPECT_FALSE(PlanPacking(Traces({5}), {.dp = 1, .max_tokens = 8, .micro_batches = 1}).ok());
+  EXPECT_FALSE(
+      PlanPacking(Traces({5}), {.dp = 1, .micro_batches = 1, .cost = {.a = 0, .b = 0}}).ok());
+  EXPECT_FALSE(
+      PlanPacking(Traces({5}), {.dp = 1, .micro_batches = 1, .cost = {.a = -1, .b = 0}}).ok());
+  std::vector<Trace> nan = Traces({5});
+  nan[0].cost = std::nan("");
+  EXPECT_FALSE(PlanPacking(nan, {.dp = 1, .micro_batches = 1}).ok());
+  std::vector<Trace> loss = Traces({5});
+  loss[0].loss_tokens = 6;
+  EXPECT_FALSE(PlanPacking(loss, {.dp = 1, .micro_batches = 1}).ok());
+  auto too_long = PlanPacking(Traces({100}), {.dp = 1, .max_tokens = 64, .cp = 2});
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("raise max_tokens"));
+  // One row over int32 offsets.
+  auto huge = PlanPacking(Traces({2000000000, 2000000000}), {.dp = 1, .micro_batches = 1});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("int32"));
+}
+
+TEST(PlanTest, EveryMethodPlacesEveryTraceOnce) {
+  std::vector<int64_t> lengths;
+  for (int i = 1; i <= 300; ++i) {
+    lengths.push_back((i * 7919) % 997 + 1);
+  }
+  for (Method m : {Method::kLpt, Method::kRoundRobin, Method::kArrivalGreedy,
+                   Method::kKarmarkarKarp, Method::kPaddedBshd}) {
+    auto plan = PlanPacking(Traces(lengths), {.dp = 4, .max_tokens = 4096, .method = m});
+    ASSERT_TRUE(plan.ok()) << MethodName(m) << ": " << plan.status();
+    std::multiset<int64_t> seen;
+    for (const RankPlan& r : plan->ranks) {
+      EXPECT_EQ(static_cast<int>(r.micro_batches.size()), plan->summary.micro_batches_per_rank);
+      for (const MicroBatch& mb : r.micro_batches) {
+        for (const Row& row : mb.rows) {
+          seen.insert(row.trace_ids.begin(), row.trace_ids.end());
+        }
+        if (m != Method::kPaddedBshd) {
+          EXPECT_LE(mb.total_tokens, 4096) << MethodName(m);
+        }
+      }
+    }
+    EXPECT_EQ(seen.size(), lengths.size()) << MethodName(m);
+    EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), lengths.size());
+    if (m == Method::kPaddedBshd) {
+      EXPECT_GT(plan->summary.padding_fraction, 0.2);
+    } else {
+      EXPECT_EQ(plan->summary.padding_fraction, 0.0);
+    }
+  }
+}
+
+TEST(PlanJsonTest, HasTheContractKeys) {
+  auto plan = PlanPacking(Traces({3, 5, 9}), {.dp = 2, .micro_batches = 1, .cp = 2});
+  ASSERT_TRUE(plan.ok());
+  auto j = PlanToJson(*plan);
+  for (const char* k : {"traces", "ranks", "micro_batches_per_rank", "max_over_mean", "lower_bound",
+                        "padding_fraction", "plan_ms"}) {
+    EXPECT_TRUE(j["summary"].contains(k)) << k;
+  }
+  ASSERT_EQ(j["ranks"].size(), 2u);
+  const auto& mb = j["ranks"][0]["micro_batches"][0];
+  EXPECT_TRUE(mb.contains("trace_ids"));
+  EXPECT_TRUE(mb.contains("cu_seqlens"));
+  EXPECT_TRUE(mb.contains("cu_seqlens_padded"));
+}
+
+TEST(ParseTest, LengthsAndLists) {
+  auto l = ParseLengths("5\n 7 \n\n# comment\n9\r\n");
+  ASSERT_TRUE(l.ok());
+  EXPECT_THAT(*l, ElementsAre(5, 7, 9));
+  auto bad = ParseLengths("5\nseven\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("line 2"));
+  EXPECT_FALSE(ParseLengths("5x\n").ok());
+  auto list = ParseIntList("0,8,20");
+  ASSERT_TRUE(list.ok());
+  EXPECT_THAT(*list, ElementsAre(0, 8, 20));
+  EXPECT_FALSE(ParseIntList("0,,8").ok());
+  EXPECT_FALSE(ParseIntList("").ok());
+  EXPECT_FALSE(ParseIntList("0,99999999999").ok());
+}
+
+}  // namespace
+}  // namespace bragg::pack
