@@ -139,6 +139,16 @@ void CloseFrom(int first) {
     }
   }
   setsid();
+  // pbox-init protects itself from the OOM killer (-999); commands must stay killable, and
+  // raising one's own score needs no privilege.
+  {
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      ssize_t unused = write(fd, "0", 1);
+      (void)unused;
+      close(fd);
+    }
+  }
 
   // The stdio fds may themselves sit on 0-2 (or on each other's targets): move them all above
   // the error pipe's final slot first, then dup2 into place.

@@ -4,32 +4,10 @@
 #include <iostream>
 
 #include "common/logging.h"
+#include "common/units.h"
 #include "pbox/agent.h"
 #include "pbox/image_store.h"
 #include "spdlog/spdlog.h"
-
-namespace {
-
-uint64_t ParseBytes(const std::string& text) {
-  size_t pos = 0;
-  double v = std::stod(text, &pos);
-  std::string unit = text.substr(pos);
-  double mult = 1;
-  if (unit == "" || unit == "B") {
-    mult = 1;
-  } else if (unit == "K" || unit == "KiB" || unit == "k") {
-    mult = 1024.0;
-  } else if (unit == "M" || unit == "MiB" || unit == "m") {
-    mult = 1024.0 * 1024;
-  } else if (unit == "G" || unit == "GiB" || unit == "g") {
-    mult = 1024.0 * 1024 * 1024;
-  } else {
-    throw CLI::ValidationError("size", "unknown unit '" + unit + "' (use K, M or G)");
-  }
-  return static_cast<uint64_t>(v * mult);
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   bragg::pbox::AgentConfig config;
@@ -70,14 +48,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   try {
     app.parse(argc, argv);
-    config.defaults.memory_bytes = ParseBytes(memory);
-    config.defaults.disk_bytes = ParseBytes(disk);
-    config.defaults.max_memory_bytes = ParseBytes(max_memory);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
-  } catch (const std::exception& e) {
-    std::cerr << "pboxd: bad size: " << e.what() << "\n";
-    return 2;
+  }
+  for (auto [text, dest] : {std::pair{&memory, &config.defaults.memory_bytes},
+                            {&disk, &config.defaults.disk_bytes},
+                            {&max_memory, &config.defaults.max_memory_bytes}}) {
+    auto size = bragg::ParseSize(*text);
+    if (!size.ok()) {
+      std::cerr << "pboxd: " << size.status().message() << "\n";
+      return 2;
+    }
+    *dest = *size;
   }
   if (!listen.empty()) {
     config.listen = listen;

@@ -39,3 +39,10 @@ target_link_libraries(pbox_agent PUBLIC
 add_executable(pboxd ${CMAKE_CURRENT_SOURCE_DIR}/pboxd_main.cc)
 target_link_libraries(pboxd PRIVATE pbox_agent CLI11::CLI11)
 add_dependencies(pboxd pbox-init)
+
+# C++ client library and the pbox CLI.
+add_library(pbox_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/client/client.cc)
+target_link_libraries(pbox_client PUBLIC pbox_proto bragg_common)
+
+add_executable(pbox ${CMAKE_CURRENT_SOURCE_DIR}/client/pbox_main.cc)
+target_link_libraries(pbox PRIVATE pbox_client CLI11::CLI11)

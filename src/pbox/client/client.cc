@@ -1,0 +1,449 @@
+#include "pbox/client/client.h"
+
+#include <grpcpp/grpcpp.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <thread>
+
+#include "common/fs.h"
+#include "fmt/format.h"
+
+namespace bragg::pbox::client {
+namespace {
+
+constexpr const char* kDefaultEndpoint = "unix:///run/pbox/pbox.sock";
+
+std::string Getenv(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
+}
+
+}  // namespace
+
+Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) {
+    return absl::OkStatus();
+  }
+  std::string message = status.error_message();
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+      message.find("connect") != std::string::npos) {
+    message += " (is pboxd running? check --endpoint or PBOX_ENDPOINT)";
+  }
+  return Status(static_cast<absl::StatusCode>(status.error_code()), message);
+}
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  std::unique_ptr<Client> c(new Client());
+  c->endpoint_ = options.endpoint;
+  if (c->endpoint_.empty()) {
+    c->endpoint_ = Getenv("PBOX_ENDPOINT");
+  }
+  if (c->endpoint_.empty()) {
+    c->endpoint_ = kDefaultEndpoint;
+  }
+  c->token_ = options.token;
+  if (c->token_.empty()) {
+    c->token_ = Getenv("PBOX_TOKEN");
+  }
+  if (c->token_.empty() && !Getenv("PBOX_TOKEN_FILE").empty()) {
+    BRAGG_ASSIGN_OR_RETURN(c->token_, ReadFileToString(Getenv("PBOX_TOKEN_FILE")));
+    while (!c->token_.empty() && (c->token_.back() == '\n' || c->token_.back() == ' ')) {
+      c->token_.pop_back();
+    }
+  }
+  c->call_timeout_ms_ = options.call_timeout_ms;
+  std::string target;
+  if (c->endpoint_.rfind("unix://", 0) == 0) {
+    target = "unix:" + c->endpoint_.substr(7);
+  } else if (c->endpoint_.rfind("tcp://", 0) == 0) {
+    target = c->endpoint_.substr(6);
+  } else {
+    return absl::InvalidArgumentError(fmt::format(
+        "endpoint \"{}\": expected unix:///path.sock or tcp://host:port", c->endpoint_));
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  args.SetMaxSendMessageSize(16 << 20);
+  // Keepalive lets the agent and this client notice a dead peer on TCP within seconds.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  c->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  c->stub_ = v1::Pbox::NewStub(c->channel_);
+  return c;
+}
+
+void Client::Prepare(grpc::ClientContext* ctx, bool with_deadline) const {
+  if (!token_.empty()) {
+    ctx->AddMetadata("authorization", "Bearer " + token_);
+  }
+  if (with_deadline && call_timeout_ms_ > 0) {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(call_timeout_ms_));
+  }
+}
+
+Result<v1::InfoResponse> Client::Info() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::InfoResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->Info(&ctx, v1::InfoRequest(), &resp)));
+  return resp;
+}
+
+Result<v1::HealthResponse> Client::Health() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::HealthResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->Health(&ctx, v1::HealthRequest(), &resp)));
+  return resp;
+}
+
+Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_name) {
+  std::unique_ptr<Session> s(new Session());
+  s->ctx_ = std::make_unique<grpc::ClientContext>();
+  Prepare(s->ctx_.get(), false);
+  s->stream_ = stub_->Session(s->ctx_.get());
+  v1::SessionRequest open;
+  open.mutable_open()->set_client_name(client_name);
+  v1::SessionEvent ev;
+  if (!s->stream_->Write(open) || !s->stream_->Read(&ev) || !ev.has_opened()) {
+    s->stream_->WritesDone();
+    s->closed_ = true;
+    Status st = FromGrpc(s->stream_->Finish());
+    return st.ok() ? absl::UnavailableError("the agent closed the session at once") : st;
+  }
+  s->id_ = ev.opened().session_id();
+  return s;
+}
+
+Session::~Session() { (void)Close(); }
+
+Status Session::Close() {
+  if (closed_ || !stream_) {
+    return absl::OkStatus();
+  }
+  closed_ = true;
+  stream_->WritesDone();
+  v1::SessionEvent ev;
+  while (stream_->Read(&ev)) {
+  }
+  return FromGrpc(stream_->Finish());
+}
+
+Result<v1::Sandbox> Client::Create(const v1::SandboxSpec& spec, const std::string& session_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::CreateSandboxRequest req;
+  *req.mutable_spec() = spec;
+  req.set_session_id(session_id);
+  v1::Sandbox resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->CreateSandbox(&ctx, req, &resp)));
+  return resp;
+}
+
+Status Client::Destroy(const std::string& sandbox_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::DestroySandboxRequest req;
+  req.set_sandbox_id(sandbox_id);
+  v1::DestroySandboxResponse resp;
+  return FromGrpc(stub_->DestroySandbox(&ctx, req, &resp));
+}
+
+Result<v1::Sandbox> Client::Get(const std::string& sandbox_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::GetSandboxRequest req;
+  req.set_sandbox_id(sandbox_id);
+  v1::Sandbox resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->GetSandbox(&ctx, req, &resp)));
+  return resp;
+}
+
+Result<std::vector<v1::Sandbox>> Client::List(const std::string& session_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::ListSandboxesRequest req;
+  req.set_session_id(session_id);
+  v1::ListSandboxesResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->ListSandboxes(&ctx, req, &resp)));
+  return std::vector<v1::Sandbox>(resp.sandboxes().begin(), resp.sandboxes().end());
+}
+
+Result<v1::RunResponse> Client::Run(const RunArgs& args) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::RunRequest req;
+  req.set_sandbox_id(args.sandbox_id);
+  for (const auto& a : args.argv) {
+    req.add_argv(a);
+  }
+  req.mutable_env()->insert(args.env.begin(), args.env.end());
+  req.set_cwd(args.cwd);
+  req.set_timeout_ms(args.timeout_ms);
+  req.set_stdin(args.stdin);
+  req.set_max_output_bytes(args.max_output_bytes);
+  v1::RunResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->Run(&ctx, req, &resp)));
+  return resp;
+}
+
+Result<v1::ExecResult> Client::Exec(const v1::ExecStart& start, int stdin_fd,
+                                    const OutputFn& on_output) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  auto stream = stub_->Exec(&ctx);
+  v1::ExecRequest first;
+  *first.mutable_start() = start;
+  first.mutable_start()->set_stdin(stdin_fd >= 0);
+  if (!stream->Write(first)) {
+    return FromGrpc(stream->Finish());
+  }
+  std::thread feeder;
+  Pipe wake;
+  if (stdin_fd >= 0) {
+    BRAGG_ASSIGN_OR_RETURN(wake, MakePipe());
+    feeder = std::thread([&stream, stdin_fd, wake_fd = wake.read.get()] {
+      v1::ExecRequest msg;
+      std::string buf(kChunkBytes, '\0');
+      for (;;) {
+        // Waits for input or for the command's end (a terminal may never reach EOF).
+        struct pollfd fds[2] = {{stdin_fd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
+        if (::poll(fds, 2, -1) < 0) {
+          if (errno == EINTR) {
+            continue;
+          }
+          break;
+        }
+        if (fds[1].revents != 0) {
+          return;
+        }
+        ssize_t n = ::read(stdin_fd, buf.data(), buf.size());
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+          continue;
+        }
+        if (n <= 0) {
+          break;
+        }
+        msg.set_stdin(buf.data(), static_cast<size_t>(n));
+        if (!stream->Write(msg)) {
+          return;
+        }
+      }
+      stream->WritesDone();
+    });
+  } else {
+    stream->WritesDone();
+  }
+  v1::ExecResponse resp;
+  std::optional<v1::ExecResult> result;
+  while (!result.has_value() && stream->Read(&resp)) {
+    switch (resp.kind_case()) {
+      case v1::ExecResponse::kStdout:
+        on_output(false, resp.stdout());
+        break;
+      case v1::ExecResponse::kStderr:
+        on_output(true, resp.stderr());
+        break;
+      case v1::ExecResponse::kResult:
+        result = resp.result();
+        break;
+      default:
+        break;
+    }
+  }
+  if (feeder.joinable()) {
+    wake.write.Reset();  // wakes the feeder
+    feeder.join();
+    if (result.has_value()) {
+      // Input the command never read is moot; this ends our half of the stream.
+      ctx.TryCancel();
+    }
+  }
+  Status st = FromGrpc(stream->Finish());
+  if (result.has_value()) {
+    return *result;
+  }
+  return st.ok() ? absl::InternalError("Exec ended without a result") : st;
+}
+
+Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std::string& path,
+                                       std::string_view data, uint32_t mode, bool make_parents) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::FileInfo resp;
+  auto writer = stub_->WriteFile(&ctx, &resp);
+  v1::WriteFileRequest msg;
+  v1::WriteFileHeader* h = msg.mutable_header();
+  h->set_sandbox_id(sandbox_id);
+  h->set_path(path);
+  h->set_mode(mode);
+  h->set_make_parents(make_parents);
+  bool ok = writer->Write(msg);
+  while (ok && !data.empty()) {
+    size_t n = std::min(data.size(), kChunkBytes);
+    msg.set_chunk(data.data(), n);
+    ok = writer->Write(msg);
+    data.remove_prefix(n);
+  }
+  writer->WritesDone();
+  BRAGG_RETURN_IF_ERROR(FromGrpc(writer->Finish()));
+  return resp;
+}
+
+Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, const std::string& path,
+                                             int fd, uint32_t mode, bool make_parents) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::FileInfo resp;
+  auto writer = stub_->WriteFile(&ctx, &resp);
+  v1::WriteFileRequest msg;
+  v1::WriteFileHeader* h = msg.mutable_header();
+  h->set_sandbox_id(sandbox_id);
+  h->set_path(path);
+  h->set_mode(mode);
+  h->set_make_parents(make_parents);
+  bool ok = writer->Write(msg);
+  std::string* buf = msg.mutable_chunk();
+  Status read_error;
+  while (ok) {
+    buf->resize(kChunkBytes);
+    ssize_t n = ::read(fd, buf->data(), buf->size());
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      read_error = ErrnoError("read", "upload source");
+      ctx.TryCancel();
+      break;
+    }
+    if (n == 0) {
+      break;
+    }
+    buf->resize(static_cast<size_t>(n));
+    ok = writer->Write(msg);
+  }
+  writer->WritesDone();
+  Status st = FromGrpc(writer->Finish());
+  BRAGG_RETURN_IF_ERROR(read_error);
+  BRAGG_RETURN_IF_ERROR(st);
+  return resp;
+}
+
+Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::string& path,
+                                     uint64_t offset, uint64_t length) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::ReadFileRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  req.set_offset(offset);
+  req.set_length(length);
+  auto reader = stub_->ReadFile(&ctx, req);
+  std::string out;
+  v1::ReadFileResponse msg;
+  while (reader->Read(&msg)) {
+    if (out.empty()) {
+      out = std::move(*msg.mutable_chunk());
+    } else {
+      out += msg.chunk();
+    }
+  }
+  BRAGG_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
+  return out;
+}
+
+Result<uint64_t> Client::ReadFileToFd(const std::string& sandbox_id, const std::string& path,
+                                      int fd) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::ReadFileRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  auto reader = stub_->ReadFile(&ctx, req);
+  uint64_t total = 0;
+  v1::ReadFileResponse msg;
+  Status write_error;
+  while (reader->Read(&msg)) {
+    write_error = WriteAll(fd, msg.chunk());
+    if (!write_error.ok()) {
+      ctx.TryCancel();
+      break;
+    }
+    total += msg.chunk().size();
+  }
+  Status st = FromGrpc(reader->Finish());
+  BRAGG_RETURN_IF_ERROR(write_error);
+  BRAGG_RETURN_IF_ERROR(st);
+  return total;
+}
+
+Result<std::vector<v1::FileInfo>> Client::ListDir(const std::string& sandbox_id,
+                                                  const std::string& path) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::ListDirRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  v1::ListDirResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->ListDir(&ctx, req, &resp)));
+  return std::vector<v1::FileInfo>(resp.entries().begin(), resp.entries().end());
+}
+
+Result<v1::FileInfo> Client::Stat(const std::string& sandbox_id, const std::string& path) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::StatRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  v1::FileInfo resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->Stat(&ctx, req, &resp)));
+  return resp;
+}
+
+Result<v1::FileInfo> Client::MakeDir(const std::string& sandbox_id, const std::string& path,
+                                     bool parents, uint32_t mode) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::MakeDirRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  req.set_parents(parents);
+  req.set_mode(mode);
+  v1::FileInfo resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->MakeDir(&ctx, req, &resp)));
+  return resp;
+}
+
+Status Client::Remove(const std::string& sandbox_id, const std::string& path, bool recursive) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::RemoveRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  req.set_recursive(recursive);
+  v1::RemoveResponse resp;
+  return FromGrpc(stub_->Remove(&ctx, req, &resp));
+}
+
+Result<v1::FileInfo> Client::Move(const std::string& sandbox_id, const std::string& src,
+                                  const std::string& dst, bool no_replace) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::MoveRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_src(src);
+  req.set_dst(dst);
+  req.set_no_replace(no_replace);
+  v1::FileInfo resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->Move(&ctx, req, &resp)));
+  return resp;
+}
+
+}  // namespace bragg::pbox::client

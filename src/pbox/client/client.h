@@ -1,0 +1,125 @@
+#pragma once
+
+// C++ client of the pbox agent (bragg.pbox.v1). The pbox CLI is built on it.
+//
+//   auto client = Client::Connect({});                  // PBOX_ENDPOINT or the default socket
+//   auto session = (*client)->OpenSession("trainer");   // sandboxes live while it is open
+//   auto sb = (*client)->Create(spec, (*session)->id());
+//   auto r = (*client)->Run(RunArgs{.sandbox_id = sb->id(), .argv = {"python3", "-c", "1"}});
+//
+// Thread-safe: one Client may be used from many threads (gRPC channels are).
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bragg/pbox/v1/pbox.grpc.pb.h"
+#include "common/status.h"
+
+namespace bragg::pbox::client {
+
+namespace v1 = bragg::pbox::v1;
+
+struct ClientOptions {
+  // "unix:///path.sock" or "tcp://host:port". Empty: $PBOX_ENDPOINT, else
+  // unix:///run/pbox/pbox.sock.
+  std::string endpoint;
+  // Bearer token for TCP. Empty: $PBOX_TOKEN, else the contents of $PBOX_TOKEN_FILE.
+  std::string token;
+  // Deadline of unary calls other than Run/Create (ms). 0: none.
+  uint32_t call_timeout_ms = 60000;
+};
+
+struct RunArgs {
+  std::string sandbox_id;
+  std::vector<std::string> argv;
+  std::map<std::string, std::string> env;
+  std::string cwd;
+  uint64_t timeout_ms = 0;
+  std::string stdin;
+  uint64_t max_output_bytes = 0;
+};
+
+// Called with each piece of output as it arrives, on the calling thread.
+using OutputFn = std::function<void(bool is_stderr, std::string_view data)>;
+
+// A lease held open with the agent: when it is destroyed (or the process dies), the agent
+// destroys every sandbox created in it. Not thread-safe; owns a background stream.
+class Session {
+ public:
+  ~Session();
+  const std::string& id() const { return id_; }
+  // Ends the session now (the agent then destroys its sandboxes).
+  Status Close();
+
+ private:
+  friend class Client;
+  Session() = default;
+  std::string id_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream_;
+  bool closed_ = false;
+};
+
+class Client {
+ public:
+  // Resolves the endpoint and token; does not contact the agent (the first call does).
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  const std::string& endpoint() const { return endpoint_; }
+
+  Result<v1::InfoResponse> Info();
+  Result<v1::HealthResponse> Health();
+
+  Result<std::unique_ptr<Session>> OpenSession(const std::string& client_name);
+
+  // Empty session_id: a detached sandbox, destroyed by DestroySandbox or its idle TTL.
+  Result<v1::Sandbox> Create(const v1::SandboxSpec& spec, const std::string& session_id = "");
+  Status Destroy(const std::string& sandbox_id);
+  Result<v1::Sandbox> Get(const std::string& sandbox_id);
+  Result<std::vector<v1::Sandbox>> List(const std::string& session_id = "");
+
+  Result<v1::RunResponse> Run(const RunArgs& args);
+  // Streams output to `on_output` and, if `stdin_fd` >= 0, copies that fd to the command's
+  // stdin until EOF (on a helper thread). Returns the command's result.
+  Result<v1::ExecResult> Exec(const v1::ExecStart& start, int stdin_fd, const OutputFn& on_output);
+
+  // Uploads `data` (streamed in chunks).
+  Result<v1::FileInfo> WriteFile(const std::string& sandbox_id, const std::string& path,
+                                 std::string_view data, uint32_t mode = 0644,
+                                 bool make_parents = true);
+  // Uploads everything readable from `fd`.
+  Result<v1::FileInfo> WriteFileFromFd(const std::string& sandbox_id, const std::string& path,
+                                       int fd, uint32_t mode = 0644, bool make_parents = true);
+  Result<std::string> ReadFile(const std::string& sandbox_id, const std::string& path,
+                               uint64_t offset = 0, uint64_t length = 0);
+  // Streams the file into `fd`; returns the bytes written.
+  Result<uint64_t> ReadFileToFd(const std::string& sandbox_id, const std::string& path, int fd);
+  Result<std::vector<v1::FileInfo>> ListDir(const std::string& sandbox_id, const std::string& path);
+  Result<v1::FileInfo> Stat(const std::string& sandbox_id, const std::string& path);
+  Result<v1::FileInfo> MakeDir(const std::string& sandbox_id, const std::string& path,
+                               bool parents = true, uint32_t mode = 0755);
+  Status Remove(const std::string& sandbox_id, const std::string& path, bool recursive = false);
+  Result<v1::FileInfo> Move(const std::string& sandbox_id, const std::string& src,
+                            const std::string& dst, bool no_replace = false);
+
+  static constexpr size_t kChunkBytes = 256 * 1024;
+
+ private:
+  Client() = default;
+  void Prepare(grpc::ClientContext* ctx, bool with_deadline) const;
+
+  std::string endpoint_;
+  std::string token_;
+  uint32_t call_timeout_ms_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Pbox::Stub> stub_;
+};
+
+// grpc::Status -> Status, keeping the agent's message.
+Status FromGrpc(const grpc::Status& status);
+
+}  // namespace bragg::pbox::client

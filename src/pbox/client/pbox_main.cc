@@ -1,0 +1,307 @@
+// pbox: command-line client of the pbox agent.
+//
+//   pbox create [--memory 1G] [--cpus 1] ...      prints the new sandbox id
+//   pbox exec ID [--timeout S] [-i] -- CMD ...    exits with CMD's exit code (124: timeout,
+//                                                 137: OOM-killed or killed)
+//   pbox cp SRC DST                               one side ID:/path; '-' is stdin/stdout
+//   pbox ps | ls ID:/dir | rm ID... | info
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+
+#include "common/fs.h"
+#include "common/units.h"
+#include "fmt/format.h"
+#include "pbox/client/client.h"
+
+namespace {
+
+using bragg::Result;
+using bragg::Status;
+namespace v1 = bragg::pbox::v1;
+using bragg::pbox::client::Client;
+
+int Fail(const Status& s) {
+  std::cerr << "pbox: " << s.message() << "\n";
+  return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+// "ID:/path" -> (ID, /path); a plain path -> ("", path).
+std::pair<std::string, std::string> SplitRemote(const std::string& arg) {
+  size_t colon = arg.find(':');
+  if (colon == std::string::npos || colon == 0 || arg.rfind("./", 0) == 0 || arg[0] == '/') {
+    return {"", arg};
+  }
+  return {arg.substr(0, colon), arg.substr(colon + 1)};
+}
+
+Result<std::map<std::string, std::string>> ParseEnv(const std::vector<std::string>& items) {
+  std::map<std::string, std::string> env;
+  for (const auto& kv : items) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError(fmt::format("--env {}: expected KEY=VALUE", kv));
+    }
+    env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return env;
+}
+
+const char* TypeName(v1::FileType t) {
+  switch (t) {
+    case v1::FILE_TYPE_REGULAR:
+      return "-";
+    case v1::FILE_TYPE_DIRECTORY:
+      return "d";
+    case v1::FILE_TYPE_SYMLINK:
+      return "l";
+    default:
+      return "?";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::signal(SIGPIPE, SIG_IGN);
+  CLI::App app{"pbox: run commands in sandboxes on this node's pbox agent"};
+  app.require_subcommand(1);
+  bragg::pbox::client::ClientOptions options;
+  app.add_option("--endpoint", options.endpoint,
+                 "agent address: unix:///path.sock or tcp://host:port (default $PBOX_ENDPOINT, "
+                 "else unix:///run/pbox/pbox.sock)");
+  app.add_option("--token", options.token, "bearer token for TCP (default $PBOX_TOKEN)");
+
+  // create
+  auto* create = app.add_subcommand("create", "create a detached sandbox; prints its id");
+  std::string image, memory = "0", disk = "0", workdir;
+  uint32_t cpus = 0, pids = 0, ttl = 0;
+  double cpu_quota = 0;
+  std::vector<std::string> create_env, labels;
+  create->add_option("--image", image, "image name (default host)");
+  create->add_option("--cpus", cpus, "CPUs of the agent's sandbox set");
+  create->add_option("--cpu-quota", cpu_quota, "CPU time limit in CPUs, e.g. 0.5");
+  create->add_option("--memory", memory, "memory limit, e.g. 512M (default: agent's)");
+  create->add_option("--disk", disk, "writable layer size, e.g. 1G (default: agent's)");
+  create->add_option("--pids", pids, "process limit (default: agent's)");
+  create->add_option("--env", create_env, "KEY=VALUE; repeatable");
+  create->add_option("--workdir", workdir, "default working directory");
+  create->add_option("--ttl", ttl, "idle TTL in seconds (default: agent's)");
+  create->add_option("--label", labels, "KEY=VALUE; repeatable");
+
+  // exec
+  auto* exec = app.add_subcommand("exec", "run a command in a sandbox, streaming its output");
+  std::string exec_id, cwd;
+  double timeout_s = 0;
+  bool interactive = false;
+  std::vector<std::string> exec_env, command;
+  exec->add_option("id", exec_id, "sandbox id")->required();
+  exec->add_option("--timeout", timeout_s, "seconds; the command's whole tree is killed then");
+  exec->add_option("--env,-e", exec_env, "KEY=VALUE; repeatable");
+  exec->add_option("--cwd,-w", cwd, "working directory inside the sandbox");
+  exec->add_flag("--interactive,-i", interactive, "forward stdin to the command");
+  exec->add_option("command", command, "command and arguments (after --)")->required();
+
+  // cp
+  auto* cp = app.add_subcommand("cp", "copy a file into or out of a sandbox");
+  std::string cp_src, cp_dst;
+  cp->add_option("src", cp_src, "local path, '-' for stdin, or ID:/path")->required();
+  cp->add_option("dst", cp_dst, "local path, '-' for stdout, or ID:/path")->required();
+
+  auto* ps = app.add_subcommand("ps", "list sandboxes");
+  bool quiet = false;
+  ps->add_flag("--quiet,-q", quiet, "ids only");
+
+  auto* ls = app.add_subcommand("ls", "list a directory in a sandbox");
+  std::string ls_target;
+  ls->add_option("target", ls_target, "ID:/path")->required();
+
+  auto* rm = app.add_subcommand("rm", "destroy sandboxes");
+  std::vector<std::string> rm_ids;
+  rm->add_option("ids", rm_ids, "sandbox ids")->required();
+
+  auto* info = app.add_subcommand("info", "show the agent's version, CPU set and capacity");
+
+  CLI11_PARSE(app, argc, argv);
+
+  auto client_or = Client::Connect(options);
+  if (!client_or.ok()) {
+    return Fail(client_or.status());
+  }
+  Client& client = **client_or;
+
+  if (*create) {
+    v1::SandboxSpec spec;
+    spec.set_image(image);
+    spec.set_cpus(cpus);
+    spec.set_cpu_quota(cpu_quota);
+    for (auto [text, setter] : {std::pair<std::string*, void (v1::SandboxSpec::*)(uint64_t)>{
+                                    &memory, &v1::SandboxSpec::set_memory_bytes},
+                                {&disk, &v1::SandboxSpec::set_disk_bytes}}) {
+      auto size = bragg::ParseSize(*text);
+      if (!size.ok()) {
+        return Fail(size.status());
+      }
+      (spec.*setter)(*size);
+    }
+    spec.set_pids(pids);
+    auto env = ParseEnv(create_env);
+    auto lbl = ParseEnv(labels);
+    if (!env.ok()) {
+      return Fail(env.status());
+    }
+    if (!lbl.ok()) {
+      return Fail(lbl.status());
+    }
+    spec.mutable_env()->insert(env->begin(), env->end());
+    spec.mutable_labels()->insert(lbl->begin(), lbl->end());
+    spec.set_workdir(workdir);
+    spec.set_idle_ttl_seconds(ttl);
+    auto sb = client.Create(spec);
+    if (!sb.ok()) {
+      return Fail(sb.status());
+    }
+    std::cout << sb->id() << "\n";
+    return 0;
+  }
+
+  if (*exec) {
+    v1::ExecStart start;
+    start.set_sandbox_id(exec_id);
+    for (const auto& a : command) {
+      start.add_argv(a);
+    }
+    auto env = ParseEnv(exec_env);
+    if (!env.ok()) {
+      return Fail(env.status());
+    }
+    start.mutable_env()->insert(env->begin(), env->end());
+    start.set_cwd(cwd);
+    start.set_timeout_ms(static_cast<uint64_t>(timeout_s * 1000));
+    auto result = client.Exec(
+        start, interactive ? STDIN_FILENO : -1, [](bool is_stderr, std::string_view data) {
+          (void)bragg::WriteAll(is_stderr ? STDERR_FILENO : STDOUT_FILENO, data);
+        });
+    if (!result.ok()) {
+      return Fail(result.status());
+    }
+    if (!result->error().empty()) {
+      std::cerr << "pbox: " << result->error() << "\n";
+    }
+    if (result->timed_out()) {
+      std::cerr << fmt::format("pbox: timed out after {:g} s; the command was killed\n", timeout_s);
+      return 124;
+    }
+    if (result->oom_killed()) {
+      std::cerr << "pbox: the command was killed: its sandbox ran out of memory\n";
+      return 137;
+    }
+    if (result->signal() != 0) {
+      return 128 + result->signal();
+    }
+    return result->exit_code();
+  }
+
+  if (*cp) {
+    auto [src_id, src_path] = SplitRemote(cp_src);
+    auto [dst_id, dst_path] = SplitRemote(cp_dst);
+    if (src_id.empty() == dst_id.empty()) {
+      return Fail(absl::InvalidArgumentError(
+          "pbox cp: exactly one of SRC and DST must be in a sandbox (ID:/path)"));
+    }
+    if (!dst_id.empty()) {
+      bragg::UniqueFd in;
+      if (src_path != "-") {
+        auto fd = bragg::OpenFile(src_path, O_RDONLY);
+        if (!fd.ok()) {
+          return Fail(fd.status());
+        }
+        in = std::move(*fd);
+      }
+      auto r = client.WriteFileFromFd(dst_id, dst_path, in.valid() ? in.get() : STDIN_FILENO);
+      return r.ok() ? 0 : Fail(r.status());
+    }
+    bragg::UniqueFd out;
+    if (dst_path != "-") {
+      auto fd = bragg::OpenFile(dst_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (!fd.ok()) {
+        return Fail(fd.status());
+      }
+      out = std::move(*fd);
+    }
+    auto r = client.ReadFileToFd(src_id, src_path, out.valid() ? out.get() : STDOUT_FILENO);
+    return r.ok() ? 0 : Fail(r.status());
+  }
+
+  if (*ps) {
+    auto list = client.List();
+    if (!list.ok()) {
+      return Fail(list.status());
+    }
+    if (!quiet) {
+      std::cout << fmt::format("{:<16} {:<16} {:<8} {:<6} {:>10} {:>10} {:>6}\n", "ID", "SESSION",
+                               "IMAGE", "CPUS", "MEMORY", "USED", "EXECS");
+    }
+    for (const auto& sb : *list) {
+      if (quiet) {
+        std::cout << sb.id() << "\n";
+        continue;
+      }
+      std::cout << fmt::format("{:<16} {:<16} {:<8} {:<6} {:>10} {:>10} {:>6}\n", sb.id(),
+                               sb.session_id().empty() ? "-" : sb.session_id(), sb.spec().image(),
+                               sb.cpuset(), bragg::FormatSize(sb.spec().memory_bytes()),
+                               bragg::FormatSize(sb.memory_usage_bytes()), sb.running_execs());
+    }
+    return 0;
+  }
+
+  if (*ls) {
+    auto [id, path] = SplitRemote(ls_target);
+    if (id.empty()) {
+      return Fail(absl::InvalidArgumentError("pbox ls: expected ID:/path"));
+    }
+    auto entries = client.ListDir(id, path.empty() ? "/" : path);
+    if (!entries.ok()) {
+      return Fail(entries.status());
+    }
+    for (const auto& e : *entries) {
+      std::cout << fmt::format("{}{:04o} {:>10} {}{}\n", TypeName(e.type()), e.mode(), e.size(),
+                               e.path(),
+                               e.symlink_target().empty() ? "" : " -> " + e.symlink_target());
+    }
+    return 0;
+  }
+
+  if (*rm) {
+    int rc = 0;
+    for (const auto& id : rm_ids) {
+      Status s = client.Destroy(id);
+      if (!s.ok()) {
+        rc = Fail(s);
+      }
+    }
+    return rc;
+  }
+
+  if (*info) {
+    auto i = client.Info();
+    if (!i.ok()) {
+      return Fail(i.status());
+    }
+    std::cout << fmt::format(
+        "version:        {}\nhostname:       {}\nruntime:        {} (available: {})\n"
+        "sandbox cpus:   {}\ncgroup:         {}\nsandboxes:      {} live, {} max\n"
+        "images:         {}\ndefaults:       memory {}, disk {}, pids {}\n",
+        i->version(), i->hostname(), i->default_runtime(), fmt::join(i->runtimes(), ", "),
+        i->cpuset(), i->cgroup_version(), i->live_sandboxes(), i->max_sandboxes(),
+        fmt::join(i->images(), ", "), bragg::FormatSize(i->default_memory_bytes()),
+        bragg::FormatSize(i->default_disk_bytes()), i->default_pids());
+    return 0;
+  }
+  return 0;
+}
