@@ -237,7 +237,7 @@ bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> me
 }
 
 // The library's method: LPT over ranks (each rank holding at most m*cap tokens), swap
-// refinement between ranks until the costliest rank is within 1e-4 of the bound, then LPT of
+// refinement between ranks while the costliest rank is more than 0.2% above the bound, then LPT of
 // each rank's traces into its micro-batches. Rank-level balance is what DP waits on; splitting
 // a balanced rank into equal micro-batches keeps every pipeline step alike across ranks. May
 // raise a.m when a rank's traces do not fit into m micro-batches. False if nothing fits.
@@ -261,7 +261,7 @@ bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t cap,
       single[static_cast<size_t>(r)] = {r};
     }
     balance::RefineBySwaps(p.items, *rank_of, single, rank_cap, 8 * c.dp + 64,
-                           std::max(largest, total / c.dp) * (1 + 1e-4));
+                           std::max(largest, total / c.dp) * (1 + 2e-3));
   }
   // Members of each rank, still in decreasing cost order.
   std::vector<int32_t> start(static_cast<size_t>(c.dp) + 1, 0);
