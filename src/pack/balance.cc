@@ -113,6 +113,18 @@ std::vector<int32_t> ByDecreasingCost(std::span<const Item> items) {
     key[i] = ~bits;  // decreasing order
     idx[i] = static_cast<int32_t>(i);
   }
+  if (n < 4096) {
+    // Small inputs: the radix passes' 256 KiB of counters would cost more than the sort.
+    std::vector<std::pair<uint64_t, int32_t>> kv(n);
+    for (size_t i = 0; i < n; ++i) {
+      kv[i] = {key[i], idx[i]};
+    }
+    std::sort(kv.begin(), kv.end());
+    for (size_t i = 0; i < n; ++i) {
+      idx[i] = kv[i].second;
+    }
+    return idx;
+  }
   std::vector<uint32_t> count(1 << 16);
   for (int shift = 0; shift < 64; shift += 16) {
     std::fill(count.begin(), count.end(), 0);
