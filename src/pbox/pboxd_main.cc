@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/units.h"
 #include "pbox/agent.h"
@@ -10,6 +11,9 @@
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
+  // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
+  // not to; gRPC locks on every call.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   bragg::pbox::AgentConfig config;
   std::string log_level = "info";
   std::string memory = "1G", disk = "1G", max_memory = "0";

@@ -73,6 +73,8 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Large initial flow-control window: file transfers move MiBs per call.
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 8 << 20);
   c->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   c->stub_ = v1::Pbox::NewStub(c->channel_);
   return c;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "absl/synchronization/mutex.h"
 #include "common/fs.h"
 #include "common/units.h"
 #include "fmt/format.h"
@@ -68,6 +69,9 @@ const char* TypeName(v1::FileType t) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
+  // not to; gRPC locks on every call.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   ::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"pbox: run commands in sandboxes on this node's pbox agent"};
   app.require_subcommand(1);

@@ -1,9 +1,5 @@
 # The pbox agent: generated gRPC code, the agent library, pboxd.
 
-find_package(Protobuf REQUIRED)
-find_package(gRPC CONFIG REQUIRED)
-find_package(nlohmann_json REQUIRED)
-find_package(CLI11 CONFIG REQUIRED)
 pkg_check_modules(SECCOMP REQUIRED IMPORTED_TARGET libseccomp)
 find_program(GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
 
@@ -34,7 +30,7 @@ add_library(pbox_agent STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/service.cc)
 target_link_libraries(pbox_agent PUBLIC
   pbox_proto pbox_cgroup pbox_fs pbox_init_client pbox_metrics bragg_common
-  nlohmann_json::nlohmann_json PkgConfig::SECCOMP)
+  nlohmann_json::nlohmann_json PkgConfig::SECCOMP absl::synchronization)
 
 add_executable(pboxd ${CMAKE_CURRENT_SOURCE_DIR}/pboxd_main.cc)
 target_link_libraries(pboxd PRIVATE pbox_agent CLI11::CLI11)
@@ -42,7 +38,7 @@ add_dependencies(pboxd pbox-init)
 
 # C++ client library and the pbox CLI.
 add_library(pbox_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/client/client.cc)
-target_link_libraries(pbox_client PUBLIC pbox_proto bragg_common)
+target_link_libraries(pbox_client PUBLIC pbox_proto bragg_common absl::synchronization)
 
 add_executable(pbox ${CMAKE_CURRENT_SOURCE_DIR}/client/pbox_main.cc)
 target_link_libraries(pbox PRIVATE pbox_client CLI11::CLI11)

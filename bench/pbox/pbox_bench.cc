@@ -1,0 +1,293 @@
+// pbox-bench: latency and throughput of a pbox agent with N live sandboxes, beside the
+// loopback TCP floor for the same bytes, measured in the same run.
+//
+//   pbox-bench --endpoint unix:///tmp/pbox.sock --sandboxes 100 --rounds 3 --json out.json
+//
+// Output contract (scripts depend on it): one JSON object with "runtime", "sandboxes",
+// "metrics" {create_ms, exec_true_ms, exec_python_ms, rtt_1mib_ms, rtt_1mib_concurrent_ms:
+// {"p50", "p99"}}, "throughput_gbps", and "floor" (the same shape for loopback TCP).
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "common/fs.h"
+#include "fmt/format.h"
+#include "pbox/client/client.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using bragg::pbox::client::Client;
+namespace v1 = bragg::pbox::v1;
+
+double Ms(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+struct Stats {
+  std::vector<double> v;
+  double Pct(double p) {
+    if (v.empty()) {
+      return 0;
+    }
+    std::sort(v.begin(), v.end());
+    size_t idx = static_cast<size_t>(p / 100.0 * static_cast<double>(v.size() - 1) + 0.5);
+    return v[std::min(idx, v.size() - 1)];
+  }
+  nlohmann::json Json() { return {{"p50", Pct(50)}, {"p99", Pct(99)}, {"n", v.size()}}; }
+};
+
+[[noreturn]] void Die(const bragg::Status& s, const char* what) {
+  std::cerr << "pbox-bench: " << what << ": " << s.message() << "\n";
+  std::exit(1);
+}
+
+// Runs `fn(i)` for i in [0, n) on `threads` threads.
+template <typename Fn>
+void ParallelFor(size_t n, size_t threads, Fn fn) {
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < std::min(n, threads); ++t) {
+    pool.emplace_back([&] {
+      for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+        fn(i);
+      }
+    });
+  }
+  for (auto& t : pool) {
+    t.join();
+  }
+}
+
+// The floor: the same bytes up and back down over one loopback TCP connection to an echo
+// thread (what any network service must at least pay).
+Stats LoopbackFloor(size_t bytes, int rounds) {
+  int ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(ls, 1) != 0 ||
+      ::getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    Die(bragg::ErrnoError("bind/listen", "127.0.0.1"), "loopback floor");
+  }
+  std::thread echo([ls, bytes, rounds] {
+    int c = ::accept4(ls, nullptr, nullptr, SOCK_CLOEXEC);
+    int one = 1;
+    ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    std::string buf(bytes, '\0');
+    for (int r = 0; r < rounds; ++r) {
+      size_t got = 0;
+      while (got < bytes) {
+        ssize_t n = ::read(c, buf.data() + got, bytes - got);
+        if (n <= 0) {
+          ::close(c);
+          return;
+        }
+        got += static_cast<size_t>(n);
+      }
+      (void)bragg::WriteAll(c, buf);
+    }
+    ::close(c);
+  });
+  int c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (::connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    Die(bragg::ErrnoError("connect", "127.0.0.1"), "loopback floor");
+  }
+  std::string data(bytes, 'x'), back(bytes, '\0');
+  Stats st;
+  for (int r = 0; r < rounds; ++r) {
+    auto t0 = Clock::now();
+    std::thread sender([&] { (void)bragg::WriteAll(c, data); });
+    size_t got = 0;
+    while (got < bytes) {
+      ssize_t n = ::read(c, back.data() + got, bytes - got);
+      if (n <= 0) {
+        break;
+      }
+      got += static_cast<size_t>(n);
+    }
+    sender.join();
+    st.v.push_back(Ms(t0));
+  }
+  ::close(c);
+  echo.join();
+  ::close(ls);
+  return st;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
+  // not to; gRPC locks on every call.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  CLI::App app{"pbox-bench: pbox latency and throughput with N live sandboxes"};
+  bragg::pbox::client::ClientOptions options;
+  size_t sandboxes = 100;
+  int rounds = 3;
+  std::string runtime, json_out;
+  size_t threads = 8;
+  app.add_option("--endpoint", options.endpoint, "agent endpoint (default $PBOX_ENDPOINT)");
+  app.add_option("--sandboxes", sandboxes, "live sandboxes")->capture_default_str();
+  app.add_option("--rounds", rounds, "measurements per sandbox and metric")->capture_default_str();
+  app.add_option("--runtime", runtime, "runtime to ask for (default: the agent's)");
+  app.add_option("--threads", threads, "client threads for creation and concurrent phases")
+      ->capture_default_str();
+  app.add_option("--json", json_out, "write results here");
+  CLI11_PARSE(app, argc, argv);
+
+  auto client_or = Client::Connect(options);
+  if (!client_or.ok()) {
+    Die(client_or.status(), "connect");
+  }
+  Client& client = **client_or;
+  auto info = client.Info();
+  if (!info.ok()) {
+    Die(info.status(), "Info");
+  }
+  auto session = client.OpenSession("pbox-bench");
+  if (!session.ok()) {
+    Die(session.status(), "OpenSession");
+  }
+  std::string sid = (*session)->id();
+  std::string rt = runtime.empty() ? info->default_runtime() : runtime;
+  std::cerr << fmt::format("pbox-bench: {} sandboxes, runtime {}, {} rounds, agent cpus {}\n",
+                           sandboxes, rt, rounds, info->cpuset());
+
+  // create -> first exec ready
+  std::vector<std::string> ids(sandboxes);
+  Stats create;
+  std::mutex mu;
+  auto t_create = Clock::now();
+  ParallelFor(sandboxes, threads, [&](size_t i) {
+    v1::SandboxSpec spec;
+    spec.set_runtime(runtime);
+    spec.set_memory_bytes(256 << 20);
+    spec.set_disk_bytes(256 << 20);
+    auto t0 = Clock::now();
+    auto sb = client.Create(spec, sid);
+    if (!sb.ok()) {
+      Die(sb.status(), "CreateSandbox");
+    }
+    double ms = Ms(t0);
+    ids[i] = sb->id();
+    std::lock_guard<std::mutex> lock(mu);
+    create.v.push_back(ms);
+    if (create.v.size() % 25 == 0) {
+      std::cerr << fmt::format("  created {}/{}\n", create.v.size(), sandboxes);
+    }
+  });
+  std::cerr << fmt::format("  all {} created in {:.0f} ms\n", sandboxes, Ms(t_create));
+
+  auto exec_round = [&](const std::vector<std::string>& argv, Stats* out) {
+    for (int r = 0; r < rounds; ++r) {
+      for (size_t i = 0; i < sandboxes; ++i) {
+        bragg::pbox::client::RunArgs args{.sandbox_id = ids[i], .argv = argv};
+        auto t0 = Clock::now();
+        auto res = client.Run(args);
+        double ms = Ms(t0);
+        if (!res.ok() || res->result().exit_code() != 0) {
+          Die(res.ok() ? absl::InternalError(res->stderr()) : res.status(), "Run");
+        }
+        out->v.push_back(ms);
+      }
+    }
+  };
+  Stats exec_true, exec_python;
+  exec_round({"true"}, &exec_true);
+  std::cerr << fmt::format("  exec true p50 {:.3f} ms\n", exec_true.Pct(50));
+  exec_round({"python3", "-c", "pass"}, &exec_python);
+  std::cerr << fmt::format("  exec python3 -c pass p50 {:.3f} ms\n", exec_python.Pct(50));
+
+  // 1 MiB upload then download of the same bytes, checked.
+  constexpr size_t kMiB = 1 << 20;
+  std::string payload(kMiB, '\0');
+  std::mt19937_64 rng(42);
+  for (size_t i = 0; i < kMiB; i += 8) {
+    uint64_t x = rng();
+    std::memcpy(payload.data() + i, &x, 8);
+  }
+  auto round_trip = [&](const std::string& id) {
+    auto t0 = Clock::now();
+    auto w = client.WriteFile(id, "/tmp/bench.bin", payload);
+    if (!w.ok()) {
+      Die(w.status(), "WriteFile");
+    }
+    auto r = client.ReadFile(id, "/tmp/bench.bin");
+    if (!r.ok()) {
+      Die(r.status(), "ReadFile");
+    }
+    double ms = Ms(t0);
+    if (*r != payload) {
+      Die(absl::DataLossError("downloaded bytes differ from uploaded ones"), "round trip");
+    }
+    return ms;
+  };
+  Stats rtt;
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < sandboxes; ++i) {
+      rtt.v.push_back(round_trip(ids[i]));
+    }
+  }
+  std::cerr << fmt::format("  1 MiB round trip p50 {:.3f} ms\n", rtt.Pct(50));
+  Stats rtt_conc;
+  double bytes_moved = 0;
+  auto t_conc = Clock::now();
+  for (int r = 0; r < rounds; ++r) {
+    ParallelFor(sandboxes, sandboxes, [&](size_t i) {
+      double ms = round_trip(ids[i]);
+      std::lock_guard<std::mutex> lock(mu);
+      rtt_conc.v.push_back(ms);
+      bytes_moved += 2.0 * kMiB;
+    });
+  }
+  double conc_s = Ms(t_conc) / 1000.0;
+  double gbps = bytes_moved / conc_s / 1e9;
+  std::cerr << fmt::format("  concurrent 1 MiB round trips p50 {:.3f} ms, {:.2f} GB/s\n",
+                           rtt_conc.Pct(50), gbps);
+
+  Stats floor = LoopbackFloor(kMiB, std::max(rounds * 20, 50));
+  std::cerr << fmt::format("  loopback TCP floor, 1 MiB up and back: p50 {:.3f} ms\n",
+                           floor.Pct(50));
+
+  (void)(*session)->Close();
+  nlohmann::json out = {
+      {"runtime", rt},
+      {"sandboxes", sandboxes},
+      {"rounds", rounds},
+      {"metrics",
+       {{"create_ms", create.Json()},
+        {"exec_true_ms", exec_true.Json()},
+        {"exec_python_ms", exec_python.Json()},
+        {"rtt_1mib_ms", rtt.Json()},
+        {"rtt_1mib_concurrent_ms", rtt_conc.Json()}}},
+      {"throughput_gbps", gbps},
+      {"floor", {{"rtt_1mib_tcp_loopback_ms", floor.Json()}}},
+  };
+  std::cout << out.dump(2) << "\n";
+  if (!json_out.empty()) {
+    auto s = bragg::WriteStringToFile(json_out, out.dump(2) + "\n");
+    if (!s.ok()) {
+      Die(s, "writing --json");
+    }
+  }
+  return 0;
+}

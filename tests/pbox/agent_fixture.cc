@@ -1,0 +1,82 @@
+#include "agent_fixture.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "fmt/format.h"
+
+namespace bragg::pbox::testing {
+
+Result<std::unique_ptr<TestAgent>> TestAgent::Start(const AgentOptions& options) {
+  std::unique_ptr<TestAgent> a(new TestAgent());
+  BRAGG_ASSIGN_OR_RETURN(a->dir_, TempDir::Create("/tmp", "pbox-test-"));
+  a->state_dir_ = a->dir_.path() + "/state";
+  a->ready_file_ = a->dir_.path() + "/ready.json";
+  a->unix_endpoint_ = "unix://" + a->dir_.path() + "/pbox.sock";
+  a->flags_ = {"--listen",     a->unix_endpoint_, "--state-dir", a->state_dir_,      "--ready-file",
+               a->ready_file_, "--log-level",     "warn",        "--metrics-listen", "127.0.0.1:0"};
+  if (options.tcp) {
+    a->token_ = "test-token-0123456789abcdef";
+    std::string token_file = a->dir_.path() + "/token";
+    BRAGG_RETURN_IF_ERROR(WriteStringToFile(token_file, a->token_ + "\n"));
+    ::chmod(token_file.c_str(), 0600);
+    a->flags_.insert(a->flags_.end(),
+                     {"--listen", "tcp://127.0.0.1:0", "--token-file", token_file});
+  }
+  a->flags_.insert(a->flags_.end(), options.extra_flags.begin(), options.extra_flags.end());
+  BRAGG_RETURN_IF_ERROR(a->Launch());
+  return a;
+}
+
+Status TestAgent::Launch() {
+  ::unlink(ready_file_.c_str());
+  std::vector<std::string> argv = {PBOXD_PATH};
+  argv.insert(argv.end(), flags_.begin(), flags_.end());
+  BRAGG_ASSIGN_OR_RETURN(process_, Spawn(argv));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto ready = ReadFileToString(ready_file_);
+    if (ready.ok()) {
+      auto j = nlohmann::json::parse(*ready);
+      metrics_port_ = j["metrics_port"].get<int>();
+      for (const auto& e : j["endpoints"]) {
+        std::string ep = e.get<std::string>();
+        if (ep.rfind("tcp://", 0) == 0) {
+          tcp_endpoint_ = ep;
+        }
+      }
+      return absl::OkStatus();
+    }
+    auto exited = process_.Wait(std::chrono::milliseconds(20));
+    if (exited.ok()) {
+      return absl::InternalError(
+          fmt::format("pboxd exited before it was ready: {}", DescribeExit(*exited)));
+    }
+  }
+  return absl::DeadlineExceededError("pboxd did not become ready in 20 s");
+}
+
+TestAgent::~TestAgent() {
+  if (process_.running()) {
+    (void)Stop(SIGTERM);
+  }
+}
+
+std::unique_ptr<client::Client> TestAgent::NewClient() const {
+  auto c = client::Client::Connect({.endpoint = unix_endpoint_});
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+Result<ExitInfo> TestAgent::Stop(int sig) {
+  BRAGG_RETURN_IF_ERROR(process_.Signal(sig));
+  return process_.Wait(std::chrono::milliseconds(30000));
+}
+
+Status TestAgent::Restart() { return Launch(); }
+
+}  // namespace bragg::pbox::testing

@@ -1,0 +1,55 @@
+#pragma once
+
+// Starts a real pboxd in a temp dir for a test and stops it afterwards.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/fs.h"
+#include "common/process.h"
+#include "common/status.h"
+#include "pbox/client/client.h"
+
+namespace bragg::pbox::testing {
+
+struct AgentOptions {
+  std::vector<std::string> extra_flags;
+  bool tcp = false;  // also listen on tcp://127.0.0.1:0 with a token
+};
+
+// One pboxd process. Destruction SIGTERMs it and waits.
+class TestAgent {
+ public:
+  // Starts pboxd and waits (up to 20 s) for its ready file.
+  static Result<std::unique_ptr<TestAgent>> Start(const AgentOptions& options = {});
+  ~TestAgent();
+
+  const std::string& unix_endpoint() const { return unix_endpoint_; }
+  const std::string& tcp_endpoint() const { return tcp_endpoint_; }
+  const std::string& token() const { return token_; }
+  const std::string& state_dir() const { return state_dir_; }
+  const std::string& dir() const { return dir_.path(); }
+  pid_t pid() const { return process_.pid(); }
+  int metrics_port() const { return metrics_port_; }
+  std::vector<std::string> flags() const { return flags_; }
+
+  // A client of the unix socket.
+  std::unique_ptr<client::Client> NewClient() const;
+  // Sends `sig` and waits for exit.
+  Result<ExitInfo> Stop(int sig);
+  // Starts the agent again with the same flags (after Stop).
+  Status Restart();
+
+ private:
+  TestAgent() = default;
+  Status Launch();
+
+  TempDir dir_;
+  std::string state_dir_, unix_endpoint_, tcp_endpoint_, token_, ready_file_;
+  std::vector<std::string> flags_;
+  ChildProcess process_;
+  int metrics_port_ = 0;
+};
+
+}  // namespace bragg::pbox::testing
