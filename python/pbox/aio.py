@@ -1,0 +1,569 @@
+"""asyncio client for pbox, on ``grpc.aio``; the same surface as :mod:`pbox` with ``await``.
+
+Example::
+
+    import asyncio
+    import pbox.aio
+
+    async def main():
+        async with pbox.aio.Client() as client:
+            async with client.session(client_name="rollouts") as s:
+                sb = await s.create(memory="512M")
+                r = await sb.run(["python3", "-c", "print(1 + 1)"])
+                print(r.stdout)
+
+    asyncio.run(main())
+
+A client's channel is bound to the event loop it is first used in; make one client per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple, Union
+
+import grpc
+import grpc.aio
+
+from . import _common as c
+from ._proto import pbox_pb2 as pb
+from ._proto import pbox_pb2_grpc as pb_grpc
+from .client import Data
+from .errors import NotFound, PboxError, SessionClosed, Unavailable, error_from_rpc
+from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
+
+__all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
+
+
+class Client:
+    """An asyncio connection to one pboxd; arguments as :class:`pbox.Client`."""
+
+    def __init__(self, endpoint: Optional[str] = None, token: Optional[str] = None, *,
+                 timeout: Optional[float] = None) -> None:
+        self.endpoint, self._target = c.resolve_endpoint(endpoint)
+        self._md = c.metadata_for(c.resolve_token(token))
+        self._timeout = timeout
+        self._channel: Optional[grpc.aio.Channel] = None
+        self._stub_obj: Optional[pb_grpc.PboxStub] = None
+        self._sessions: List["Session"] = []
+
+    @property
+    def _stub(self) -> pb_grpc.PboxStub:
+        if self._stub_obj is None:
+            self._channel = grpc.aio.insecure_channel(self._target, options=c.channel_options())
+            self._stub_obj = pb_grpc.PboxStub(self._channel)
+        return self._stub_obj
+
+    def _error(self, err: grpc.RpcError, method: str) -> PboxError:
+        e = error_from_rpc(err, method)
+        if isinstance(e, Unavailable):
+            return Unavailable(f"cannot reach pboxd at {self.endpoint}: {e.message}",
+                               code=e.code, method=method)
+        return e
+
+    async def _unary(self, method: str, request: Any, deadline: bool = True) -> Any:
+        try:
+            return await getattr(self._stub, method)(
+                request, metadata=self._md, timeout=self._timeout if deadline else None)
+        except grpc.RpcError as e:
+            raise self._error(e, method) from None
+
+    async def info(self) -> AgentInfo:
+        return c.agent_info(await self._unary("Info", pb.InfoRequest()))
+
+    async def health(self) -> Health:
+        return c.health(await self._unary("Health", pb.HealthRequest()))
+
+    async def list(self, session_id: Optional[str] = None) -> List[SandboxInfo]:
+        resp = await self._unary("ListSandboxes",
+                                 pb.ListSandboxesRequest(session_id=session_id or ""))
+        return [c.sandbox_info(s) for s in resp.sandboxes]
+
+    async def get(self, sandbox_id: str) -> "Sandbox":
+        resp = await self._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=sandbox_id))
+        return Sandbox(self, c.sandbox_info(resp))
+
+    async def create(self, image: str = "host", cpus: int = 1, memory: c.Size = None,
+                     disk: c.Size = None, pids: Optional[int] = None,
+                     env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
+                     idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
+                     runtime: Optional[str] = None,
+                     cpu_quota: Optional[float] = None) -> "Sandbox":
+        """A detached sandbox (see :meth:`pbox.Client.create`)."""
+        spec = c.build_spec(image, cpus, memory, disk, pids, env, workdir, idle_ttl, labels,
+                            runtime, cpu_quota)
+        return await self._create("", spec)
+
+    async def _create(self, session_id: str, spec: pb.SandboxSpec) -> "Sandbox":
+        resp = await self._unary("CreateSandbox",
+                                 pb.CreateSandboxRequest(session_id=session_id, spec=spec))
+        return Sandbox(self, c.sandbox_info(resp))
+
+    async def destroy(self, sandbox_id: str) -> None:
+        await self._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=sandbox_id))
+
+    def session(self, client_name: str = "", job_id: str = "",
+                ping_interval: Optional[float] = None, open_timeout: float = 30.0) -> "Session":
+        """A session; use ``async with client.session() as s`` (or ``await s.open()``)."""
+        if not client_name:
+            client_name = f"python-aio:{os.getpid()}"
+        if not job_id:
+            job_id = os.environ.get("SLURM_JOB_ID", "")
+        s = Session(self, client_name, job_id, ping_interval, open_timeout)
+        self._sessions = [x for x in self._sessions if not x.closed]
+        self._sessions.append(s)
+        return s
+
+    async def close(self) -> None:
+        """Closes open sessions (destroying their sandboxes) and the channel."""
+        sessions, self._sessions = self._sessions, []
+        for s in sessions:
+            await s.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._stub_obj = None
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class Session:
+    """An asyncio session (lease); see :class:`pbox.Session`."""
+
+    def __init__(self, client: Client, client_name: str, job_id: str,
+                 ping_interval: Optional[float], open_timeout: float) -> None:
+        self._client = client
+        self._client_name = client_name
+        self._job_id = job_id
+        self._ping_interval = ping_interval
+        self._open_timeout = open_timeout
+        self._id = ""
+        self._call: Any = None
+        self._reader: Optional[asyncio.Task] = None
+        self._pinger: Optional[asyncio.Task] = None
+        self._done: Optional[asyncio.Event] = None  # made in open(), inside the loop
+        self._error: Optional[PboxError] = None
+        self._pongs: Dict[int, asyncio.Future] = {}
+        self._nonce = itertools.count(1)
+        self._closing = False
+        self._write_lock: Optional[asyncio.Lock] = None
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def closed(self) -> bool:
+        return self._done is not None and self._done.is_set()
+
+    async def open(self) -> "Session":
+        """Opens the stream and waits for the session id."""
+        if self._call is not None:
+            return self
+        self._done = asyncio.Event()
+        self._write_lock = asyncio.Lock()
+        self._call = self._client._stub.Session(metadata=self._client._md)
+        try:
+            await self._call.write(pb.SessionRequest(
+                open=pb.SessionOpen(client_name=self._client_name, job_id=self._job_id)))
+            ev = await asyncio.wait_for(self._call.read(), self._open_timeout)
+        except asyncio.TimeoutError:
+            self._call.cancel()
+            self._done.set()
+            raise Unavailable(f"pboxd at {self._client.endpoint} did not open a session within "
+                              f"{self._open_timeout:.0f} s", method="Session") from None
+        except grpc.RpcError as e:
+            self._done.set()
+            raise self._client._error(e, "Session") from None
+        if ev is grpc.aio.EOF or not ev.HasField("opened"):
+            self._done.set()
+            raise SessionClosed("the agent ended the session before opening it", method="Session")
+        self._id = ev.opened.session_id
+        self._reader = asyncio.ensure_future(self._read())
+        if self._ping_interval:
+            self._pinger = asyncio.ensure_future(self._ping_loop(self._ping_interval))
+        return self
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                ev = await self._call.read()
+                if ev is grpc.aio.EOF:
+                    break
+                if ev.HasField("pong"):
+                    fut = self._pongs.pop(ev.pong.nonce, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+        except (grpc.RpcError, asyncio.CancelledError) as e:
+            if isinstance(e, grpc.RpcError) and not self._closing:
+                self._error = self._client._error(e, "Session")
+        finally:
+            assert self._done is not None
+            self._done.set()
+            for fut in self._pongs.values():
+                if not fut.done():
+                    fut.set_exception(SessionClosed("session closed"))
+            self._pongs.clear()
+
+    async def _send(self, req: pb.SessionRequest) -> None:
+        assert self._write_lock is not None
+        async with self._write_lock:
+            await self._call.write(req)
+
+    async def _ping_loop(self, interval: float) -> None:
+        assert self._done is not None
+        while not self._done.is_set():
+            await asyncio.sleep(interval)
+            if self._done.is_set() or self._closing:
+                return
+            try:
+                await self._send(pb.SessionRequest(ping=pb.Ping(nonce=next(self._nonce))))
+            except Exception:
+                return
+
+    def _check_open(self) -> None:
+        if self._call is None:
+            raise SessionClosed("session not opened: use `async with client.session()` or "
+                                "`await session.open()`")
+        if self.closed or self._closing:
+            reason = f": {self._error.message}" if self._error else ""
+            raise SessionClosed(f"session {self._id} is closed{reason}")
+
+    async def ping(self, timeout: float = 10.0) -> float:
+        """Round trip time in seconds of a Ping on the session stream."""
+        self._check_open()
+        nonce = next(self._nonce)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pongs[nonce] = fut
+        t0 = loop.time()
+        await self._send(pb.SessionRequest(ping=pb.Ping(nonce=nonce)))
+        await asyncio.wait_for(fut, timeout)
+        return loop.time() - t0
+
+    async def create(self, image: str = "host", cpus: int = 1, memory: c.Size = None,
+                     disk: c.Size = None, pids: Optional[int] = None,
+                     env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
+                     idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
+                     runtime: Optional[str] = None,
+                     cpu_quota: Optional[float] = None) -> "Sandbox":
+        """A sandbox owned by this session; arguments as :meth:`pbox.Session.create`."""
+        self._check_open()
+        spec = c.build_spec(image, cpus, memory, disk, pids, env, workdir, idle_ttl, labels,
+                            runtime, cpu_quota)
+        return await self._client._create(self._id, spec)
+
+    async def list(self) -> List[SandboxInfo]:
+        return await self._client.list(self._id)
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Half-closes the stream and waits until the agent has destroyed the sandboxes."""
+        if self._call is None or self._closing:
+            return
+        self._closing = True
+        if self._pinger is not None:
+            self._pinger.cancel()
+        assert self._done is not None
+        try:
+            if not self._done.is_set():
+                assert self._write_lock is not None
+                async with self._write_lock:
+                    await self._call.done_writing()
+            await asyncio.wait_for(self._done.wait(), timeout)
+        except (asyncio.TimeoutError, grpc.RpcError):
+            self._call.cancel()
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(self._reader, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+
+    async def __aenter__(self) -> "Session":
+        return await self.open()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class Sandbox:
+    """An asyncio handle on one sandbox; see :class:`pbox.Sandbox`."""
+
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def session_id(self) -> str:
+        return self.info.session_id
+
+    def __repr__(self) -> str:
+        return f"<pbox.aio.Sandbox {self.id}>"
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = (await self._client.get(self.id)).info
+        return self.info
+
+    async def run(self, argv: c.Argv, *, env: Optional[Mapping[str, str]] = None,
+                  cwd: Optional[str] = None, timeout: Optional[float] = None,
+                  stdin: Union[bytes, str, None] = None, max_output: c.Size = None) -> RunResult:
+        """Runs a command to completion; see :meth:`pbox.Sandbox.run`."""
+        req, args = c.run_request(self.id, argv, env, cwd, timeout, stdin, max_output)
+        resp = await self._client._unary("Run", req, deadline=False)
+        return c.run_result(resp.result, resp.stdout, resp.stderr, args)
+
+    async def exec(self, argv: c.Argv, *, env: Optional[Mapping[str, str]] = None,
+                   cwd: Optional[str] = None, timeout: Optional[float] = None,
+                   stdin: Union[bool, bytes, str] = False) -> "ExecProcess":
+        """Starts a streaming command; see :class:`ExecProcess`."""
+        feed = None if isinstance(stdin, bool) else c.to_bytes(stdin)
+        req, args = c.exec_start(self.id, argv, env, cwd, timeout, stdin is not False)
+        proc = ExecProcess(self._client, args)
+        await proc._start(req)
+        if feed is not None:
+            proc._feeder = asyncio.ensure_future(proc._feed(feed))
+        return proc
+
+    async def write_file(self, path: str, data: Data, mode: int = 0o644,
+                         make_parents: bool = True, append: bool = False) -> FileInfo:
+        """Streams data to ``path``; see :meth:`pbox.Sandbox.write_file`. A file object is read
+        synchronously (a local disk read)."""
+        c.check_mode(mode)
+        call = self._client._stub.WriteFile(metadata=self._client._md)
+        try:
+            for req in c.write_requests(self.id, path, data, mode, make_parents, append):
+                await call.write(req)
+            await call.done_writing()
+            return c.file_info(await call)
+        except grpc.RpcError as e:
+            raise self._client._error(e, "WriteFile") from None
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def iter_read(self, path: str, offset: int = 0,
+                        length: int = 0) -> AsyncIterator[bytes]:
+        """Streams a file's bytes chunk by chunk."""
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        call = self._client._stub.ReadFile(
+            pb.ReadFileRequest(sandbox_id=self.id, path=path, offset=offset, length=length),
+            metadata=self._client._md)
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                yield msg.chunk
+        except grpc.RpcError as e:
+            raise self._client._error(e, "ReadFile") from None
+        finally:
+            call.cancel()
+
+    async def read_file(self, path: str, offset: int = 0, length: int = 0) -> bytes:
+        parts = [chunk async for chunk in self.iter_read(path, offset, length)]
+        return b"".join(parts)
+
+    async def upload(self, local_path: Union[str, os.PathLike], remote_path: str,
+                     mode: Optional[int] = None, make_parents: bool = True) -> FileInfo:
+        with open(local_path, "rb") as f:
+            if mode is None:
+                mode = os.fstat(f.fileno()).st_mode & 0o777
+            return await self.write_file(remote_path, f, mode=mode, make_parents=make_parents)
+
+    async def download(self, remote_path: str, local_path: Union[str, os.PathLike]) -> int:
+        n = 0
+        tmp = f"{os.fspath(local_path)}.pbox-part"
+        try:
+            with open(tmp, "wb") as f:
+                async for chunk in self.iter_read(remote_path):
+                    f.write(chunk)
+                    n += len(chunk)
+            os.replace(tmp, local_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return n
+
+    async def listdir(self, path: str = "/") -> List[FileInfo]:
+        resp = await self._client._unary("ListDir", pb.ListDirRequest(sandbox_id=self.id, path=path))
+        return [c.file_info(e) for e in resp.entries]
+
+    async def stat(self, path: str) -> FileInfo:
+        return c.file_info(
+            await self._client._unary("Stat", pb.StatRequest(sandbox_id=self.id, path=path)))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+            return True
+        except NotFound:
+            return False
+
+    async def mkdir(self, path: str, mode: int = 0o755, parents: bool = True) -> FileInfo:
+        c.check_mode(mode)
+        return c.file_info(await self._client._unary(
+            "MakeDir", pb.MakeDirRequest(sandbox_id=self.id, path=path, mode=mode, parents=parents)))
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._client._unary(
+            "Remove", pb.RemoveRequest(sandbox_id=self.id, path=path, recursive=recursive))
+
+    async def move(self, src: str, dst: str, no_replace: bool = False) -> FileInfo:
+        return c.file_info(await self._client._unary(
+            "Move", pb.MoveRequest(sandbox_id=self.id, src=src, dst=dst, no_replace=no_replace)))
+
+    async def destroy(self, missing_ok: bool = False) -> None:
+        try:
+            await self._client.destroy(self.id)
+        except NotFound:
+            if not missing_ok:
+                raise
+
+    async def __aenter__(self) -> "Sandbox":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.destroy(missing_ok=True)
+
+
+class ExecProcess:
+    """An asyncio streaming command; ``async for stream, data in proc`` then ``proc.result``.
+    See :class:`pbox.ExecProcess`."""
+
+    def __init__(self, client: Client, argv: List[str]) -> None:
+        self._client = client
+        self.argv = argv
+        self._call: Any = None
+        self.result: Optional[RunResult] = None
+        self._writes_done = False
+        self._write_lock = asyncio.Lock()
+        self._feeder: Optional[asyncio.Future] = None
+
+    async def _start(self, start: pb.ExecRequest) -> None:
+        self._call = self._client._stub.Exec(metadata=self._client._md)
+        try:
+            await self._call.write(start)
+        except grpc.RpcError as e:
+            raise self._client._error(e, "Exec") from None
+
+    async def _send(self, req: pb.ExecRequest, quiet: bool = False) -> None:
+        async with self._write_lock:
+            if self._writes_done:
+                if quiet:
+                    return
+                raise PboxError("the command's stream has ended; nothing more can be sent",
+                                method="Exec")
+            try:
+                await self._call.write(req)
+            except (grpc.RpcError, asyncio.InvalidStateError) as e:
+                if not quiet:
+                    raise PboxError(f"cannot send to the command: {e}", method="Exec") from None
+
+    async def _end_writes(self) -> None:
+        async with self._write_lock:
+            if self._writes_done:
+                return
+            self._writes_done = True
+            try:
+                await self._call.done_writing()
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                pass
+
+    async def _feed(self, data: bytes) -> None:
+        await self.write_stdin(data)
+        await self.close_stdin()
+
+    async def write_stdin(self, data: Union[bytes, str]) -> None:
+        for chunk in c.iter_chunks(c.to_bytes(data)):
+            await self._send(pb.ExecRequest(stdin=chunk))
+
+    async def close_stdin(self) -> None:
+        await self._send(pb.ExecRequest(stdin_close=True), quiet=True)
+
+    async def signal(self, sig: int) -> None:
+        await self._send(pb.ExecRequest(signal=int(sig)), quiet=True)
+
+    async def kill(self) -> None:
+        await self.signal(9)
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    async def read(self) -> Optional[Tuple[str, bytes]]:
+        """The next ``(stream, data)``, or None once the command has ended (``result`` set)."""
+        if self.result is not None:
+            return None
+        while True:
+            try:
+                msg = await self._call.read()
+            except grpc.RpcError as e:
+                self._writes_done = True
+                raise self._client._error(e, "Exec") from None
+            if msg is grpc.aio.EOF:
+                await self._end_writes()
+                raise PboxError("the agent ended the command's stream without a result",
+                                method="Exec")
+            kind = msg.WhichOneof("kind")
+            if kind == "stdout":
+                return "stdout", msg.stdout
+            if kind == "stderr":
+                return "stderr", msg.stderr
+            if kind == "result":
+                self.result = c.run_result(msg.result, argv=self.argv)
+                await self._end_writes()
+                return None
+
+    def __aiter__(self) -> "ExecProcess":
+        return self
+
+    async def __anext__(self) -> Tuple[str, bytes]:
+        item = await self.read()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def wait(self) -> RunResult:
+        """Discards unread output and returns the result."""
+        while await self.read() is not None:
+            pass
+        assert self.result is not None
+        return self.result
+
+    async def communicate(self, input: Union[bytes, str, None] = None) -> RunResult:
+        """Feeds ``input``, closes stdin, collects all output; returns the full result."""
+        if input is not None:
+            self._feeder = asyncio.ensure_future(self._feed(c.to_bytes(input)))
+        out: List[bytes] = []
+        err: List[bytes] = []
+        while (item := await self.read()) is not None:
+            (out if item[0] == "stdout" else err).append(item[1])
+        assert self.result is not None
+        self.result.stdout = b"".join(out)
+        self.result.stderr = b"".join(err)
+        return self.result
+
+    async def __aenter__(self) -> "ExecProcess":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.result is None:
+            await self.kill()
+            try:
+                await self.wait()
+            except PboxError:
+                pass
+        await self._end_writes()

@@ -1,0 +1,251 @@
+"""Fixtures for the pbox Python suite: real pboxd agents in temp dirs.
+
+The agent binary comes from $PBOXD (set by ctest) or the usual build directories; the package
+from $PYTHONPATH (ctest points it at <build>/python). Tests skip when not root or when the
+binary is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _find_pboxd() -> Optional[str]:
+    env = os.environ.get("PBOXD")
+    if env:
+        return env
+    for build in ("build", "build-py", "build-agent"):
+        p = REPO / build / "src" / "pbox" / "pboxd"
+        if p.exists():
+            return str(p)
+    return None
+
+
+def _ensure_import_path() -> None:
+    try:
+        import pbox  # noqa: F401
+    except ImportError:
+        import sys
+
+        for build in ("build", "build-py"):
+            p = REPO / build / "python"
+            if (p / "pbox" / "_proto" / "pbox_pb2.py").exists():
+                sys.path.insert(0, str(p))
+                return
+
+
+_ensure_import_path()
+
+import pbox  # noqa: E402
+
+
+class Agent:
+    """One pboxd process with its own state dir and socket, under a temp dir (owned)."""
+
+    def __init__(self, binary: str, root: Path, extra: Optional[List[str]] = None,
+                 tcp_token: Optional[str] = None) -> None:
+        self.binary = binary
+        self.root = root
+        self.state_dir = root / "state"
+        self.socket = root / "pbox.sock"
+        self.ready_file = root / "ready.json"
+        self.log_path = root / "pboxd.log"
+        self.extra = list(extra or [])
+        self.token_file: Optional[Path] = None
+        if tcp_token is not None:
+            self.token_file = root / "token"
+            self.token_file.write_text(tcp_token + "\n")
+            os.chmod(self.token_file, 0o600)
+        self.proc: Optional[subprocess.Popen] = None
+        self.endpoints: List[str] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def tcp_endpoint(self) -> str:
+        return next(e for e in self.endpoints if e.startswith("tcp://"))
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 30.0) -> "Agent":
+        if self.ready_file.exists():
+            self.ready_file.unlink()
+        args = [self.binary, "--listen", self.endpoint, "--state-dir", str(self.state_dir),
+                "--ready-file", str(self.ready_file), "--log-level", "info"]
+        if self.token_file is not None:
+            args += ["--listen", "tcp://127.0.0.1:0", "--token-file", str(self.token_file)]
+        args += self.extra
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pboxd exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"pboxd not ready within {timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+        ready = json.loads(self.ready_file.read_text())
+        assert ready["pid"] == self.proc.pid
+        self.endpoints = ready["endpoints"]
+        return self
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def client(self, **kw) -> pbox.Client:
+        return pbox.Client(self.endpoint, **kw)
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"pboxd did not stop on SIGTERM within {timeout} s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("pboxd needs root (namespaces, mounts, cgroups)")
+
+
+@pytest.fixture(scope="session")
+def pboxd_binary() -> str:
+    _require_root()
+    binary = _find_pboxd()
+    if binary is None or not os.access(binary, os.X_OK):
+        pytest.skip("pboxd binary not found: build it or set $PBOXD")
+    return binary
+
+
+def _tempdir() -> Path:
+    # Unix socket paths are limited to 108 bytes: keep the root short.
+    return Path(tempfile.mkdtemp(prefix="pbx-", dir="/tmp"))
+
+
+class AgentFactory:
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.agents: List[Agent] = []
+        self.dirs: List[Path] = []
+
+    def __call__(self, extra: Optional[List[str]] = None, tcp_token: Optional[str] = None,
+                 root: Optional[Path] = None, start: bool = True) -> Agent:
+        if root is None:
+            root = _tempdir()
+            self.dirs.append(root)
+        agent = Agent(self.binary, root, extra, tcp_token)
+        self.agents.append(agent)
+        return agent.start() if start else agent
+
+    def cleanup(self) -> None:
+        for a in self.agents:
+            try:
+                a.stop()
+            except AssertionError:
+                pass
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_agent(pboxd_binary: str) -> Iterator[AgentFactory]:
+    """Starts agents of a test's own (killed and removed at the end of the test)."""
+    factory = AgentFactory(pboxd_binary)
+    yield factory
+    factory.cleanup()
+
+
+@pytest.fixture(scope="session")
+def agent(pboxd_binary: str) -> Iterator[Agent]:
+    """One agent shared by the suite (tests create and destroy their own sandboxes)."""
+    factory = AgentFactory(pboxd_binary)
+    a = factory(extra=["--max-sandboxes", "64"])
+    yield a
+    assert a.alive(), f"the shared agent died during the suite:\n{a.log()}"
+    factory.cleanup()
+
+
+@pytest.fixture
+def client(agent: Agent) -> Iterator[pbox.Client]:
+    c = agent.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def session(client: pbox.Client) -> Iterator[pbox.Session]:
+    with client.session(client_name="pytest") as s:
+        yield s
+
+
+@pytest.fixture
+def sandbox(session: pbox.Session) -> pbox.Sandbox:
+    return session.create(memory="512M", disk="256M")
+
+
+def host_processes_with_argv(argv: List[str]) -> List[int]:
+    """Pids of host processes whose exact argv is ``argv``."""
+    want = "\0".join(argv).encode() + b"\0"
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read() == want:
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def assert_agent_fine(agent: Agent, client: pbox.Client, other: pbox.Sandbox,
+                      rss_limit: int = 200 << 20) -> None:
+    """The agent serves, another sandbox still runs `true`, the agent's RSS is bounded."""
+    assert agent.alive(), agent.log()
+    assert client.health().serving
+    r = other.run(["true"], timeout=30)
+    assert r.ok, r
+    rss = agent.rss_bytes()
+    assert rss < rss_limit, f"agent RSS {rss >> 20} MiB"

@@ -1,0 +1,189 @@
+"""Run and Exec (blocking API): exit codes, output, stdin, env, cwd, timeouts, truncation,
+streaming, signals."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+import pbox
+
+
+def test_run_exit_codes_and_streams(sandbox: pbox.Sandbox) -> None:
+    r = sandbox.run(["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert r.exit_code == 7 and r.signal == 0
+    assert r.stdout == b"out\n" and r.stderr == b"err\n"
+    assert r.stdout_bytes == 4 and r.stderr_bytes == 4
+    assert not r.ok
+    with pytest.raises(pbox.CommandError, match="exited with code 7") as e:
+        r.check()
+    assert e.value.result is r
+    ok = sandbox.run("true")
+    assert ok.ok and ok.check() is ok
+    assert ok.wall_time_ms > 0
+
+
+def test_run_program_not_found(sandbox: pbox.Sandbox) -> None:
+    r = sandbox.run(["/no/such/program"])
+    assert r.exit_code == 127
+    assert not r.ok
+
+
+def test_run_killed_by_signal(sandbox: pbox.Sandbox) -> None:
+    r = sandbox.run("kill -TERM $$")
+    assert r.signal == signal.SIGTERM
+    assert "signal 15" in r.describe()
+
+
+def test_run_stdin_env_cwd(sandbox: pbox.Sandbox) -> None:
+    data = bytes(range(256)) * 1000
+    r = sandbox.run(["sh", "-c", "cat | sha256sum"], stdin=data)
+    import hashlib
+
+    assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
+    r = sandbox.run(["cat"], stdin="héllo")
+    assert r.stdout == "héllo".encode()
+    r = sandbox.run("echo $FOO-$BAR", env={"FOO": "a b", "BAR": "2"})
+    assert r.stdout == b"a b-2\n"
+    sandbox.mkdir("/tmp/wd")
+    r = sandbox.run(["pwd"], cwd="/tmp/wd")
+    assert r.stdout == b"/tmp/wd\n"
+    r = sandbox.run(["pwd"], cwd="/no/such/dir")
+    assert not r.ok
+
+
+def test_run_python_with_numpy(sandbox: pbox.Sandbox) -> None:
+    r = sandbox.run(["/usr/bin/python3", "-c", "import numpy; print(int(numpy.arange(10).sum()))"])
+    r.check()
+    assert r.stdout == b"45\n"
+
+
+def test_run_timeout(sandbox: pbox.Sandbox) -> None:
+    t0 = time.monotonic()
+    r = sandbox.run(["sleep", "30"], timeout=0.5)
+    assert time.monotonic() - t0 < 10
+    assert r.timed_out and not r.ok
+    assert "timeout" in r.describe()
+    with pytest.raises(pbox.CommandError, match="timeout"):
+        r.check()
+
+
+def test_run_truncation_keeps_head_and_tail(sandbox: pbox.Sandbox) -> None:
+    script = "echo HEAD; head -c 5000000 /dev/zero | tr '\\0' x; echo; echo TAIL"
+    r = sandbox.run(["sh", "-c", script], max_output="64K")
+    assert r.stdout_truncated and not r.stderr_truncated
+    assert r.stdout_bytes == 5 + 5000000 + 1 + 5
+    assert r.stdout.startswith(b"HEAD\nxxx")
+    assert r.stdout.endswith(b"xxx\nTAIL\n")
+    assert b"bytes dropped]" in r.stdout
+    assert len(r.stdout) < 64 * 1024 + 100
+    r = sandbox.run(["sh", "-c", "head -c 3000000 /dev/zero >&2"])  # default cap 1 MiB
+    assert r.stderr_truncated and r.stderr_bytes == 3000000
+    assert len(r.stderr) < (1 << 20) + 100
+    with pytest.raises(pbox.InvalidArgument, match="max_output_bytes"):
+        sandbox.run("true", max_output="1G")
+
+
+def test_run_bad_arguments(sandbox: pbox.Sandbox) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        sandbox.run([])
+    with pytest.raises(ValueError, match="timeout"):
+        sandbox.run("true", timeout=-1)
+    with pytest.raises(ValueError):
+        sandbox.run([b"true"])  # type: ignore[list-item]
+
+
+def test_exec_stdin_echo_round_trip(sandbox: pbox.Sandbox) -> None:
+    with sandbox.exec(["cat"], stdin=True) as p:
+        got = b""
+        for i in range(50):
+            msg = f"line {i}\n".encode()
+            p.write_stdin(msg)
+            while len(got) < sum(len(f"line {k}\n") for k in range(i + 1)):
+                stream, data = next(iter(p))
+                assert stream == "stdout"
+                got += data
+        p.close_stdin()
+        rest = p.communicate()
+    assert got + rest.stdout == b"".join(f"line {i}\n".encode() for i in range(50))
+    assert p.result is not None and p.result.exit_code == 0
+
+
+def test_exec_large_stdin_and_stdout(sandbox: pbox.Sandbox) -> None:
+    data = b"0123456789abcdef" * (1 << 20)  # 16 MiB through stdin and back
+    p = sandbox.exec(["cat"], stdin=data)
+    n = 0
+    import hashlib
+
+    h = hashlib.sha256()
+    for chunk in p.stdout_iter():
+        h.update(chunk)
+        n += len(chunk)
+    assert n == len(data)
+    assert h.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert p.result.ok
+
+
+def test_exec_streams_in_order_and_separately(sandbox: pbox.Sandbox) -> None:
+    p = sandbox.exec("for i in 1 2 3; do echo o$i; echo e$i >&2; sleep 0.05; done; exit 4")
+    items = list(p)
+    out = b"".join(d for s, d in items if s == "stdout")
+    err = b"".join(d for s, d in items if s == "stderr")
+    assert out == b"o1\no2\no3\n" and err == b"e1\ne2\ne3\n"
+    assert p.result.exit_code == 4
+    assert p.done
+
+
+def test_exec_signal(sandbox: pbox.Sandbox) -> None:
+    with sandbox.exec(["sh", "-c", "echo ready; sleep 1000"]) as p:
+        stream, data = next(iter(p))
+        assert data == b"ready\n"
+        p.signal(signal.SIGTERM)
+        r = p.wait()
+    assert r.signal == signal.SIGTERM
+    assert not r.timed_out
+    # A trap sees the signal and exits on its own terms.
+    p = sandbox.exec(["sh", "-c", "trap 'echo got-usr1; exit 3' USR1; echo ready; "
+                                  "while :; do sleep 0.05; done"])
+    it = iter(p)
+    assert next(it) == ("stdout", b"ready\n")
+    p.signal(signal.SIGUSR1)
+    r = p.communicate()
+    assert b"got-usr1" in r.stdout
+    assert r.exit_code == 3
+
+
+def test_exec_context_exit_kills_running_command(sandbox: pbox.Sandbox) -> None:
+    with sandbox.exec(["sleep", "1000"]) as p:
+        pass
+    assert p.result is not None and p.result.signal == signal.SIGKILL
+    with pytest.raises(pbox.PboxError):
+        p.write_stdin(b"late")
+
+
+def test_exec_timeout_and_missing_sandbox(sandbox: pbox.Sandbox, client: pbox.Client) -> None:
+    r = sandbox.exec(["sleep", "100"], timeout=0.3).wait()
+    assert r.timed_out
+    ghost = pbox.Sandbox(client, sandbox.info.__class__(**{**sandbox.info.__dict__,
+                                                           "id": "sb-ghost"}))
+    with pytest.raises(pbox.NotFound):
+        ghost.exec(["true"]).wait()
+
+
+def test_concurrent_execs_in_one_sandbox(sandbox: pbox.Sandbox) -> None:
+    results = {}
+
+    def work(i: int) -> None:
+        results[i] = sandbox.run(["sh", "-c", f"sleep 0.2; echo {i}"])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - t0 < 4  # concurrent, not 8 x 0.2 s in a row plus slack
+    assert all(results[i].stdout == f"{i}\n".encode() for i in range(8))
