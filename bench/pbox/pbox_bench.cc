@@ -26,6 +26,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/fs.h"
+#include "common/memory.h"
+#include "common/process.h"
 #include "fmt/format.h"
 #include "pbox/client/client.h"
 
@@ -72,6 +74,26 @@ void ParallelFor(size_t n, size_t threads, Fn fn) {
   for (auto& t : pool) {
     t.join();
   }
+}
+
+// The floor for exec: the same command started directly on the host, without isolation
+// (posix_spawn + wait), what any sandbox must at least pay.
+Stats HostExec(const std::vector<std::string>& argv, int rounds) {
+  Stats st;
+  for (int r = 0; r < rounds; ++r) {
+    auto t0 = Clock::now();
+    bragg::SpawnOptions opts;
+    auto child = bragg::Spawn(argv, opts);
+    if (!child.ok()) {
+      Die(child.status(), "host exec");
+    }
+    auto exit = child->Wait();
+    if (!exit.ok() || exit->exit_code != 0) {
+      Die(absl::InternalError("host command failed"), "host exec");
+    }
+    st.v.push_back(Ms(t0));
+  }
+  return st;
 }
 
 // The floor: the same bytes up and back down over one loopback TCP connection to an echo
@@ -139,6 +161,7 @@ int main(int argc, char** argv) {
   // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
   // not to; gRPC locks on every call.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  bragg::TuneAllocatorForBulkData();
   CLI::App app{"pbox-bench: pbox latency and throughput with N live sandboxes"};
   bragg::pbox::client::ClientOptions options;
   size_t sandboxes = 100;
@@ -177,7 +200,8 @@ int main(int argc, char** argv) {
   Stats create;
   std::mutex mu;
   auto t_create = Clock::now();
-  ParallelFor(sandboxes, threads, [&](size_t i) {
+  // One at a time: the latency a rollout sees, with up to N-1 sandboxes already live.
+  ParallelFor(sandboxes, 1, [&](size_t i) {
     v1::SandboxSpec spec;
     spec.set_runtime(runtime);
     spec.set_memory_bytes(256 << 20);
@@ -268,6 +292,12 @@ int main(int argc, char** argv) {
   std::cerr << fmt::format("  loopback TCP floor, 1 MiB up and back: p50 {:.3f} ms\n",
                            floor.Pct(50));
 
+  int host_rounds = static_cast<int>(std::max<size_t>(sandboxes * rounds, 50));
+  Stats host_true = HostExec({"/usr/bin/true"}, host_rounds);
+  Stats host_python = HostExec({"/usr/bin/python3", "-c", "pass"}, host_rounds);
+  std::cerr << fmt::format("  host floor: true p50 {:.3f} ms, python3 -c pass p50 {:.3f} ms\n",
+                           host_true.Pct(50), host_python.Pct(50));
+
   (void)(*session)->Close();
   nlohmann::json out = {
       {"runtime", rt},
@@ -280,7 +310,10 @@ int main(int argc, char** argv) {
         {"rtt_1mib_ms", rtt.Json()},
         {"rtt_1mib_concurrent_ms", rtt_conc.Json()}}},
       {"throughput_gbps", gbps},
-      {"floor", {{"rtt_1mib_tcp_loopback_ms", floor.Json()}}},
+      {"floor",
+       {{"rtt_1mib_tcp_loopback_ms", floor.Json()},
+        {"exec_true_host_ms", host_true.Json()},
+        {"exec_python_host_ms", host_python.Json()}}},
   };
   std::cout << out.dump(2) << "\n";
   if (!json_out.empty()) {

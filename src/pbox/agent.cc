@@ -140,7 +140,6 @@ Status RunAgent(const AgentConfig& config) {
   NativeRuntimeOptions rt_opts;
   rt_opts.state_dir = config.state_dir;
   rt_opts.init_path = config.init_path.empty() ? SelfDir() + "/pbox-init" : config.init_path;
-  rt_opts.cgroup_v2 = cgroups->version() == "v2";
   if (config.runtime != "native") {
     return absl::InvalidArgumentError(
         fmt::format("--runtime {}: this agent has the native runtime only", config.runtime));
@@ -184,6 +183,10 @@ Status RunAgent(const AgentConfig& config) {
   // File transfers move MiBs per call: a large initial flow-control window saves the
   // WINDOW_UPDATE round trips that HTTP/2's 64 KiB default costs.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 8 << 20);
+  // gRPC reads sockets 8 KiB at a time by default: a MiB then costs 128 system calls.
+  builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 512 << 10);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
   std::vector<std::string> unix_paths;
   std::vector<std::pair<std::string, std::unique_ptr<int>>> tcp_ports;
   for (const std::string& listen : config.listen) {

@@ -45,6 +45,11 @@ class Cgroup {
   virtual Status Destroy() = 0;
   // v2: an O_DIRECTORY fd of the cgroup for clone3(CLONE_INTO_CGROUP); -1 on v1.
   virtual int dir_fd() const = 0;
+  // The cgroup.procs files of this cgroup (v1: one per hierarchy, cpuset first), for a new
+  // process that moves itself in by writing "0" before it runs anything else.
+  virtual std::vector<std::string> ProcsFiles() const = 0;
+  // OOM kills so far: the one figure read around every command, cheaper than Stats().
+  virtual Result<uint64_t> OomKills() const = 0;
 };
 
 struct CgroupManagerOptions {

@@ -77,6 +77,28 @@ class CgroupV1 : public Cgroup {
   const std::string& name() const override { return name_; }
   int dir_fd() const override { return -1; }
 
+  std::vector<std::string> ProcsFiles() const override {
+    std::vector<std::string> out;
+    if (layout_.cpuset >= 0 && !dirs_[static_cast<size_t>(layout_.cpuset)].empty()) {
+      out.push_back(dirs_[static_cast<size_t>(layout_.cpuset)] + "/cgroup.procs");
+    }
+    for (size_t i = 0; i < dirs_.size(); ++i) {
+      if (static_cast<int>(i) != layout_.cpuset && !dirs_[i].empty()) {
+        out.push_back(dirs_[i] + "/cgroup.procs");
+      }
+    }
+    return out;
+  }
+
+  Result<uint64_t> OomKills() const override {
+    if (layout_.memory < 0 || dirs_[static_cast<size_t>(layout_.memory)].empty()) {
+      return absl::FailedPreconditionError(
+          fmt::format("cgroup {} has no memory controller", name_));
+    }
+    return ReadKeyedU64(*fs_, dirs_[static_cast<size_t>(layout_.memory)] + "/memory.oom_control",
+                        "oom_kill");
+  }
+
   Status AddProcess(pid_t pid) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (destroyed_) {

@@ -81,6 +81,12 @@ class CgroupV2 : public Cgroup {
   const std::string& name() const override { return name_; }
   int dir_fd() const override { return dir_.get(); }
 
+  std::vector<std::string> ProcsFiles() const override { return {path_ + "/cgroup.procs"}; }
+
+  Result<uint64_t> OomKills() const override {
+    return ReadKeyedU64(*fs_, path_ + "/memory.events", "oom_kill");
+  }
+
   Status AddProcess(pid_t pid) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (destroyed_) {

@@ -5,6 +5,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
+#include "common/memory.h"
 #include "common/units.h"
 #include "pbox/agent.h"
 #include "pbox/image_store.h"
@@ -14,6 +15,7 @@ int main(int argc, char** argv) {
   // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
   // not to; gRPC locks on every call.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  bragg::TuneAllocatorForBulkData();
   bragg::pbox::AgentConfig config;
   std::string log_level = "info";
   std::string memory = "1G", disk = "1G", max_memory = "0";

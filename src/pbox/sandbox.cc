@@ -97,8 +97,8 @@ Result<std::unique_ptr<RunningCommand>> Sandbox::Start(const CommandSpec& spec) 
   }
   req.stdout_fd = out.write.get();
   req.stderr_fd = err.write.get();
-  auto stats = cgroup_->Stats();
-  cmd->oom_kills_before_ = stats.ok() ? stats->oom_kills : 0;
+  auto ooms = cgroup_->OomKills();
+  cmd->oom_kills_before_ = ooms.ok() ? *ooms : 0;
   cmd->started_ = std::chrono::steady_clock::now();
   InitClient* init = runtime_->init();
   if (init == nullptr || !init->alive()) {
@@ -254,8 +254,8 @@ CommandResult RunningCommand::Pump(OutputSink& sink) {
     result.signal = 0;
   }
   if (exit->signal == SIGKILL && !result.timed_out) {
-    auto stats = sandbox_->cgroup_->Stats();
-    if (stats.ok() && stats->oom_kills > oom_kills_before_) {
+    auto ooms = sandbox_->cgroup_->OomKills();
+    if (ooms.ok() && *ooms > oom_kills_before_) {
       result.oom_killed = true;
     }
   }

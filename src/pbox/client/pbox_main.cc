@@ -16,6 +16,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/fs.h"
+#include "common/memory.h"
 #include "common/units.h"
 #include "fmt/format.h"
 #include "pbox/client/client.h"
@@ -72,6 +73,7 @@ int main(int argc, char** argv) {
   // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
   // not to; gRPC locks on every call.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  bragg::TuneAllocatorForBulkData();
   ::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"pbox: run commands in sandboxes on this node's pbox agent"};
   app.require_subcommand(1);
