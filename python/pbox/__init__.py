@@ -34,6 +34,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, CommandError, DataLoss, 
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
 from .types import AgentInfo, FileInfo, FileType, Health, RunResult, SandboxInfo, SandboxSpec
 from ._common import parse_size
+from .cluster import ClusterClient, ClusterSession, CpuSplit, cpu_split, load_endpoints, parse_cpu_list  # noqa: E501
 
 __version__ = "0.1.0"
 

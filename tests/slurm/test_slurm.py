@@ -1,0 +1,497 @@
+"""pbox under a real Slurm on this machine: munged, slurmctld and slurmd with a generated config
+in a temp dir, an sbatch job that starts agents with deploy/slurm/pbox-slurm, runs sandboxes
+through pbox.ClusterClient and checks the CPU split, then scancel while 20 sandboxes run: within
+5 s nothing of pbox remains (processes, cgroup dirs, state dirs).
+
+Skips (with the reason) without root or without slurm-wlm/munge installed (scripts/deps/slurm.txt).
+$PBOXD names the agent binary, $PYTHONPATH the built pbox package (ctest sets both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "deploy" / "slurm" / "pbox-slurm"
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "srun", "scontrol")
+
+
+def _find_pboxd() -> Optional[str]:
+    env = os.environ.get("PBOXD")
+    if env:
+        return env
+    for build in ("build", "build-slurm"):
+        p = REPO / build / "src" / "pbox" / "pboxd"
+        if p.exists():
+            return str(p)
+    return None
+
+
+def _pythonpath(pboxd: str) -> str:
+    for p in os.environ.get("PYTHONPATH", "").split(":"):
+        if p and (Path(p) / "pbox" / "_proto").is_dir():
+            return p
+    return str(Path(pboxd).resolve().parents[2] / "python")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class SlurmCluster:
+    """munged + slurmctld + slurmd on this host, everything under `root` (owned; stop() ends
+    the daemons it started, by pid, and removes nothing else)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.node = socket.gethostname().split(".")[0]
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
+        for k in list(self.env):
+            if k.startswith("SLURM_") and k != "SLURM_CONF":
+                del self.env[k]
+
+    def write_config(self) -> None:
+        r = self.root
+        for d in ("state", "spool", "log", "munge", "tmp"):
+            (r / d).mkdir(mode=0o700)
+        key = r / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        ncpus = os.cpu_count() or 1
+        (r / "slurm.conf").write_text(textwrap.dedent(f"""\
+            ClusterName=pboxci
+            SlurmctldHost={self.node}(127.0.0.1)
+            SlurmctldPort={_free_port()}
+            SlurmdPort={_free_port()}
+            SlurmUser=root
+            SlurmdUser=root
+            AuthType=auth/munge
+            CredType=cred/munge
+            AuthInfo=socket={r}/munge/munge.sock
+            StateSaveLocation={r}/state
+            SlurmdSpoolDir={r}/spool
+            SlurmctldPidFile={r}/slurmctld.pid
+            SlurmdPidFile={r}/slurmd.pid
+            SlurmctldLogFile={r}/log/slurmctld.log
+            SlurmdLogFile={r}/log/slurmd.log
+            SlurmctldDebug=info
+            SlurmdDebug=info
+            ProctrackType=proctrack/linuxproc
+            TaskPlugin=task/affinity
+            SelectType=select/cons_tres
+            SelectTypeParameters=CR_CPU
+            SchedulerType=sched/builtin
+            JobCompType=jobcomp/none
+            JobAcctGatherType=jobacct_gather/none
+            AccountingStorageType=accounting_storage/none
+            MpiDefault=none
+            ReturnToService=2
+            KillWait=10
+            InactiveLimit=0
+            MinJobAge=2
+            SlurmctldTimeout=30
+            SlurmdTimeout=30
+            TmpFS={r}/tmp
+            NodeName={self.node} NodeAddr=127.0.0.1 CPUs={ncpus} State=UNKNOWN
+            PartitionName=ci Nodes={self.node} Default=YES MaxTime=10 State=UP OverSubscribe=NO
+            """))
+        (r / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+
+    def _spawn(self, name: str, argv: List[str]) -> None:
+        log = open(self.root / "log" / f"{name}.out", "ab")
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=self.env)
+        log.close()
+
+    def start(self) -> None:
+        self.write_config()
+        r = self.root
+        self._spawn("munged", ["munged", "-F", "-f", f"--key-file={r}/munge/munge.key",
+                               f"--socket={r}/munge/munge.sock",
+                               f"--pid-file={r}/munge/munged.pid",
+                               f"--log-file={r}/log/munged.log",
+                               f"--seed-file={r}/munge/munged.seed"])
+        _wait(lambda: (r / "munge" / "munge.sock").exists() or self._dead("munged"), 10,
+              "munged")
+        self._check_alive("munged")
+        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")])
+        self._spawn("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(r / "slurm.conf")])
+
+        def idle() -> bool:
+            for n in ("slurmctld", "slurmd"):
+                self._check_alive(n)
+            out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
+            return out in ("idle", "idle*") and out == "idle"
+
+        _wait(idle, 30, "the node to become idle", interval=0.3)
+
+    def _dead(self, name: str) -> bool:
+        return self.procs[name].poll() is not None
+
+    def _check_alive(self, name: str) -> None:
+        if self._dead(name):
+            raise AssertionError(f"{name} exited ({self.procs[name].returncode}):\n"
+                                 + self.logs(name))
+
+    def logs(self, *names: str) -> str:
+        out = []
+        for n in names or ("munged", "slurmctld", "slurmd"):
+            for f in (self.root / "log").glob(f"{n}*"):
+                out.append(f"--- {f.name} ---\n" + f.read_text(errors="replace")[-3000:])
+        return "\n".join(out)
+
+    def run(self, argv: List[str], check: bool = True, timeout: float = 30) -> \
+            subprocess.CompletedProcess:
+        r = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{argv} failed ({r.returncode}): {r.stderr}\n{self.logs()}")
+        return r
+
+    def stop(self) -> None:
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self.run(["scancel", "--full", "--partition=ci"], check=False, timeout=10)
+        for name in ("slurmd", "slurmctld", "munged"):
+            p = self.procs.get(name)
+            if p is None or p.poll() is not None:
+                continue
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("needs root (slurmd, pboxd)")
+    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    if missing:
+        pytest.skip(f"slurm-wlm/munge not installed (missing {', '.join(missing)}); "
+                    "install scripts/deps/slurm.txt")
+    pboxd = _find_pboxd()
+    if pboxd is None or not os.access(pboxd, os.X_OK):
+        pytest.skip("pboxd not built: set $PBOXD")
+    root = Path(tempfile.mkdtemp(prefix="pbx-slurm-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    c = SlurmCluster(root)
+    c.pboxd = pboxd
+    c.pythonpath = _pythonpath(pboxd)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        if os.environ.get("PBOX_SLURM_KEEP"):
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+JOB_PY = r'''
+import json, os, sys, time
+import pbox
+
+out = sys.argv[1]
+split = pbox.cpu_split()
+sandbox = set(pbox.parse_cpu_list(split.sandbox))
+trainer = set(pbox.parse_cpu_list(split.trainer))
+os.sched_setaffinity(0, trainer)          # this process is part of the job: trainer CPUs
+doc = json.load(open(os.environ["PBOX_ENDPOINTS"]))
+agent_pids = [n["pid"] for n in doc["nodes"]]
+res = {"split": [split.trainer, split.sandbox], "nodes": doc["nodes"]}
+
+def descendants(pids):
+    kids = {}
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                ppid = int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(e))
+    out, todo = [], list(pids)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+def allowed(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return set(pbox.parse_cpu_list(line.split(":", 1)[1].strip()))
+
+with pbox.ClusterClient() as cl:
+    with cl.session(client_name="slurm-ci") as s:
+        sbs = [s.create(memory="256M", disk="64M") for _ in range(4)]
+        runs = [sb.run("grep Cpus_allowed_list /proc/self/status; sleep 2 & "
+                       "sleep 0.2; grep -h Cpus_allowed_list /proc/*/status | sort -u")
+                for sb in sbs]
+        res["inside"] = [r.stdout.decode() for r in runs]
+        res["inside_ok"] = all(r.ok for r in runs)
+        procs = descendants(agent_pids)
+        res["pbox_procs"] = {str(p): sorted(allowed(p) or []) for p in procs
+                             if os.path.exists(f"/proc/{p}")}
+        res["job_procs"] = {str(p): sorted(allowed(p) or []) for p in
+                            [os.getpid(), os.getppid(), int(os.environ["TRAINER_PID"])]}
+    with open(out + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.rename(out + ".tmp", out)
+    # Phase 2: 20 sandboxes running when the job is cancelled.
+    s = cl.session(client_name="slurm-ci-20")
+    held = [s.create(memory="128M", disk="16M") for _ in range(20)]
+    execs = [sb.exec(["sleep", "1000"]) for sb in held]
+    time.sleep(0.3)
+    n = sum(len(v) for v in s.list().values())
+    with open(out + ".20", "w") as f:
+        json.dump({"live": n, "procs": descendants(agent_pids)}, f)
+    time.sleep(1000)
+'''
+
+JOB_SH = """#!/bin/bash
+#SBATCH --job-name=pbox-ci
+#SBATCH --nodes=1
+#SBATCH --exclusive
+#SBATCH --time=5
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+export PBOX_ENDPOINTS=$({launcher} start --sandbox-cpus 1 --scratch {scratch} \\
+    --run-dir {run_dir} --pboxd-arg=--max-sandboxes=64 --timeout 60)
+trainer=$({launcher} cpus --role trainer)
+echo "endpoints=$PBOX_ENDPOINTS trainer=$trainer sandbox=$({launcher} cpus --role sandbox)"
+taskset -cp "$trainer" $$ >/dev/null   # this shell and all it starts: the trainer CPUs
+taskset -c "$trainer" sleep 1000 &
+export TRAINER_PID=$!
+taskset -c "$trainer" /usr/bin/python3 {job_py} {result}
+"""
+
+
+def _pbox_leftovers(pboxd: str, scratch: Path, job: str) -> List[str]:
+    left = []
+    exes = {os.path.realpath(pboxd), os.path.realpath(Path(pboxd).parent / "pbox-init")}
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            exe = os.readlink(f"/proc/{e}/exe")
+        except OSError:
+            continue
+        if exe.removesuffix(" (deleted)") in exes:
+            left.append(f"process {e} {exe}")
+    def subdirs(d: str) -> List[str]:
+        try:
+            return [os.path.join(d, x) for x in os.listdir(d)
+                    if os.path.isdir(os.path.join(d, x))]
+        except OSError:  # removed while we look
+            return []
+
+    for base in subdirs("/sys/fs/cgroup"):
+        for d in subdirs(base):
+            for x in [d] + subdirs(d):
+                if f"pbox-slurm-{job}" in os.path.basename(x):
+                    left.append(f"cgroup {x}")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        if str(scratch) in line or f"pbox-slurm-{job}" in line:
+            left.append(f"mount {line.split()[4]}")
+    if scratch.exists() and any(scratch.iterdir()):
+        left += [f"state {p}" for p in scratch.iterdir()]
+    return left
+
+
+def test_job_split_and_scancel_cleanup(cluster) -> None:
+    r = cluster.root
+    scratch = r / "scratch"
+    scratch.mkdir()
+    result = r / "result.json"
+    (r / "job.py").write_text(JOB_PY)
+    (r / "job.sh").write_text(JOB_SH.format(
+        pboxd=cluster.pboxd, pythonpath=cluster.pythonpath, launcher=LAUNCHER, scratch=scratch,
+        run_dir=r / "run", job_py=r / "job.py", result=result))
+    sub = cluster.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                       str(r / "job.sh")])
+    job = sub.stdout.strip().split(";")[0]
+
+    def job_log() -> str:
+        try:
+            return (r / "job.out").read_text(errors="replace")[-4000:] + \
+                (r / "run" / "agents.log").read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def done(path: Path):
+        if path.exists():
+            return True
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            raise AssertionError(f"job {job} ended ({state!r}) early:\n{job_log()}\n"
+                                 f"{cluster.logs('slurmd')}")
+        return False
+
+    _wait(lambda: done(result), 60, "phase 1 of the job")
+    res = json.loads(result.read_text())
+    trainer_cpus, sandbox_cpus = res["split"]
+    from pbox.cluster import parse_cpu_list
+    sand, train = set(parse_cpu_list(sandbox_cpus)), set(parse_cpu_list(trainer_cpus))
+    assert sand and train and not sand & train
+    assert sand | train == set(range(os.cpu_count())), res["split"]
+    assert max(sand) == os.cpu_count() - 1  # the LAST N CPUs
+    node = res["nodes"][0]
+    assert node["host"] == "127.0.0.1" and node["cpuset"] == sandbox_cpus
+    assert node["endpoint"].startswith("tcp://127.0.0.1:")
+    token = Path(node["token_file"])
+    assert (token.stat().st_mode & 0o777) == 0o600 and len(token.read_text().strip()) >= 32
+    assert res["inside_ok"], res["inside"]
+    for text in res["inside"]:  # every process seen inside each sandbox
+        lines = [ln for ln in text.splitlines() if ln.startswith("Cpus_allowed_list")]
+        assert lines
+        for ln in lines:
+            assert set(parse_cpu_list(ln.split(":", 1)[1].strip())) <= sand, text
+    # pboxd, every pbox-init and every command (host view): only the sandbox CPUs.
+    assert len(res["pbox_procs"]) >= 1 + 4, res["pbox_procs"]
+    for pid, cpus in res["pbox_procs"].items():
+        assert set(cpus) <= sand, f"pbox process {pid} may run on {cpus}"
+    for pid, cpus in res["job_procs"].items():
+        assert set(cpus) == train, f"job process {pid} has {cpus}, trainer set is {train}"
+
+    _wait(lambda: done(Path(str(result) + ".20")), 60, "20 sandboxes")
+    twenty = json.loads(Path(str(result) + ".20").read_text())
+    assert twenty["live"] == 20
+    assert _pbox_leftovers(cluster.pboxd, scratch, job)  # things of pbox exist now
+    t0 = time.monotonic()
+    cluster.run(["scancel", job])
+    left: List[str] = []
+
+    def clean() -> bool:
+        left[:] = _pbox_leftovers(cluster.pboxd, scratch, job)
+        return not left
+
+    try:
+        _wait(clean, 5.0, "pbox to be gone after scancel", interval=0.05)
+    except AssertionError:
+        raise AssertionError(f"left after 5 s: {left}\n{job_log()}") from None
+    elapsed = time.monotonic() - t0
+    print(f"scancel -> nothing of pbox left after {elapsed:.2f} s")
+    for pid in twenty["procs"]:
+        assert not os.path.exists(f"/proc/{pid}") or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+STOP_SH = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --exclusive
+#SBATCH --time=5
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+L={launcher}
+ep=$($L start --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir} --timeout 60)
+pid=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["nodes"][0]["pid"])' $ep)
+PBOX_ENDPOINTS=$ep /usr/bin/python3 -c '
+import pbox
+c = pbox.ClusterClient()
+sb = c.create(memory="128M", disk="16M")   # detached: only the agent ending removes it
+assert sb.run("echo ok").stdout == b"ok\\n"
+'
+if $L start --sandbox-cpus 1 --run-dir {run_dir} 2>/dev/null; then echo "second start worked"; exit 1; fi
+$L stop --run-dir {run_dir}
+if kill -0 $pid 2>/dev/null; then echo "pboxd $pid still there"; exit 1; fi
+test ! -e {run_dir}/endpoints.json
+ls -A {scratch}
+# Started again, then the job just exits: the step ends with it.
+$L start --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir} --timeout 60 >/dev/null
+echo phase2
+"""
+
+
+def test_stop_and_normal_job_exit_leave_nothing(cluster) -> None:
+    r = cluster.root / "stopjob"
+    r.mkdir()
+    scratch = r / "scratch"
+    scratch.mkdir()
+    (r / "job.sh").write_text(STOP_SH.format(pboxd=cluster.pboxd, pythonpath=cluster.pythonpath,
+                                             launcher=LAUNCHER, scratch=scratch,
+                                             run_dir=r / "run"))
+    sub = cluster.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                       str(r / "job.sh")])
+    job = sub.stdout.strip().split(";")[0]
+
+    def finished() -> bool:
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
+        return state == ""
+
+    _wait(finished, 60, f"job {job} to finish", interval=0.2)
+    out = (r / "job.out").read_text(errors="replace")
+    assert "phase2" in out, out + (r / "run" / "agents.log").read_text(errors="replace")
+    # After `stop`, the scratch dir was empty (ls -A printed nothing before phase2).
+    assert out.strip().endswith("phase2") and "still there" not in out, out
+    _wait(lambda: not _pbox_leftovers(cluster.pboxd, scratch, job), 10,
+          f"nothing of pbox after job {job} exited: "
+          f"{_pbox_leftovers(cluster.pboxd, scratch, job)}")
+
+
+def test_example_sbatch_script_parses() -> None:
+    r = subprocess.run(["bash", "-n", str(REPO / "deploy" / "slurm" / "rl-job.sbatch")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_launcher_refuses_outside_a_job(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["/usr/bin/python3", str(LAUNCHER), "start", "--sandbox-cpus", "1"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+    assert r.returncode != 0 and "not inside a Slurm job" in r.stderr
+
+
+def test_cpus_command_splits_and_rejects(tmp_path) -> None:
+    pboxd = _find_pboxd()
+    if pboxd is None:
+        pytest.skip("pboxd not built: set $PBOXD")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(pboxd))
+    env.pop("PBOX_ENDPOINTS", None)
+
+    def cpus(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["/usr/bin/python3", str(LAUNCHER), "cpus", *args],
+                              capture_output=True, text=True, env=env, timeout=30)
+
+    r = cpus("--role", "sandbox", "--job-cpus", "0-7", "--sandbox-cpus", "3")
+    assert r.returncode == 0 and r.stdout.strip() == "5-7", r.stderr
+    r = cpus("--role", "trainer", "--job-cpus", "0-7", "--sandbox-cpus", "3")
+    assert r.returncode == 0 and r.stdout.strip() == "0-4", r.stderr
+    r = cpus("--role", "trainer", "--job-cpus", "0-7", "--sandbox-cpus", "1,6")
+    assert r.returncode == 0 and r.stdout.strip() == "0,2-5,7", r.stderr
+    for bad in (["--sandbox-cpus", "8"], ["--sandbox-cpus", "0-7"], ["--sandbox-cpus", "x"]):
+        r = cpus("--role", "trainer", "--job-cpus", "0-7", *bad)
+        assert r.returncode == 2 and r.stderr, (bad, r.stdout)
+    ep = tmp_path / "endpoints.json"
+    ep.write_text(json.dumps({"nodes": [{"node": "nX", "endpoint": "tcp://127.0.0.1:1",
+                                         "cpuset": "6-7", "trainer_cpus": "0-5"}]}))
+    env["SLURMD_NODENAME"] = "nX"
+    r = cpus("--role", "trainer", "--endpoints-file", str(ep))
+    assert r.returncode == 0 and r.stdout.strip() == "0-5", r.stderr
