@@ -351,7 +351,7 @@ class Sandbox:
             timeout: seconds; at expiry the whole process tree is killed (``timed_out``).
             stdin: bytes or str fed to the command (at most ~15 MiB; use :meth:`exec` for
                 more); None: /dev/null.
-            max_output: per-stream cap (default 1 MiB, at most 64 MiB); longer output keeps
+            max_output: per-stream cap (default 1 MiB, at most 4 MiB); longer output keeps
                 its head and tail and sets ``stdout_truncated``/``stderr_truncated``.
 
         A command that fails is not an exception: check ``result.ok`` or call

@@ -20,7 +20,8 @@ using Clock = std::chrono::steady_clock;
 namespace v1 = bragg::pbox::v1;
 
 constexpr uint64_t kDefaultRunOutputCap = 1 << 20;
-constexpr uint64_t kMaxRunOutputCap = 64 << 20;
+// Both streams fit one response under the 16 MiB message limit; Exec streams anything larger.
+constexpr uint64_t kMaxRunOutputCap = 4 << 20;
 
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
