@@ -42,7 +42,7 @@ def _find_pboxd() -> Optional[str]:
 def _pythonpath(pboxd: str) -> str:
     for p in os.environ.get("PYTHONPATH", "").split(":"):
         if p and (Path(p) / "pbox" / "_proto").is_dir():
-            return p
+            return os.path.abspath(p)
     return str(Path(pboxd).resolve().parents[2] / "python")
 
 
@@ -67,10 +67,20 @@ class SlurmCluster:
     """munged + slurmctld + slurmd on this host, everything under `root` (owned; stop() ends
     the daemons it started, by pid, and removes nothing else)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, two_nodes: bool = False) -> None:
         self.root = root
         self.node = socket.gethostname().split(".")[0]
         self.procs: Dict[str, subprocess.Popen] = {}
+        # Two nodes: this host's slurmd on one end of a veth pair, a second slurmd (node
+        # "pbxn2") in a network namespace on the other end.
+        self.two_nodes = two_nodes
+        tag = os.urandom(3).hex()
+        self.netns, self.veth = f"pbx-{tag}", f"pbx{tag}"
+        self.subnet = f"10.251.{int(tag[:2], 16)}"
+        self.addr1 = f"{self.subnet}.1" if two_nodes else "127.0.0.1"
+        self.addr2 = f"{self.subnet}.2"
+        self.node2 = "pbxn2"
+        self.net_made = False
         self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
         for k in list(self.env):
             if k.startswith("SLURM_") and k != "SLURM_CONF":
@@ -80,13 +90,16 @@ class SlurmCluster:
         r = self.root
         for d in ("state", "spool", "log", "munge", "tmp"):
             (r / d).mkdir(mode=0o700)
+        for n in (self.node, self.node2):
+            (r / "spool" / n).mkdir(mode=0o700)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         ncpus = os.cpu_count() or 1
         (r / "slurm.conf").write_text(textwrap.dedent(f"""\
             ClusterName=pboxci
-            SlurmctldHost={self.node}(127.0.0.1)
+            FirstJobId={int.from_bytes(os.urandom(3), "big") + 1000}
+            SlurmctldHost={self.node}({self.addr1})
             SlurmctldPort={_free_port()}
             SlurmdPort={_free_port()}
             SlurmUser=root
@@ -95,11 +108,11 @@ class SlurmCluster:
             CredType=cred/munge
             AuthInfo=socket={r}/munge/munge.sock
             StateSaveLocation={r}/state
-            SlurmdSpoolDir={r}/spool
+            SlurmdSpoolDir={r}/spool/%n
             SlurmctldPidFile={r}/slurmctld.pid
-            SlurmdPidFile={r}/slurmd.pid
+            SlurmdPidFile={r}/slurmd-%n.pid
             SlurmctldLogFile={r}/log/slurmctld.log
-            SlurmdLogFile={r}/log/slurmd.log
+            SlurmdLogFile={r}/log/slurmd-%n.log
             SlurmctldDebug=info
             SlurmdDebug=info
             ProctrackType=proctrack/linuxproc
@@ -118,9 +131,17 @@ class SlurmCluster:
             SlurmctldTimeout=30
             SlurmdTimeout=30
             TmpFS={r}/tmp
-            NodeName={self.node} NodeAddr=127.0.0.1 CPUs={ncpus} State=UNKNOWN
-            PartitionName=ci Nodes={self.node} Default=YES MaxTime=10 State=UP OverSubscribe=NO
+            NodeName={self.node} NodeAddr={self.addr1} CPUs={ncpus} State=UNKNOWN
             """))
+        nodes = self.node
+        if self.two_nodes:
+            nodes += f",{self.node2}"
+            with open(r / "slurm.conf", "a") as f:
+                f.write(f"NodeName={self.node2} NodeAddr={self.addr2} CPUs={ncpus} "
+                        "State=UNKNOWN\n")
+        with open(r / "slurm.conf", "a") as f:
+            f.write(f"PartitionName=ci Nodes={nodes} Default=YES MaxTime=10 State=UP "
+                    "OverSubscribe=NO\n")
         (r / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
 
     def _spawn(self, name: str, argv: List[str]) -> None:
@@ -140,16 +161,47 @@ class SlurmCluster:
         _wait(lambda: (r / "munge" / "munge.sock").exists() or self._dead("munged"), 10,
               "munged")
         self._check_alive("munged")
+        if self.two_nodes:
+            self.make_net()
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")])
         self._spawn("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(r / "slurm.conf")])
+        daemons = ["slurmctld", "slurmd"]
+        if self.two_nodes:
+            # nsenter --net only: `ip netns exec` would remount /sys and hide the cgroups.
+            self._spawn("slurmd2", ["nsenter", f"--net=/run/netns/{self.netns}", "slurmd", "-D",
+                                    "-N", self.node2, "-f", str(r / "slurm.conf")])
+            daemons.append("slurmd2")
+        want = ["idle"] * (2 if self.two_nodes else 1)
 
         def idle() -> bool:
-            for n in ("slurmctld", "slurmd"):
+            for n in daemons:
                 self._check_alive(n)
-            out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
-            return out in ("idle", "idle*") and out == "idle"
+            out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
+            return out == want
 
         _wait(idle, 30, "the node to become idle", interval=0.3)
+
+    def make_net(self) -> None:
+        ns, va, vb = self.netns, self.veth + "a", self.veth + "b"
+        cmds = [["ip", "netns", "add", ns],
+                ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+                ["ip", "link", "set", vb, "netns", ns],
+                ["ip", "addr", "add", f"{self.addr1}/24", "dev", va],
+                ["ip", "link", "set", va, "up"],
+                ["ip", "-n", ns, "addr", "add", f"{self.addr2}/24", "dev", vb],
+                ["ip", "-n", ns, "link", "set", vb, "up"],
+                ["ip", "-n", ns, "link", "set", "lo", "up"]]
+        self.net_made = True
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot make a network namespace with a veth pair: "
+                            f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+    def remove_net(self) -> None:
+        if self.net_made:
+            subprocess.run(["ip", "link", "del", self.veth + "a"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
 
     def _dead(self, name: str) -> bool:
         return self.procs[name].poll() is not None
@@ -176,7 +228,7 @@ class SlurmCluster:
     def stop(self) -> None:
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self.run(["scancel", "--full", "--partition=ci"], check=False, timeout=10)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in ("slurmd2", "slurmd", "slurmctld", "munged"):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -186,10 +238,10 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.remove_net()
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def _make_cluster(two_nodes: bool):
     if os.geteuid() != 0:
         pytest.skip("needs root (slurmd, pboxd)")
     missing = [d for d in DAEMONS if shutil.which(d) is None]
@@ -201,7 +253,9 @@ def cluster():
         pytest.skip("pboxd not built: set $PBOXD")
     root = Path(tempfile.mkdtemp(prefix="pbx-slurm-", dir="/tmp"))
     os.chmod(root, 0o755)
-    c = SlurmCluster(root)
+    if two_nodes and (shutil.which("ip") is None or shutil.which("nsenter") is None):
+        pytest.skip("iproute2/util-linux (ip, nsenter) missing")
+    c = SlurmCluster(root, two_nodes)
     c.pboxd = pboxd
     c.pythonpath = _pythonpath(pboxd)
     try:
@@ -213,6 +267,16 @@ def cluster():
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from _make_cluster(two_nodes=False)
+
+
+@pytest.fixture(scope="module")
+def cluster2():
+    yield from _make_cluster(two_nodes=True)
 
 
 JOB_PY = r'''
@@ -295,17 +359,25 @@ taskset -c "$trainer" /usr/bin/python3 {job_py} {result}
 
 
 def _pbox_leftovers(pboxd: str, scratch: Path, job: str) -> List[str]:
+    """What of this job's pbox is still on the host: processes (pboxd and the launcher's node
+    task name the job's scratch dir in their argv; pbox-init and sandbox commands sit in the
+    job's cgroups), cgroup dirs, mounts, files in the scratch dir. Other tests' agents (same
+    binary, run in parallel by ctest) do not count."""
     left = []
-    exes = {os.path.realpath(pboxd), os.path.realpath(Path(pboxd).parent / "pbox-init")}
+    tag = f"pbox-slurm-{job}-"
     for e in os.listdir("/proc"):
         if not e.isdigit():
             continue
         try:
-            exe = os.readlink(f"/proc/{e}/exe")
+            with open(f"/proc/{e}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace")
+            with open(f"/proc/{e}/cgroup") as f:
+                cg = f.read()
         except OSError:
             continue
-        if exe.removesuffix(" (deleted)") in exes:
-            left.append(f"process {e} {exe}")
+        if str(scratch) in argv or tag in argv or tag in cg:
+            left.append(f"process {e} {argv.replace(chr(0), ' ')[:200]}")
+
     def subdirs(d: str) -> List[str]:
         try:
             return [os.path.join(d, x) for x in os.listdir(d)
@@ -316,10 +388,10 @@ def _pbox_leftovers(pboxd: str, scratch: Path, job: str) -> List[str]:
     for base in subdirs("/sys/fs/cgroup"):
         for d in subdirs(base):
             for x in [d] + subdirs(d):
-                if f"pbox-slurm-{job}" in os.path.basename(x):
+                if os.path.basename(x).startswith(f"pbox-slurm-{job}-"):
                     left.append(f"cgroup {x}")
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        if str(scratch) in line or f"pbox-slurm-{job}" in line:
+        if str(scratch) in line or f"pbox-slurm-{job}-" in line:
             left.append(f"mount {line.split()[4]}")
     if scratch.exists() and any(scratch.iterdir()):
         left += [f"state {p}" for p in scratch.iterdir()]
@@ -412,14 +484,17 @@ set -euo pipefail
 export PBOXD={pboxd} PYTHONPATH={pythonpath}
 L={launcher}
 ep=$($L start --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir} --timeout 60)
-pid=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["nodes"][0]["pid"])' $ep)
+pid=$(/usr/bin/python3 -c 'import json, sys
+print(json.load(open(sys.argv[1]))["nodes"][0]["pid"])' $ep)
 PBOX_ENDPOINTS=$ep /usr/bin/python3 -c '
 import pbox
 c = pbox.ClusterClient()
 sb = c.create(memory="128M", disk="16M")   # detached: only the agent ending removes it
 assert sb.run("echo ok").stdout == b"ok\\n"
 '
-if $L start --sandbox-cpus 1 --run-dir {run_dir} 2>/dev/null; then echo "second start worked"; exit 1; fi
+if $L start --sandbox-cpus 1 --run-dir {run_dir} 2>/dev/null; then
+  echo "second start worked"; exit 1
+fi
 $L stop --run-dir {run_dir}
 if kill -0 $pid 2>/dev/null; then echo "pboxd $pid still there"; exit 1; fi
 test ! -e {run_dir}/endpoints.json
@@ -457,7 +532,10 @@ def test_stop_and_normal_job_exit_leave_nothing(cluster) -> None:
 
 
 def test_example_sbatch_script_parses() -> None:
-    r = subprocess.run(["bash", "-n", str(REPO / "deploy" / "slurm" / "rl-job.sbatch")],
+    bash = shutil.which("bash") or "/bin/bash"
+    if not os.access(bash, os.X_OK):
+        pytest.skip("no bash")
+    r = subprocess.run([bash, "-n", str(REPO / "deploy" / "slurm" / "rl-job.sbatch")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -495,3 +573,128 @@ def test_cpus_command_splits_and_rejects(tmp_path) -> None:
     env["SLURMD_NODENAME"] = "nX"
     r = cpus("--role", "trainer", "--endpoints-file", str(ep))
     assert r.returncode == 0 and r.stdout.strip() == "0-5", r.stderr
+
+
+TWO_PY = r'''
+import json, sys
+import pbox
+
+doc = json.load(open(sys.argv[2]))
+with pbox.ClusterClient(endpoints_file=sys.argv[2]) as cl:
+    with cl.session(client_name="two-nodes") as s:
+        sbs = [s.create(memory="128M", disk="16M") for _ in range(4)]
+        named = s.create(node="pbxn2", memory="128M", disk="16M")
+        outs = [sb.run("echo hi").stdout.decode() for sb in sbs + [named]]
+        per_node = {n: sorted(x.id for x in v) for n, v in s.list().items()}
+        res = {"nodes": doc["nodes"], "placed": [sb.node for sb in sbs], "named": named.node,
+               "outs": outs, "per_node": per_node,
+               "ids": {sb.id: sb.node for sb in sbs + [named]}}
+    res["after"] = {n: len(v) for n, v in cl.list().items()}
+json.dump(res, open(sys.argv[1], "w"))
+'''
+
+TWO_SH = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --exclusive
+#SBATCH --time=5
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+ep=$({launcher} start --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir} --timeout 60)
+/usr/bin/python3 {two_py} {result} $ep
+"""
+
+
+def test_two_nodes_in_network_namespaces(cluster2) -> None:
+    c = cluster2
+    r = c.root / "two"
+    r.mkdir()
+    scratch = r / "scratch"
+    scratch.mkdir()
+    result = r / "result.json"
+    (r / "two.py").write_text(TWO_PY)
+    (r / "job.sh").write_text(TWO_SH.format(pboxd=c.pboxd, pythonpath=c.pythonpath,
+                                            launcher=LAUNCHER, scratch=scratch,
+                                            run_dir=r / "run", two_py=r / "two.py",
+                                            result=result))
+    job = c.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                 str(r / "job.sh")]).stdout.strip().split(";")[0]
+
+    def finished() -> bool:
+        return c.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip() == ""
+
+    _wait(finished, 90, f"two-node job {job} to finish", interval=0.2)
+
+    def logs() -> str:
+        out = []
+        for f in (r / "job.out", r / "run" / "agents.log"):
+            if f.exists():
+                out.append(f.read_text(errors="replace")[-3000:])
+        return "\n".join(out) + c.logs("slurmd")
+
+    assert result.exists(), logs()
+    res = json.loads(result.read_text())
+    hosts = {n["node"]: n["host"] for n in res["nodes"]}
+    assert hosts == {c.node: c.addr1, c.node2: c.addr2}, hosts
+    for n in res["nodes"]:
+        assert n["endpoint"] == f"tcp://{n['host']}:{n['port']}"
+    # Least loaded: the four spread two and two; the named one sits on pbxn2.
+    assert sorted(res["placed"]) == sorted([c.node, c.node, c.node2, c.node2]), res["placed"]
+    assert res["named"] == c.node2
+    assert res["outs"] == ["hi\n"] * 5
+    # Each agent really holds the sandboxes the client says it put there.
+    for sid, node in res["ids"].items():
+        assert sid in res["per_node"][node], (sid, node, res["per_node"])
+    assert res["after"] == {c.node: 0, c.node2: 0}
+    _wait(lambda: not _pbox_leftovers(c.pboxd, scratch, job), 10,
+          f"nothing of pbox after job {job}: {_pbox_leftovers(c.pboxd, scratch, job)}")
+
+
+CRASH_SH = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --exclusive
+#SBATCH --time=5
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+export PBOX_ENDPOINTS=$({launcher} start --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir})
+/usr/bin/python3 -c '
+import json, pbox, time
+with pbox.ClusterClient() as cl, cl.session() as s:
+    sbs = [s.create(memory="128M", disk="16M") for _ in range(5)]
+    ps = [sb.exec(["sleep", "1000"]) for sb in sbs]
+    open("{marker}", "w").write("ready")
+    time.sleep(1000)
+' || true
+sleep 1000
+"""
+
+
+def test_agent_killed_hard_leaves_nothing(cluster) -> None:
+    """SIGKILL of pboxd (OOM killer, a crash): the sandboxes go (their PID 1 sees the channel
+    close), and the launcher's node task removes the cgroups and the state dir."""
+    r = cluster.root / "crash"
+    r.mkdir()
+    scratch, marker = r / "scratch", r / "ready"
+    scratch.mkdir()
+    (r / "job.sh").write_text(CRASH_SH.format(pboxd=cluster.pboxd,
+                                              pythonpath=cluster.pythonpath, launcher=LAUNCHER,
+                                              scratch=scratch, run_dir=r / "run", marker=marker))
+    job = cluster.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                       str(r / "job.sh")]).stdout.strip().split(";")[0]
+    try:
+        _wait(marker.exists, 60, f"5 sandboxes in job {job}: {r}/job.out")
+        ep = json.loads((r / "run" / "endpoints.json").read_text())
+        pid = ep["nodes"][0]["pid"]
+        assert len(_pbox_leftovers(cluster.pboxd, scratch, job)) > 5
+        os.kill(pid, signal.SIGKILL)
+        left: List[str] = []
+
+        def clean() -> bool:
+            left[:] = _pbox_leftovers(cluster.pboxd, scratch, job)
+            return not left
+
+        try:
+            _wait(clean, 5.0, "cleanup after SIGKILL of pboxd", interval=0.05)
+        except AssertionError:
+            raise AssertionError(f"left 5 s after SIGKILL of pboxd: {left}") from None
+    finally:
+        cluster.run(["scancel", job], check=False)
