@@ -251,6 +251,8 @@ def _make_cluster(two_nodes: bool):
     pboxd = _find_pboxd()
     if pboxd is None or not os.access(pboxd, os.X_OK):
         pytest.skip("pboxd not built: set $PBOXD")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs to split between the job and its sandboxes")
     root = Path(tempfile.mkdtemp(prefix="pbx-slurm-", dir="/tmp"))
     os.chmod(root, 0o755)
     if two_nodes and (shutil.which("ip") is None or shutil.which("nsenter") is None):
@@ -433,9 +435,11 @@ def test_job_split_and_scancel_cleanup(cluster) -> None:
     from pbox.cluster import parse_cpu_list
     sand, train = set(parse_cpu_list(sandbox_cpus)), set(parse_cpu_list(trainer_cpus))
     assert sand and train and not sand & train
-    assert sand | train == set(range(os.cpu_count())), res["split"]
-    assert max(sand) == os.cpu_count() - 1  # the LAST N CPUs
     node = res["nodes"][0]
+    job_cpus = set(parse_cpu_list(node["job_cpus"]))
+    assert job_cpus == set(os.sched_getaffinity(0)) & set(range(os.cpu_count()))
+    assert sand | train == job_cpus, res["split"]
+    assert sand == {max(job_cpus)}  # --sandbox-cpus 1: the LAST CPU
     assert node["host"] == "127.0.0.1" and node["cpuset"] == sandbox_cpus
     assert node["endpoint"].startswith("tcp://127.0.0.1:")
     token = Path(node["token_file"])
