@@ -1,0 +1,330 @@
+#include "reshard/convert.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/unique_fd.h"
+
+namespace bragg::reshard {
+
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+Status PreadAll(int fd, char* buf, uint64_t n, uint64_t off, const std::string& name) {
+  uint64_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(fd, buf + done, n - done, static_cast<off_t>(off + done));
+    if (r < 0 && errno == EINTR) {
+      continue;
+    }
+    if (r < 0) {
+      return ErrnoError("pread", name);
+    }
+    if (r == 0) {
+      return absl::InvalidArgumentError(fmt::format(
+          "{} ends at byte {}, before the data the metadata points to", name, off + done));
+    }
+    done += static_cast<uint64_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off, const std::string& name) {
+  uint64_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pwrite(fd, buf + done, n - done, static_cast<off_t>(off + done));
+    if (r < 0 && errno == EINTR) {
+      continue;
+    }
+    if (r < 0) {
+      return ErrnoError("pwrite", name);
+    }
+    done += static_cast<uint64_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+// Opens the archive of one chunk and checks it holds the tensor the metadata describes.
+Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& c,
+                              const std::string& path) {
+  auto ctx = [&](const Status& s) {
+    return Annotate(s, fmt::format("{} chunk [{}] in {} at {}", t.key, fmt::join(c.offsets, ","),
+                                   path, c.archive_offset));
+  };
+  auto archive = TorchArchive::Open(fd, c.archive_offset, c.archive_length);
+  if (!archive.ok()) {
+    return ctx(archive.status());
+  }
+  auto ref = archive->Tensor(archive->root());
+  if (!ref.ok()) {
+    return ctx(ref.status());
+  }
+  if (ref->dtype != t.dtype || ref->shape != c.sizes) {
+    return ctx(absl::InvalidArgumentError(fmt::format(
+        "archive holds {} [{}], metadata says {} [{}]", SafetensorsDType(ref->dtype),
+        fmt::join(ref->shape, ","), SafetensorsDType(t.dtype), fmt::join(c.sizes, ","))));
+  }
+  return *ref;
+}
+
+// Copies (or, with verify, compares) the runs of one work item through a window of `window`
+// bytes. Runs are sorted by source offset.
+Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const std::string& out,
+               uint64_t window, bool verify, std::vector<char>* buf, std::vector<char>* cmp,
+               std::atomic<uint64_t>* bytes_read) {
+  const SourceChunk& c = w.tensor->chunks[w.chunk];
+  const std::string path = src_dir + "/" + c.file;
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+  BRAGG_ASSIGN_OR_RETURN(TensorRef ref, LocateChunk(fd.get(), *w.tensor, c, path));
+  std::vector<CopyRun> runs = w.runs;
+  // Grown to the largest window actually needed: a chunk smaller than the window never costs
+  // the whole window's memory.
+  window = std::min<uint64_t>(window, ref.bytes > 0 ? ref.bytes : 1);
+  size_t i = 0;
+  while (i < runs.size()) {
+    const uint64_t wstart = runs[i].src;
+    const uint64_t wend = wstart + window;
+    uint64_t read_end = wstart;
+    size_t j = i;
+    for (; j < runs.size() && runs[j].src < wend; ++j) {
+      read_end = std::max(read_end, std::min(wend, runs[j].src + runs[j].bytes));
+    }
+    if (read_end > ref.bytes) {
+      return absl::InvalidArgumentError(fmt::format("{}: run past the end of chunk", path));
+    }
+    if (buf->size() < read_end - wstart) {
+      buf->resize(read_end - wstart);
+    }
+    BRAGG_RETURN_IF_ERROR(
+        PreadAll(fd.get(), buf->data(), read_end - wstart, ref.data_offset + wstart, path));
+    bytes_read->fetch_add(read_end - wstart, std::memory_order_relaxed);
+    size_t next = j;
+    for (size_t k = i; k < j; ++k) {
+      CopyRun& r = runs[k];
+      uint64_t n = std::min(r.bytes, wend - r.src);
+      const char* p = buf->data() + (r.src - wstart);
+      if (verify) {
+        cmp->resize(n);
+        BRAGG_RETURN_IF_ERROR(PreadAll(out_fd, cmp->data(), n, r.dst, out));
+        if (std::memcmp(cmp->data(), p, n) != 0) {
+          return absl::DataLossError(
+              fmt::format("verify: {} bytes at {} of {} differ from {} chunk [{}]", n, r.dst, out,
+                          w.tensor->key, fmt::join(c.offsets, ",")));
+        }
+      } else {
+        BRAGG_RETURN_IF_ERROR(PwriteAll(out_fd, p, n, r.dst, out));
+      }
+      if (n < r.bytes) {
+        r.src += n;
+        r.dst += n;
+        r.bytes -= n;
+        next = std::min(next, k);
+      }
+    }
+    i = next;
+  }
+  return absl::OkStatus();
+}
+
+Status CopyConfigFiles(const std::string& from, const std::string& to) {
+  DIR* d = ::opendir(from.c_str());
+  if (d == nullptr) {
+    return ErrnoError("opendir", from);
+  }
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n == "." || n == ".." || n.find(".safetensors") != std::string::npos ||
+        n.find(".bin") != std::string::npos || n.find(".tmp") != std::string::npos) {
+      continue;
+    }
+    names.push_back(n);
+  }
+  ::closedir(d);
+  for (const std::string& n : names) {
+    struct stat st;
+    if (::stat((from + "/" + n).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      continue;
+    }
+    BRAGG_ASSIGN_OR_RETURN(std::string data, ReadFileToString(from + "/" + n));
+    std::string tmp = to + "/." + n + ".tmp";
+    BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC));
+    BRAGG_RETURN_IF_ERROR(WriteAll(fd.get(), data));
+    if (::rename(tmp.c_str(), (to + "/" + n).c_str()) != 0) {
+      return ErrnoError("rename", tmp);
+    }
+  }
+  return absl::OkStatus();
+}
+
+Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int rank) {
+  nlohmann::json map = nlohmann::json::object();
+  for (const PlannedShard& s : plan.shards) {
+    struct stat st;
+    if (::stat((dst + "/" + s.file).c_str(), &st) != 0 ||
+        static_cast<uint64_t>(st.st_size) != s.size) {
+      return false;
+    }
+    for (const PlannedTensor& t : s.tensors) {
+      map[t.map.hf_name] = s.file;
+    }
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", plan.total_bytes}}}, {"weight_map", map}};
+  const std::string final_path = dst + "/model.safetensors.index.json";
+  const std::string tmp = fmt::format("{}.tmp-{}", final_path, rank);
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC));
+  BRAGG_RETURN_IF_ERROR(WriteAll(fd.get(), index.dump(2) + "\n"));
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    return ErrnoError("rename", tmp);
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
+  ConvertStats stats;
+  const int threads = std::max(1, o.threads);
+  const uint64_t window = std::clamp<uint64_t>(o.mem_budget / (2 * threads), 1 << 16, 64 << 20);
+  BRAGG_RETURN_IF_ERROR(MakeDirs(o.dst_dir));
+  if (o.rank == 0 && !o.hf_config_dir.empty() && !o.verify) {
+    BRAGG_RETURN_IF_ERROR(CopyConfigFiles(o.hf_config_dir, o.dst_dir));
+  }
+  const std::vector<size_t> mine = ShardsForRank(plan, o.rank, o.world_size);
+  std::vector<bool> owned(plan.shards.size(), false);
+  for (size_t s : mine) {
+    owned[s] = true;
+  }
+  // Open (and preallocate) this rank's shards.
+  std::vector<UniqueFd> fds(plan.shards.size());
+  std::vector<std::string> paths(plan.shards.size());
+  std::vector<std::atomic<int64_t>> pending(plan.shards.size());
+  for (size_t s : mine) {
+    const PlannedShard& sh = plan.shards[s];
+    const std::string final_path = o.dst_dir + "/" + sh.file;
+    if (o.verify) {
+      paths[s] = final_path;
+      BRAGG_ASSIGN_OR_RETURN(fds[s], OpenFile(final_path, O_RDONLY));
+      continue;
+    }
+    paths[s] = fmt::format("{}.tmp-{}", final_path, o.rank);
+    // A shard left by an earlier run must not let the index be written early.
+    if (::unlink(final_path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoError("unlink", final_path);
+    }
+    BRAGG_ASSIGN_OR_RETURN(fds[s], OpenFile(paths[s], O_RDWR | O_CREAT | O_TRUNC));
+    if (::ftruncate(fds[s].get(), static_cast<off_t>(sh.size)) != 0) {
+      return ErrnoError("ftruncate", paths[s]);
+    }
+    int err = ::posix_fallocate(fds[s].get(), 0, static_cast<off_t>(sh.size));
+    if (err != 0 && err != EOPNOTSUPP && err != EINVAL) {
+      return ErrnoError("posix_fallocate", paths[s], err);
+    }
+    BRAGG_RETURN_IF_ERROR(PwriteAll(fds[s].get(), sh.header.data(), sh.header.size(), 0, paths[s]));
+  }
+  std::vector<const WorkItem*> work;
+  for (const WorkItem& w : plan.items) {
+    if (owned[w.shard]) {
+      work.push_back(&w);
+      pending[w.shard].fetch_add(1);
+    }
+  }
+  auto finish_shard = [&](size_t s) -> Status {
+    if (o.verify) {
+      return absl::OkStatus();
+    }
+    const std::string final_path = o.dst_dir + "/" + plan.shards[s].file;
+    if (::fsync(fds[s].get()) != 0) {
+      return ErrnoError("fsync", paths[s]);
+    }
+    fds[s].Reset();
+    if (::rename(paths[s].c_str(), final_path.c_str()) != 0) {
+      return ErrnoError("rename", paths[s]);
+    }
+    return absl::OkStatus();
+  };
+  for (size_t s : mine) {
+    if (pending[s].load() == 0) {
+      BRAGG_RETURN_IF_ERROR(finish_shard(s));
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> bytes_read{0};
+  std::atomic<uint64_t> bytes_done{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  Status first_error;
+  auto worker = [&]() {
+    std::vector<char> buf, cmp;
+    while (!failed.load()) {
+      size_t k = next.fetch_add(1);
+      if (k >= work.size()) {
+        return;
+      }
+      const WorkItem& w = *work[k];
+      Status s = RunItem(w, o.src_dir, fds[w.shard].get(), paths[w.shard], window, o.verify, &buf,
+                         &cmp, &bytes_read);
+      if (s.ok() && pending[w.shard].fetch_sub(1) == 1) {
+        s = finish_shard(w.shard);
+      }
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok()) {
+          first_error = s;
+        }
+        failed = true;
+        return;
+      }
+      bytes_done.fetch_add(w.bytes);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) {
+    pool.emplace_back(worker);
+  }
+  worker();
+  for (std::thread& t : pool) {
+    t.join();
+  }
+  if (!first_error.ok()) {
+    for (size_t s : mine) {
+      if (!o.verify) {
+        ::unlink(paths[s].c_str());
+      }
+    }
+    return first_error;
+  }
+  double secs = Since(t0);
+  (o.verify ? stats.verify_seconds : stats.copy_seconds) = secs;
+  stats.bytes_read = bytes_read.load();
+  stats.bytes_written = o.verify ? 0 : bytes_done.load();
+  stats.shards_written = o.verify ? 0 : static_cast<int>(mine.size());
+  spdlog::info("{}: {} shards, {:.3f} GB in {:.2f} s ({:.2f} GB/s read)",
+               o.verify ? "verify" : "copy", mine.size(), bytes_done.load() / 1e9, secs,
+               secs > 0 ? bytes_read.load() / 1e9 / secs : 0.0);
+  if (!o.verify) {
+    BRAGG_ASSIGN_OR_RETURN(stats.index_written, WriteIndexIfComplete(plan, o.dst_dir, o.rank));
+  }
+  return stats;
+}
+
+}  // namespace bragg::reshard

@@ -1,0 +1,43 @@
+#pragma once
+
+// Executes a Plan: preallocated safetensors shards written with positioned writes, each source
+// chunk read once in bounded windows, shards renamed into place when complete, the index last.
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "reshard/plan.h"
+
+namespace bragg::reshard {
+
+struct ConvertOptions {
+  std::string src_dir;
+  std::string dst_dir;
+  std::string hf_config_dir;  // config.json, tokenizer files; copied to dst_dir by rank 0
+  int threads = 1;
+  uint64_t mem_budget = 2ull << 30;  // bounds the read windows: threads x window <= budget
+  int rank = 0;
+  int world_size = 1;
+  bool verify = false;
+};
+
+struct ConvertStats {
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+  double plan_seconds = 0;
+  double copy_seconds = 0;
+  double verify_seconds = 0;
+  int shards_written = 0;
+  bool index_written = false;
+};
+
+// Converts this rank's shards of `plan` (built from the checkpoint in options.src_dir). Shards are
+// written to "<file>.tmp-<rank>" and renamed when complete; the rank that finds every shard in
+// place writes model.safetensors.index.json (atomically) last. Thread-safe use: one call at a
+// time per dst_dir and rank. Errors: the errno error of any file operation (naming the file),
+// InvalidArgument when a chunk's archive does not hold the tensor the metadata promised, DataLoss
+// when --verify finds a mismatch.
+[[nodiscard]] Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& options);
+
+}  // namespace bragg::reshard

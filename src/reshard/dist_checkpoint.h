@@ -1,0 +1,56 @@
+#pragma once
+
+// Megatron torch_dist checkpoints (PyTorch distributed checkpoint): the .metadata pickle says,
+// for every key, its global shape, dtype and chunks, and where each chunk's torch.save archive
+// lies in the __R_N.distcp files. Only metadata is read here; no tensor data.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "reshard/torch_file.h"
+
+namespace bragg::reshard {
+
+// One chunk of a global tensor: the box [offsets, offsets + sizes), stored as a torch.save archive
+// at [archive_offset, archive_offset + archive_length) of `file` (relative to the checkpoint dir).
+struct SourceChunk {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+  std::string file;
+  uint64_t archive_offset = 0;
+  uint64_t archive_length = 0;
+};
+
+struct SourceTensor {
+  std::string key;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  std::vector<SourceChunk> chunks;
+};
+
+// What a checkpoint holds, from metadata only.
+struct CheckpointIndex {
+  std::string dir;
+  std::map<std::string, SourceTensor> tensors;
+  // Non-tensor items (BytesStorageMetadata: TE _extra_state and the like).
+  std::vector<std::string> byte_items;
+};
+
+// Reads `dir`/.metadata. Accepts the metadata classes under both torch.distributed.checkpoint and
+// torch.distributed._shard.checkpoint, tensor properties pickled as a dict or as a 5/6-tuple, and
+// extra (Megatron) fields. Errors: NotFound when .metadata is missing; InvalidArgument for
+// malformed metadata, a chunk without storage info, or chunks that do not tile the global shape
+// exactly (gaps, overlaps, out of bounds); Unimplemented for transform_descriptors (compressed
+// or otherwise transformed chunks).
+[[nodiscard]] Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir);
+
+// Checks that `t`'s chunks lie inside its shape, do not overlap and cover it exactly.
+[[nodiscard]] Status ValidateChunks(const SourceTensor& t);
+
+// Product of `shape`; 0 for an empty shape list means a scalar counts as 1.
+uint64_t NumElements(const std::vector<int64_t>& shape);
+
+}  // namespace bragg::reshard

@@ -1,0 +1,250 @@
+#include "reshard/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+
+namespace bragg::reshard {
+namespace {
+
+ModelConfig TinyConfig(const std::string& family) {
+  std::string json = R"({"hidden_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 6, "vocab_size": 10,
+    "tie_word_embeddings": false})";
+  auto c = ParseModelConfig(family, json);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+// Splits a global shape into chunks: `splits[d]` equal parts along dim d.
+SourceTensor Chunked(const std::string& key, std::vector<int64_t> shape,
+                     const std::vector<int>& splits) {
+  SourceTensor t;
+  t.key = key;
+  t.dtype = DType::kF32;
+  t.shape = shape;
+  std::vector<int> idx(shape.size(), 0);
+  while (true) {
+    SourceChunk c;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      int64_t n = shape[d] / splits[d];
+      c.offsets.push_back(idx[d] * n);
+      c.sizes.push_back(n);
+    }
+    t.chunks.push_back(c);
+    size_t d = shape.size();
+    while (d > 0) {
+      --d;
+      if (++idx[d] < splits[d]) {
+        break;
+      }
+      idx[d] = 0;
+      if (d == 0) {
+        return t;
+      }
+    }
+    if (shape.empty()) {
+      return t;
+    }
+  }
+}
+
+// A Megatron-shaped index with TP=2 and PP=2 chunking (vocab padded from 10 to 12).
+CheckpointIndex TinyIndex(const ModelConfig& c, bool bias, bool qk_norm) {
+  CheckpointIndex idx;
+  const int64_t L = c.num_layers, h = c.hidden_size, hd = c.head_dim;
+  const int64_t qkv = (c.num_heads + 2 * c.num_kv_heads) * hd;
+  auto add = [&](SourceTensor t) { idx.tensors[t.key] = std::move(t); };
+  add(Chunked("embedding.word_embeddings.weight", {12, h}, {2, 1}));
+  add(Chunked("output_layer.weight", {12, h}, {2, 1}));
+  add(Chunked("decoder.final_layernorm.weight", {h}, {1}));
+  const std::string p = "decoder.layers.";
+  add(Chunked(p + "self_attention.linear_qkv.layer_norm_weight", {L, h}, {2, 1}));
+  add(Chunked(p + "self_attention.linear_qkv.weight", {L, qkv, h}, {2, 2, 1}));
+  if (bias) {
+    add(Chunked(p + "self_attention.linear_qkv.bias", {L, qkv}, {2, 2}));
+  }
+  if (qk_norm) {
+    add(Chunked(p + "self_attention.q_layernorm.weight", {L, hd}, {2, 1}));
+    add(Chunked(p + "self_attention.k_layernorm.weight", {L, hd}, {2, 1}));
+  }
+  add(Chunked(p + "self_attention.linear_proj.weight", {L, h, c.num_heads * hd}, {2, 1, 2}));
+  add(Chunked(p + "mlp.linear_fc1.layer_norm_weight", {L, h}, {2, 1}));
+  add(Chunked(p + "mlp.linear_fc1.weight", {L, 2 * c.intermediate_size, h}, {2, 2, 1}));
+  add(Chunked(p + "mlp.linear_fc2.weight", {L, h, c.intermediate_size}, {2, 1, 2}));
+  return idx;
+}
+
+// Global flat index of every source element, as the chunk's bytes would hold it.
+std::vector<uint32_t> ChunkData(const SourceTensor& t, const SourceChunk& c) {
+  std::vector<uint32_t> out(NumElements(c.sizes));
+  std::vector<int64_t> idx(c.sizes.size(), 0);
+  for (uint64_t k = 0; k < out.size(); ++k) {
+    uint64_t rem = k;
+    uint64_t g = 0;
+    for (size_t d = c.sizes.size(); d-- > 0;) {
+      idx[d] = static_cast<int64_t>(rem % c.sizes[d]) + c.offsets[d];
+      rem /= c.sizes[d];
+    }
+    for (size_t d = 0; d < idx.size(); ++d) {
+      g = g * t.shape[d] + idx[d];
+    }
+    out[k] = static_cast<uint32_t>(g);
+  }
+  return out;
+}
+
+void CheckPlanMovesEveryElement(const std::string& family, uint64_t max_shard) {
+  ModelConfig c = TinyConfig(family);
+  CheckpointIndex idx = TinyIndex(c, c.qkv_bias, c.qk_norm);
+  auto plan = BuildPlan(idx, c, max_shard);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Execute the runs in memory.
+  std::vector<std::string> files;
+  for (const PlannedShard& s : plan->shards) {
+    files.push_back(std::string(s.size, '\xAA'));
+    files.back().replace(0, s.header.size(), s.header);
+  }
+  std::vector<int> written_count;
+  std::map<std::pair<size_t, uint64_t>, int> writes;
+  for (const WorkItem& w : plan->items) {
+    std::vector<uint32_t> data = ChunkData(*w.tensor, w.tensor->chunks[w.chunk]);
+    for (const CopyRun& r : w.runs) {
+      ASSERT_LE(r.src + r.bytes, data.size() * 4);
+      ASSERT_LE(r.dst + r.bytes, files[w.shard].size());
+      std::memcpy(files[w.shard].data() + r.dst, reinterpret_cast<char*>(data.data()) + r.src,
+                  r.bytes);
+      for (uint64_t b = 0; b < r.bytes; b += 4) {
+        ++writes[{w.shard, r.dst + b}];
+      }
+    }
+  }
+  const int64_t hd = c.head_dim, qpg = c.num_heads / c.num_kv_heads, g = (qpg + 2) * hd;
+  size_t tensors = 0;
+  for (size_t s = 0; s < plan->shards.size(); ++s) {
+    for (const PlannedTensor& t : plan->shards[s].tensors) {
+      ++tensors;
+      const SourceTensor& src = idx.tensors.at(t.map.src_key);
+      const int64_t rows = t.map.hf_shape[0];
+      const uint64_t inner = NumElements(t.map.hf_shape) / rows;
+      for (int64_t r = 0; r < rows; ++r) {
+        // Expected source row, written out independently of the mapping tables.
+        int64_t sr = r;
+        const std::string& n = t.map.hf_name;
+        if (n.find("q_proj") != std::string::npos) {
+          sr = (r / (qpg * hd)) * g + r % (qpg * hd);
+        } else if (n.find("k_proj") != std::string::npos) {
+          sr = (r / hd) * g + qpg * hd + r % hd;
+        } else if (n.find("v_proj") != std::string::npos) {
+          sr = (r / hd) * g + (qpg + 1) * hd + r % hd;
+        } else if (n.find("up_proj") != std::string::npos) {
+          sr = r + c.intermediate_size;
+        }
+        for (uint64_t i = 0; i < inner; ++i) {
+          uint64_t flat = (t.map.layer >= 0 ? t.map.layer : 0);
+          if (t.map.layer >= 0) {
+            flat = flat * src.shape[1] + sr;
+          } else {
+            flat = sr;
+          }
+          flat = flat * inner + i;
+          uint64_t at = t.offset + (r * inner + i) * 4;
+          uint32_t got;
+          std::memcpy(&got, files[s].data() + at, 4);
+          ASSERT_EQ(got, flat) << n << " row " << r << " col " << i;
+          ASSERT_EQ((writes[{s, at}]), 1) << n << " written more than once";
+        }
+      }
+    }
+  }
+  size_t per_layer = 9 + (c.qkv_bias ? 3 : 0) + (c.qk_norm ? 2 : 0);
+  EXPECT_EQ(tensors, 3 + per_layer * c.num_layers);
+}
+
+TEST(PlanTest, LlamaEveryElementOnce) { CheckPlanMovesEveryElement("llama", 5ull << 30); }
+TEST(PlanTest, Qwen2BiasManyShards) { CheckPlanMovesEveryElement("qwen2", 700); }
+TEST(PlanTest, Qwen3QkNorm) { CheckPlanMovesEveryElement("qwen3", 2000); }
+
+TEST(PlanTest, ShardsSplitAcrossRanksExactlyOnce) {
+  ModelConfig c = TinyConfig("llama");
+  auto plan = BuildPlan(TinyIndex(c, false, false), c, 500);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_GT(plan->shards.size(), 3u);
+  std::vector<int> owner(plan->shards.size(), 0);
+  for (int r = 0; r < 3; ++r) {
+    for (size_t s : ShardsForRank(*plan, r, 3)) {
+      ++owner[s];
+    }
+  }
+  for (int n : owner) {
+    EXPECT_EQ(n, 1);
+  }
+  EXPECT_NE(DescribePlan(*plan).find("model.layers.0.self_attn.k_proj.weight"), std::string::npos);
+}
+
+TEST(PlanTest, RejectsMismatchedCheckpoints) {
+  ModelConfig c = TinyConfig("llama");
+  CheckpointIndex idx = TinyIndex(c, false, false);
+  auto missing = idx;
+  missing.tensors.erase("decoder.layers.mlp.linear_fc2.weight");
+  auto r = BuildPlan(missing, c, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("linear_fc2"), std::string::npos) << r.status();
+  auto extra = idx;
+  extra.tensors["decoder.layers.mlp.router.weight"] =
+      Chunked("decoder.layers.mlp.router.weight", {4, 8}, {1, 1});
+  r = BuildPlan(extra, c, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("no Hugging Face mapping"), std::string::npos);
+  auto ignored = idx;
+  ignored.tensors["decoder.layers.self_attention.linear_qkv._extra_state"] =
+      Chunked("decoder.layers.self_attention.linear_qkv._extra_state", {4}, {1});
+  EXPECT_TRUE(BuildPlan(ignored, c, 1 << 30).ok());
+  ModelConfig wrong = c;
+  wrong.intermediate_size = 5;
+  r = BuildPlan(idx, wrong, 1 << 30);
+  EXPECT_FALSE(r.ok());
+  wrong = c;
+  wrong.num_layers = 3;
+  r = BuildPlan(idx, wrong, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("layer axis"), std::string::npos) << r.status();
+  wrong = c;
+  wrong.vocab_size = 13;  // more than the padded 12 rows
+  EXPECT_FALSE(BuildPlan(idx, wrong, 1 << 30).ok());
+}
+
+TEST(PlanTest, ConfigValidation) {
+  EXPECT_EQ(ParseModelConfig("gpt2", "{}").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseModelConfig("qwen3_moe", "{}").status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_FALSE(ParseModelConfig("llama", "not json").ok());
+  EXPECT_FALSE(ParseModelConfig("llama", R"({"hidden_size": 8})").ok());
+  EXPECT_FALSE(ParseModelConfig("llama", R"({"hidden_size": -8, "num_hidden_layers": 1,
+      "num_attention_heads": 1, "intermediate_size": 1, "vocab_size": 1})")
+                   .ok());
+  EXPECT_FALSE(ParseModelConfig("llama", R"({"hidden_size": 8, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "num_key_value_heads": 3, "intermediate_size": 1,
+      "vocab_size": 1})")
+                   .ok());
+}
+
+TEST(ChunkValidationTest, GapsOverlapsAndBounds) {
+  SourceTensor t = Chunked("w", {4, 6}, {2, 2});
+  EXPECT_TRUE(ValidateChunks(t).ok());
+  SourceTensor gap = t;
+  gap.chunks.pop_back();
+  EXPECT_NE(std::string(ValidateChunks(gap).message()).find("cover"), std::string::npos);
+  SourceTensor overlap = t;
+  overlap.chunks[1] = overlap.chunks[0];
+  EXPECT_NE(std::string(ValidateChunks(overlap).message()).find("overlap"), std::string::npos);
+  SourceTensor out = t;
+  out.chunks[3].offsets[1] = 4;
+  EXPECT_NE(std::string(ValidateChunks(out).message()).find("outside"), std::string::npos);
+  SourceTensor neg = t;
+  neg.chunks[0].sizes[0] = -2;
+  EXPECT_FALSE(ValidateChunks(neg).ok());
+  SourceTensor rank = t;
+  rank.chunks[0].offsets.push_back(0);
+  EXPECT_FALSE(ValidateChunks(rank).ok());
+}
+
+}  // namespace
+}  // namespace bragg::reshard

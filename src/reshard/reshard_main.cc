@@ -1,0 +1,159 @@
+// bragg-reshard: Megatron torch_dist checkpoints -> Hugging Face safetensors.
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/logging.h"
+#include "common/units.h"
+#include "reshard/convert.h"
+#include "reshard/dist_checkpoint.h"
+#include "reshard/model_map.h"
+#include "reshard/plan.h"
+
+namespace {
+
+using bragg::Result;
+using bragg::Status;
+namespace rs = bragg::reshard;
+
+Status Inspect(const std::string& dir) {
+  BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, rs::ReadDistCheckpointIndex(dir));
+  uint64_t total = 0;
+  for (const auto& [key, t] : idx.tensors) {
+    uint64_t bytes = rs::NumElements(t.shape) * rs::ElementSize(t.dtype);
+    total += bytes;
+    fmt::print("{} {} [{}] {} chunks\n", key, rs::SafetensorsDType(t.dtype),
+               fmt::join(t.shape, ","), t.chunks.size());
+    for (const rs::SourceChunk& c : t.chunks) {
+      fmt::print("    [{}] + [{}] in {} @{} (+{})\n", fmt::join(c.offsets, ","),
+                 fmt::join(c.sizes, ","), c.file, c.archive_offset, c.archive_length);
+    }
+  }
+  for (const std::string& k : idx.byte_items) {
+    fmt::print("{} bytes-item\n", k);
+  }
+  fmt::print("{} tensors, {} bytes, {} byte items\n", idx.tensors.size(), total,
+             idx.byte_items.size());
+  return absl::OkStatus();
+}
+
+struct ConvertArgs {
+  std::string src, dst, model, hf_config_dir, mem_budget = "2GiB", max_shard = "5GiB";
+  int threads = 0;
+  int rank = -1;
+  int world_size = -1;
+  bool verify = false;
+  bool dry_run = false;
+};
+
+Status Convert(ConvertArgs a) {
+  using clock = std::chrono::steady_clock;
+  auto t0 = clock::now();
+  if (a.hf_config_dir.empty()) {
+    return absl::InvalidArgumentError("--hf-config-dir with the model's config.json is required");
+  }
+  if (a.rank < 0 && a.world_size < 0) {
+    // Under srun every task gets its rank from Slurm.
+    const char* r = std::getenv("SLURM_PROCID");
+    const char* w = std::getenv("SLURM_NTASKS");
+    a.rank = r != nullptr ? std::atoi(r) : 0;
+    a.world_size = w != nullptr ? std::atoi(w) : 1;
+  }
+  if (a.rank < 0) {
+    a.rank = 0;
+  }
+  if (a.world_size < 1) {
+    a.world_size = 1;
+  }
+  if (a.rank >= a.world_size) {
+    return absl::InvalidArgumentError(
+        fmt::format("--rank {} must be below --world-size {}", a.rank, a.world_size));
+  }
+  BRAGG_ASSIGN_OR_RETURN(uint64_t budget, bragg::ParseSize(a.mem_budget));
+  BRAGG_ASSIGN_OR_RETURN(uint64_t max_shard, bragg::ParseSize(a.max_shard));
+  if (max_shard == 0) {
+    return absl::InvalidArgumentError("--max-shard-size must be positive");
+  }
+  BRAGG_ASSIGN_OR_RETURN(std::string cfg_text,
+                         bragg::ReadFileToString(a.hf_config_dir + "/config.json"));
+  BRAGG_ASSIGN_OR_RETURN(rs::ModelConfig cfg, rs::ParseModelConfig(a.model, cfg_text));
+  BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, rs::ReadDistCheckpointIndex(a.src));
+  BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
+  double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
+  spdlog::info(
+      "plan: {} output tensors in {} shards, {:.3f} GB, {} work items, {:.3f} s",
+      [&] {
+        size_t n = 0;
+        for (const auto& s : plan.shards) {
+          n += s.tensors.size();
+        }
+        return n;
+      }(),
+      plan.shards.size(), plan.total_bytes / 1e9, plan.items.size(), plan_s);
+  if (a.dry_run) {
+    fmt::print("{}", rs::DescribePlan(plan));
+    return absl::OkStatus();
+  }
+  rs::ConvertOptions o;
+  o.src_dir = a.src;
+  o.dst_dir = a.dst;
+  o.hf_config_dir = a.hf_config_dir;
+  o.threads = a.threads > 0 ? a.threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  o.mem_budget = budget;
+  o.rank = a.rank;
+  o.world_size = a.world_size;
+  BRAGG_ASSIGN_OR_RETURN(rs::ConvertStats st, rs::ExecutePlan(plan, o));
+  if (a.verify) {
+    o.verify = true;
+    BRAGG_RETURN_IF_ERROR(rs::ExecutePlan(plan, o).status());
+    spdlog::info("verify: every byte of this rank's shards matches the source");
+  }
+  spdlog::info("rank {}/{}: {} shards written, index {}, total {:.2f} s", a.rank, a.world_size,
+               st.shards_written, st.index_written ? "written" : "left to another rank",
+               std::chrono::duration<double>(clock::now() - t0).count());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bragg-reshard: Megatron torch_dist checkpoints to Hugging Face safetensors"};
+  app.require_subcommand(1);
+  std::string level = "info";
+  app.add_option("--log-level", level, "trace, debug, info, warn, error");
+  std::string inspect_dir;
+  auto* inspect = app.add_subcommand("inspect", "print keys, shapes, dtypes and chunking");
+  inspect->add_option("CKPT_DIR", inspect_dir)->required();
+  ConvertArgs ca;
+  auto* convert = app.add_subcommand("convert", "write Hugging Face safetensors shards");
+  convert->add_option("--src", ca.src, "Megatron torch_dist checkpoint directory")->required();
+  convert->add_option("--dst", ca.dst, "output directory")->required();
+  convert->add_option("--model", ca.model, "llama, qwen2, qwen3")->required();
+  convert->add_option("--hf-config-dir", ca.hf_config_dir, "config.json and tokenizer files");
+  convert->add_option("--threads", ca.threads, "worker threads (default: all cores)");
+  convert->add_option("--mem-budget", ca.mem_budget, "bound on buffer memory (default 2GiB)");
+  convert->add_option("--max-shard-size", ca.max_shard, "largest output shard (default 5GiB)");
+  convert->add_option("--rank", ca.rank, "this process's rank (default: SLURM_PROCID or 0)");
+  convert->add_option("--world-size", ca.world_size, "processes (default: SLURM_NTASKS or 1)");
+  convert->add_flag("--verify", ca.verify, "re-read the output and compare with the source");
+  convert->add_flag("--dry-run-plan", ca.dry_run, "print the plan and write nothing");
+  CLI11_PARSE(app, argc, argv);
+  if (Status s = bragg::InitLogging("bragg-reshard", level); !s.ok()) {
+    std::cerr << "bragg-reshard: " << s.message() << "\n";
+    return 2;
+  }
+  Status s = inspect->parsed() ? Inspect(inspect_dir) : Convert(ca);
+  if (!s.ok()) {
+    std::cerr << "bragg-reshard: " << s.message() << "\n";
+    return 1;
+  }
+  return 0;
+}

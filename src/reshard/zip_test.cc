@@ -1,0 +1,165 @@
+#include "reshard/zip.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "common/fs.h"
+#include "reshard/test_util.h"
+#include "reshard/torch_file.h"
+
+namespace bragg::reshard {
+namespace {
+
+using testing::FromHex;
+using testing::MakeZip;
+
+// torch.save(torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), buf) from Debian's torch 1.13.
+constexpr std::string_view kTorchSave =
+    "504b03040000080800000000000000000000000000000000000010001200617263686976652f646174612e706b6c46"
+    "42"
+    "0e005a5a5a5a5a5a5a5a5a5a5a5a5a5a800263746f7263682e5f7574696c730a5f72656275696c645f74656e736f72"
+    "5f"
+    "76320a71002828580700000073746f72616765710163746f7263680a42466c6f6174313653746f726167650a710258"
+    "01"
+    "000000307103580300000063707571044b06747105514b004b024b038671064b034b018671078963636f6c6c656374"
+    "69"
+    "6f6e730a4f726465726564446963740a71082952710974710a52710b2e504b0708fd14a8169d0000009d000000504b"
+    "03"
+    "04000008080000000000000000000000000000000000000e002700617263686976652f646174612f30464223005a5a"
+    "5a"
+    "5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a0000803f004040408040a040504b07"
+    "08"
+    "b321e03a0c0000000c000000504b0304000008080000000000000000000000000000000000000f0037006172636869"
+    "76"
+    "652f76657273696f6e464233005a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a"
+    "5a"
+    "5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a330a504b0708d19e67550200000002000000504b0102000000000808000000"
+    "00"
+    "0000fd14a8169d0000009d000000100000000000000000000000000000000000617263686976652f646174612e706b"
+    "6c"
+    "504b0102000000000808000000000000b321e03a0c0000000c0000000e00000000000000000000000000ed00000061"
+    "72"
+    "63686976652f646174612f30504b0102000000000808000000000000d19e675502000000020000000f000000000000"
+    "00"
+    "0000000000005c010000617263686976652f76657273696f6e504b06062c000000000000001e032d00000000000000"
+    "00"
+    "0003000000000000000300000000000000b700000000000000d201000000000000504b060700000000890200000000"
+    "00"
+    "0001000000504b05060000000003000300b7000000d20100000000";
+
+TEST(ZipTest, ReadsTorchSaveArchive) {
+  std::string z = FromHex(kTorchSave);
+  auto entries = ReadZipDirectoryFromMemory(z);
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  ASSERT_EQ(entries->size(), 3u);
+  EXPECT_EQ((*entries)[0].name, "archive/data.pkl");
+  EXPECT_EQ((*entries)[1].name, "archive/data/0");
+  EXPECT_EQ((*entries)[1].size, 12u);
+  // torch.save aligns tensor data to 64 bytes.
+  EXPECT_EQ((*entries)[1].data_offset % 64, 0u);
+}
+
+TEST(ZipTest, TorchArchiveAtAnOffsetInAFile) {
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  std::string z = FromHex(kTorchSave);
+  std::string file = std::string(1000, 'x') + z + std::string(77, 'y');
+  std::string path = dir->path() + "/f.distcp";
+  ASSERT_TRUE(WriteStringToFile(path, file).ok());
+  auto fd = OpenFile(path, O_RDONLY);
+  ASSERT_TRUE(fd.ok());
+  auto a = TorchArchive::Open(fd->get(), 1000, z.size());
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto t = a->Tensor(a->root());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->dtype, DType::kBF16);
+  EXPECT_EQ(t->shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(t->bytes, 12u);
+  // bf16 of 0..5: 0x0000 0x3f80 0x4000 0x4040 0x4080 0x40a0.
+  ASSERT_GE(file.size(), t->data_offset + 12);
+  EXPECT_EQ(file.substr(t->data_offset, 4), std::string("\x00\x00\x80\x3f", 4));
+  EXPECT_EQ(static_cast<uint8_t>(file[t->data_offset + 11]), 0x40);
+  // Truncated region: the EOCD is no longer at the end.
+  EXPECT_FALSE(TorchArchive::Open(fd->get(), 1000, z.size() - 1).ok());
+  // Region past the end of the file.
+  EXPECT_FALSE(TorchArchive::Open(fd->get(), 1000 + 77, z.size() + 100).ok());
+}
+
+TEST(ZipTest, Zip64Directory) {
+  std::string z = MakeZip({{"a/data.pkl", "xyz"}, {"a/data/0", std::string(100, '\7')}}, true);
+  auto entries = ReadZipDirectoryFromMemory(z);
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  ASSERT_EQ(entries->size(), 2u);
+  EXPECT_EQ((*entries)[1].size, 100u);
+  EXPECT_EQ(z.substr((*entries)[1].data_offset, 100), std::string(100, '\7'));
+  EXPECT_EQ(z.substr((*entries)[0].data_offset, 3), "xyz");
+}
+
+TEST(ZipTest, RejectsHostileArchives) {
+  std::string good = MakeZip({{"a", "hello"}});
+  ASSERT_TRUE(ReadZipDirectoryFromMemory(good).ok());
+  EXPECT_FALSE(ReadZipDirectoryFromMemory("").ok());
+  EXPECT_FALSE(ReadZipDirectoryFromMemory(std::string(100, '\0')).ok());
+  // Compressed entry (method 8).
+  std::string deflated = good;
+  deflated[8] = 8;
+  size_t cd = good.find("PK\x01\x02");
+  deflated[cd + 10] = 8;
+  auto r = ReadZipDirectoryFromMemory(deflated);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
+  // Entry size pointing past the directory.
+  std::string big = good;
+  big[cd + 20] = big[cd + 24] = '\x7f';
+  r = ReadZipDirectoryFromMemory(big);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  // Entry count far beyond what the directory can hold.
+  std::string many = good;
+  size_t eocd = good.rfind("PK\x05\x06");
+  many[eocd + 10] = many[eocd + 8] = '\xff';
+  many[eocd + 11] = many[eocd + 9] = '\x7f';
+  r = ReadZipDirectoryFromMemory(many);
+  EXPECT_FALSE(r.ok());
+  // Central directory offset out of range.
+  std::string off = good;
+  off[eocd + 19] = '\x70';
+  EXPECT_FALSE(ReadZipDirectoryFromMemory(off).ok());
+  // Zip64 markers without zip64 records.
+  std::string z64 = good;
+  for (int k = 12; k < 20; ++k) {
+    z64[eocd + k] = '\xff';
+  }
+  r = ReadZipDirectoryFromMemory(z64);
+  EXPECT_NE(std::string(r.status().message()).find("zip64"), std::string::npos) << r.status();
+  // Local header offset out of range.
+  std::string local = good;
+  local[cd + 45] = '\x40';
+  EXPECT_FALSE(ReadZipDirectoryFromMemory(local).ok());
+}
+
+TEST(ZipTest, RandomCorruptionNeverCrashes) {
+  std::mt19937 rng(99);
+  const std::string seeds[] = {FromHex(kTorchSave), MakeZip({{"a/data.pkl", "N."}}, true)};
+  for (int iter = 0; iter < 20000; ++iter) {
+    std::string d = seeds[iter % 2];
+    int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) {
+      size_t pos = rng() % d.size();
+      if (rng() % 8 == 0) {
+        d.resize(std::max<size_t>(pos, 1));
+      } else {
+        d[pos] = static_cast<char>(rng());
+      }
+    }
+    auto entries = ReadZipDirectoryFromMemory(d);
+    if (entries.ok()) {
+      for (const ZipEntry& e : *entries) {
+        ASSERT_LE(e.data_offset + e.size, d.size());
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace bragg::reshard

@@ -1,0 +1,375 @@
+"""Writes tiny Megatron-shaped torch_dist checkpoints with Debian's torch 1.13, and converts them
+to Hugging Face tensors with a plain torch reference converter.
+
+The checkpoint is written the way Megatron-core writes one: every rank of a TP x PP grid saves
+its local shards of the global (layer-stacked) tensors through PyTorch's distributed checkpoint
+writer, as separate gloo processes on loopback.
+
+Usage (the test drives it):
+  megatron_fixture.py all --root DIR [--families llama,qwen2,qwen3] [--tp 2 --pp 2]
+writes DIR/<family> (torch 1.13 class paths), DIR/<family>-hf-config, DIR/<family>-ref.pt (the
+reference conversion), and two variants of llama: DIR/llama-newpaths (the
+torch.distributed.checkpoint.metadata class paths and 5-tuple TensorProperties state that newer
+PyTorch pickles) and DIR/llama-transforms (a chunk with transform_descriptors, which
+bragg-reshard must refuse).
+"""
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import types
+
+_PATCHED = "torch.distributed._shard.sharded_tensor.metadata"
+
+
+class _PatchedMetadataFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves sharded_tensor/metadata.py with its dataclass default fixed.
+
+    Debian's torch 1.13 declares `tensor_properties: TensorProperties =
+    field(default=TensorProperties())`, which Python 3.11's dataclasses reject ("mutable default
+    ... for field tensor_properties"), so `torch.distributed._shard` cannot be imported at all.
+    """
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _PATCHED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None:
+            return None
+        self._origin = spec.origin
+        return importlib.util.spec_from_file_location(fullname, spec.origin, loader=self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        with open(self._origin) as f:
+            src = f.read()
+        src = src.replace("field(default=TensorProperties())",
+                          "field(default_factory=TensorProperties)")
+        exec(compile(src, self._origin, "exec"), module.__dict__)
+
+
+def install_import_fix():
+    if not any(isinstance(f, _PatchedMetadataFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchedMetadataFinder())
+
+
+install_import_fix()
+import torch  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: global Megatron tensors, deterministic.
+
+def make_config(family):
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": family,
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 48,
+        "vocab_size": 50,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    if family == "qwen3":
+        cfg["head_dim"] = 16  # differs from hidden/heads, as in real Qwen3
+    return cfg
+
+
+def global_tensors(family, cfg):
+    g = torch.Generator().manual_seed(1234)
+    L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", h // nh)
+    ffn, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    padded = (vocab + 7) // 8 * 8 + 8  # Megatron pads the vocabulary
+    qkv = (nh + 2 * nkv) * hd
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    p = "decoder.layers."
+    t = {
+        "embedding.word_embeddings.weight": r(padded, h),
+        "output_layer.weight": r(padded, h),
+        "decoder.final_layernorm.weight": r(h),
+        p + "self_attention.linear_qkv.layer_norm_weight": r(L, h),
+        p + "self_attention.linear_qkv.weight": r(L, qkv, h),
+        p + "self_attention.linear_proj.weight": r(L, h, nh * hd),
+        p + "mlp.linear_fc1.layer_norm_weight": r(L, h),
+        p + "mlp.linear_fc1.weight": r(L, 2 * ffn, h),
+        p + "mlp.linear_fc2.weight": r(L, h, ffn),
+    }
+    if family == "qwen2":
+        t[p + "self_attention.linear_qkv.bias"] = r(L, qkv)
+    if family == "qwen3":
+        t[p + "self_attention.q_layernorm.weight"] = r(L, hd)
+        t[p + "self_attention.k_layernorm.weight"] = r(L, hd)
+    return t
+
+
+def chunks_for(key, shape, tp, pp):
+    """Megatron's sharding: yields (owner_rank, offsets, sizes). rank = pp_rank * tp + tp_rank."""
+    stacked = key.startswith("decoder.layers.")
+    out = []
+    for pr in range(pp):
+        for tr in range(tp):
+            rank = pr * tp + tr
+            off = [0] * len(shape)
+            size = list(shape)
+            if stacked:
+                size[0] = shape[0] // pp
+                off[0] = pr * size[0]
+            elif key.startswith("embedding."):
+                if pr != 0:
+                    continue
+            elif pr != pp - 1:
+                continue  # final norm and output layer live on the last stage
+            d = 1 if stacked else 0
+            if key.endswith("linear_fc1.weight"):
+                # Megatron's swiglu factory: each TP rank holds [gate_tp; up_tp] as two chunks of
+                # the global [gate; up].
+                half = shape[1] // 2
+                n = half // tp
+                for base in (0, half):
+                    o, s = list(off), list(size)
+                    o[1], s[1] = base + tr * n, n
+                    out.append((rank, o, s))
+                continue
+            split = None
+            if key.endswith(("linear_qkv.weight", "linear_qkv.bias")) or key.startswith(
+                    ("embedding.", "output_layer.")):
+                split = d
+            elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                split = len(shape) - 1
+            if split is None:
+                if tr != 0:
+                    continue  # replicated across TP: tp rank 0 saves it
+            else:
+                size[split] = shape[split] // tp
+                off[split] = tr * size[split]
+            out.append((rank, off, size))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: one gloo process per rank.
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_rank(args):
+    import torch.distributed as dist
+
+    world = args.tp * args.pp
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=world)
+    for family in args.families.split(","):
+        write_family(args, family, os.path.join(args.root, family))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_family(args, family, out):
+    from torch.distributed._shard.checkpoint import FileSystemWriter, save_state_dict
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                  TensorProperties)
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    cfg = make_config(family)
+    tensors = global_tensors(family, cfg)
+    state = {}
+    for key, full in tensors.items():
+        chunks = chunks_for(key, full.shape, args.tp, args.pp)
+        metas = [ShardMetadata(o, s, f"rank:{r}/cpu") for r, o, s in chunks]
+        local = []
+        for (r, o, s), m in zip(chunks, metas):
+            if r == args.rank:
+                view = full
+                for d in range(len(o)):
+                    view = view.narrow(d, o[d], s[d])
+                local.append(Shard(view.contiguous(), m))
+        st_meta = ShardedTensorMetadata(metas, full.shape,
+                                        TensorProperties(dtype=full.dtype))
+        state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, st_meta, sharding_spec=EnumerableShardingSpec(metas))
+    if args.rank == 0:
+        # Transformer Engine's _extra_state travels as a bytes item.
+        state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"] = io.BytesIO(
+            b"te-extra-state")
+    save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
+
+
+def rewrite_metadata(ckpt, variant):
+    """Re-pickles .metadata as newer PyTorch would (class paths, TensorProperties state)."""
+    from torch.distributed._shard.checkpoint import filesystem, metadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    with open(os.path.join(ckpt, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    if variant == "newpaths":
+        new_md = types.ModuleType("torch.distributed.checkpoint.metadata")
+        new_fs = types.ModuleType("torch.distributed.checkpoint.filesystem")
+        sys.modules.setdefault("torch.distributed.checkpoint", types.ModuleType("x"))
+        sys.modules["torch.distributed.checkpoint.metadata"] = new_md
+        sys.modules["torch.distributed.checkpoint.filesystem"] = new_fs
+        for cls in (metadata.Metadata, metadata.TensorStorageMetadata,
+                    metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
+                    metadata.MetadataIndex, TensorProperties):
+            setattr(new_md, cls.__name__, cls)
+            cls.__module__ = new_md.__name__
+        setattr(new_fs, "_StorageInfo", filesystem._StorageInfo)
+        filesystem._StorageInfo.__module__ = new_fs.__name__
+        TensorProperties.__getstate__ = lambda self: (self.dtype, self.layout,
+                                                      self.requires_grad, self.memory_format,
+                                                      self.pin_memory)
+    elif variant == "transforms":
+        info = next(iter(md.storage_data.values()))
+        info.transform_descriptors = ["zstd"]
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def write_all(root, families, tp, pp):
+    """Writes root/<family> for every family (one set of gloo processes for all), the variants
+    root/llama-newpaths and root/llama-transforms, HF config dirs root/<name>-hf-config and the
+    reference conversions root/<family>-ref.pt."""
+    import shutil
+
+    os.makedirs(root, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(tp * pp):
+        cmd = [sys.executable, __file__, "write-rank", "--root", root, "--families",
+               ",".join(families), "--tp", str(tp), "--pp", str(pp), "--rank", str(rank),
+               "--port", str(port)]
+        procs.append(subprocess.Popen(cmd))
+    codes = [p.wait(timeout=300) for p in procs]
+    if any(codes):
+        sys.exit(f"rank processes failed: {codes}")
+    names = list(families)
+    if "llama" in families:
+        for variant in ("newpaths", "transforms"):
+            name = f"llama-{variant}"
+            shutil.copytree(os.path.join(root, "llama"), os.path.join(root, name))
+            names.append(name)
+    for name in names:
+        family = name.split("-")[0]
+        ckpt = os.path.join(root, name)
+        cfg = make_config(family)
+        torch.save({"args": argparse.Namespace(tensor_model_parallel_size=tp,
+                                               pipeline_model_parallel_size=pp),
+                    "checkpoint_version": 3.0}, os.path.join(ckpt, "common.pt"))
+        with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}, f)
+        hf = ckpt + "-hf-config"
+        os.makedirs(hf, exist_ok=True)
+        with open(os.path.join(hf, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+            json.dump({"model_max_length": 128}, f)
+        if "-" not in name:
+            torch.save(reference(ckpt, cfg, family), ckpt + "-ref.pt")
+    # Rewritten last: the reference reads the torch 1.13 class paths.
+    if "llama" in families:
+        for variant in ("newpaths", "transforms"):
+            rewrite_metadata(os.path.join(root, f"llama-{variant}"), variant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference converter: loads whole tensors with torch, then splits them (the slow, simple way).
+
+def load_global(ckpt):
+    with open(os.path.join(ckpt, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    out = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if not hasattr(meta, "chunks"):
+            continue
+        full = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for c in meta.chunks:
+            info = next(v for k, v in md.storage_data.items()
+                        if k.fqn == fqn and tuple(k.offset) == tuple(c.offsets))
+            with open(os.path.join(ckpt, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                t = torch.load(io.BytesIO(f.read(info.length)))
+            view = full
+            for d in range(len(c.offsets)):
+                view = view.narrow(d, c.offsets[d], c.sizes[d])
+            view.copy_(t)
+        out[fqn] = full
+    return out
+
+
+def reference(ckpt, cfg, family):
+    g = load_global(ckpt)
+    L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", h // nh)
+    vocab, ffn = cfg["vocab_size"], cfg["intermediate_size"]
+    p = "decoder.layers."
+    hf = {"model.embed_tokens.weight": g["embedding.word_embeddings.weight"][:vocab],
+          "model.norm.weight": g["decoder.final_layernorm.weight"],
+          "lm_head.weight": g["output_layer.weight"][:vocab]}
+    for i in range(L):
+        q = f"model.layers.{i}."
+        qkv = g[p + "self_attention.linear_qkv.weight"][i].reshape(nkv, (nh // nkv + 2) * hd, h)
+        qw, kw, vw = torch.split(qkv, [nh // nkv * hd, hd, hd], dim=1)
+        hf[q + "self_attn.q_proj.weight"] = qw.reshape(-1, h)
+        hf[q + "self_attn.k_proj.weight"] = kw.reshape(-1, h)
+        hf[q + "self_attn.v_proj.weight"] = vw.reshape(-1, h)
+        if family == "qwen2":
+            b = g[p + "self_attention.linear_qkv.bias"][i].reshape(nkv, -1)
+            qb, kb, vb = torch.split(b, [nh // nkv * hd, hd, hd], dim=1)
+            hf[q + "self_attn.q_proj.bias"] = qb.reshape(-1)
+            hf[q + "self_attn.k_proj.bias"] = kb.reshape(-1)
+            hf[q + "self_attn.v_proj.bias"] = vb.reshape(-1)
+        if family == "qwen3":
+            hf[q + "self_attn.q_norm.weight"] = g[p + "self_attention.q_layernorm.weight"][i]
+            hf[q + "self_attn.k_norm.weight"] = g[p + "self_attention.k_layernorm.weight"][i]
+        hf[q + "input_layernorm.weight"] = g[p + "self_attention.linear_qkv.layer_norm_weight"][i]
+        hf[q + "self_attn.o_proj.weight"] = g[p + "self_attention.linear_proj.weight"][i]
+        hf[q + "post_attention_layernorm.weight"] = g[p + "mlp.linear_fc1.layer_norm_weight"][i]
+        gate, up = torch.chunk(g[p + "mlp.linear_fc1.weight"][i], 2, dim=0)
+        hf[q + "mlp.gate_proj.weight"] = gate
+        hf[q + "mlp.up_proj.weight"] = up
+        hf[q + "mlp.down_proj.weight"] = g[p + "mlp.linear_fc2.weight"][i]
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["all", "write-rank"])
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--families", default="llama,qwen2,qwen3")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--port", type=int)
+    args = ap.parse_args()
+    if args.cmd == "all":
+        write_all(args.root, args.families.split(","), args.tp, args.pp)
+    else:
+        write_rank(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""bragg-reshard end to end: Megatron-shaped torch_dist checkpoints written by real gloo processes
+through PyTorch's distributed checkpoint writer, converted by bragg-reshard, compared bit for bit
+with a torch reference converter."""
+
+import filecmp
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+BIN = os.environ.get("BRAGG_RESHARD")
+if not BIN or not os.path.exists(BIN):
+    pytest.skip("BRAGG_RESHARD (the bragg-reshard binary) not set", allow_module_level=True)
+try:
+    import megatron_fixture  # installs the torch 1.13 import fix, then imports torch
+    import torch
+    import torch.distributed
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        raise ImportError("torch.distributed with gloo is not available")
+except ImportError as e:  # noqa: F841
+    pytest.skip(f"Debian's python3-torch is needed for the fixtures: {e}", allow_module_level=True)
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("reshard"))
+    subprocess.run([sys.executable, megatron_fixture.__file__, "all", "--root", d], check=True,
+                   timeout=300)
+    return d
+
+
+def run(*args, check=True):
+    p = subprocess.run([BIN, *args], capture_output=True, text=True, timeout=120)
+    if check and p.returncode != 0:
+        raise AssertionError(f"bragg-reshard {' '.join(args)} failed: {p.stderr}")
+    return p
+
+
+def convert(root, name, dst, *extra, check=True):
+    family = name.split("-")[0]
+    return run("convert", "--src", os.path.join(root, name), "--dst", dst, "--model", family,
+               "--hf-config-dir", os.path.join(root, name + "-hf-config"), *extra, check=check)
+
+
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    base = 8 + n
+    out = {}
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        end = max(end, e)
+        t = torch.frombuffer(bytearray(data[base + b:base + e]), dtype=DTYPES[info["dtype"]])
+        out[name] = t.reshape(info["shape"])
+    assert base + end == len(data), "safetensors file has trailing or missing bytes"
+    return out
+
+
+def read_output(dst):
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        part = read_safetensors(os.path.join(dst, shard))
+        for name in part:
+            assert index["weight_map"][name] == shard
+        tensors.update(part)
+    assert set(tensors) == set(index["weight_map"])
+    return tensors, index
+
+
+def assert_bit_identical(got, want):
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), name
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_reference_bit_for_bit(root, tmp_path, family):
+    dst = str(tmp_path / "out")
+    convert(root, family, dst, "--threads", "2", "--max-shard-size", "30K", "--verify")
+    got, index = read_output(dst)
+    assert len(set(index["weight_map"].values())) > 1, "expected several shards"
+    assert_bit_identical(got, torch.load(os.path.join(root, family + "-ref.pt")))
+    # Vocabulary padding trimmed.
+    assert got["model.embed_tokens.weight"].shape[0] == 50
+    assert os.path.exists(os.path.join(dst, "tokenizer_config.json"))
+    with open(os.path.join(dst, "config.json")) as f:
+        assert json.load(f)["hidden_size"] == 32
+    assert not [f for f in os.listdir(dst) if ".tmp" in f]
+
+
+def test_newer_pytorch_class_paths(root, tmp_path):
+    dst = str(tmp_path / "out")
+    convert(root, "llama-newpaths", dst)
+    got, _ = read_output(dst)
+    assert_bit_identical(got, torch.load(os.path.join(root, "llama-ref.pt")))
+
+
+def test_transform_descriptors_refused(root, tmp_path):
+    p = convert(root, "llama-transforms", str(tmp_path / "out"), check=False)
+    assert p.returncode != 0
+    assert "transform_descriptors" in p.stderr
+
+
+def test_identical_bytes_for_any_threads_and_ranks(root, tmp_path):
+    one = str(tmp_path / "one")
+    convert(root, "qwen2", one, "--threads", "1", "--max-shard-size", "20K")
+    many = str(tmp_path / "many")
+    world = 3
+    for rank in range(world):
+        p = convert(root, "qwen2", many, "--threads", "2", "--max-shard-size", "20K", "--rank",
+                    str(rank), "--world-size", str(world))
+        index = os.path.join(many, "model.safetensors.index.json")
+        # The index appears only once every shard is in place: after the last rank.
+        assert os.path.exists(index) == (rank == world - 1), p.stderr
+    names = sorted(os.listdir(one))
+    assert names == sorted(os.listdir(many))
+    assert len([n for n in names if n.endswith(".safetensors")]) >= world
+    for n in names:
+        assert filecmp.cmp(os.path.join(one, n), os.path.join(many, n), shallow=False), n
+
+
+def test_slurm_environment_gives_rank(root, tmp_path):
+    dst = str(tmp_path / "out")
+    env = dict(os.environ, SLURM_PROCID="1", SLURM_NTASKS="2")
+    p = subprocess.run([BIN, "convert", "--src", os.path.join(root, "llama"), "--dst", dst,
+                        "--model", "llama", "--hf-config-dir",
+                        os.path.join(root, "llama-hf-config"), "--max-shard-size", "20K"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "rank 1/2" in p.stderr
+    assert not os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
+
+
+def test_inspect_and_dry_run(root, tmp_path):
+    p = run("inspect", os.path.join(root, "qwen3"))
+    assert "decoder.layers.self_attention.linear_qkv.weight BF16 [4,128,32] 4 chunks" in p.stdout
+    assert "_extra_state" in p.stdout
+    dst = str(tmp_path / "out")
+    p = convert(root, "qwen3", dst, "--dry-run-plan")
+    assert "model.layers.3.self_attn.k_norm.weight" in p.stdout
+    assert not os.path.exists(dst)
+
+
+def test_mismatches_fail_clearly(root, tmp_path):
+    ckpt = os.path.join(root, "llama")
+    # Wrong family for the checkpoint: qwen3 wants q_layernorm.
+    p = run("convert", "--src", ckpt, "--dst", str(tmp_path / "a"), "--model", "qwen3",
+            "--hf-config-dir", os.path.join(root, "llama-hf-config"), check=False)
+    assert p.returncode != 0 and "q_layernorm" in p.stderr
+    # Config that disagrees with the checkpoint.
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    cfg = json.load(open(os.path.join(root, "llama-hf-config", "config.json")))
+    cfg["num_hidden_layers"] = 3
+    (cfg_dir / "config.json").write_text(json.dumps(cfg))
+    p = run("convert", "--src", ckpt, "--dst", str(tmp_path / "b"), "--model", "llama",
+            "--hf-config-dir", str(cfg_dir), check=False)
+    assert p.returncode != 0 and "num_hidden_layers" in p.stderr
+    p = run("convert", "--src", ckpt, "--dst", str(tmp_path / "c"), "--model", "gpt2",
+            "--hf-config-dir", os.path.join(root, "llama-hf-config"), check=False)
+    assert p.returncode != 0 and "unknown --model" in p.stderr
+    p = run("inspect", str(tmp_path), check=False)
+    assert p.returncode != 0 and ".metadata" in p.stderr
+
+
+def test_truncated_and_corrupt_chunks(root, tmp_path):
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(root, "llama"), bad)
+    shutil.copytree(os.path.join(root, "llama-hf-config"), bad + "-hf-config")
+    victim = os.path.join(bad, "__1_0.distcp")
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o1"), "--model", "llama",
+            "--hf-config-dir", bad + "-hf-config", check=False)
+    assert p.returncode != 0 and "__1_0.distcp" in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "o1", "model.safetensors.index.json"))
+    # Garbage instead of the archives: clean error, no crash.
+    with open(victim, "wb") as f:
+        f.write(os.urandom(size))
+    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o2"), "--model", "llama",
+            "--hf-config-dir", bad + "-hf-config", check=False)
+    assert p.returncode == 1 and "bragg-reshard:" in p.stderr, p.stderr
+    # A .metadata that is not a pickle.
+    with open(os.path.join(bad, ".metadata"), "wb") as f:
+        f.write(b"\x80\x04garbage")
+    p = run("inspect", bad, check=False)
+    assert p.returncode == 1 and "pickle" in p.stderr
