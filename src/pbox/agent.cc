@@ -250,6 +250,9 @@ Status RunAgent(const AgentConfig& config) {
   for (const std::string& path : unix_paths) {
     ::unlink(path.c_str());
   }
+  if (Status s = cgroups->RemoveParent(); !s.ok()) {
+    spdlog::warn("removing the agent's cgroups: {}", std::string(s.message()));
+  }
   return absl::OkStatus();
 }
 

@@ -83,6 +83,9 @@ class CgroupManager {
   // Kills and removes every cgroup under the parent (what a killed agent left behind).
   // Returns the names reaped.
   virtual Result<std::vector<std::string>> ReapAll() = 0;
+  // ReapAll, then removes the parent directories themselves: what an agent does on a clean
+  // exit so that nothing of it stays in cgroupfs.
+  virtual Status RemoveParent() = 0;
   // The parent directory (v2) or the parent in the memory hierarchy (v1), for diagnostics.
   virtual std::string parent_path() const = 0;
 };

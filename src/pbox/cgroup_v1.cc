@@ -288,6 +288,17 @@ class CgroupV1Manager : public CgroupManager {
     return std::unique_ptr<Cgroup>(std::move(cgroup));
   }
 
+  Status RemoveParent() override {
+    BRAGG_RETURN_IF_ERROR(ReapAll().status());
+    Status status;
+    for (const Hierarchy& h : layout_.hierarchies) {
+      if (PathExists(h.parent)) {
+        status.Update(fs_->RemoveDir(h.parent));
+      }
+    }
+    return status;
+  }
+
   Result<std::vector<std::string>> ReapAll() override {
     std::vector<std::string> names;
     for (const Hierarchy& h : layout_.hierarchies) {

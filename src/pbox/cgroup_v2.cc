@@ -188,6 +188,11 @@ class CgroupV2Manager : public CgroupManager {
     return std::unique_ptr<Cgroup>(std::move(cgroup));
   }
 
+  Status RemoveParent() override {
+    BRAGG_RETURN_IF_ERROR(ReapAll().status());
+    return fs_->RemoveDir(parent_);
+  }
+
   Result<std::vector<std::string>> ReapAll() override {
     BRAGG_ASSIGN_OR_RETURN(std::vector<std::string> names, ListChildCgroups(parent_));
     Status status;

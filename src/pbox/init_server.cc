@@ -130,12 +130,17 @@ void CloseFrom(int first) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
-  struct sigaction dfl;
-  memset(&dfl, 0, sizeof(dfl));
-  dfl.sa_handler = SIG_DFL;
-  for (int sig = 1; sig < NSIG; ++sig) {
+  // Every disposition back to default, through the raw system call: libc's sigaction()
+  // refuses the two real-time signals it reserves (32, 33), and those can arrive ignored.
+  struct KernelSigaction {
+    void (*handler)(int);
+    unsigned long flags;
+    void (*restorer)();
+    uint64_t mask;
+  } dfl = {SIG_DFL, 0, nullptr, 0};
+  for (int sig = 1; sig <= 64; ++sig) {
     if (sig != SIGKILL && sig != SIGSTOP) {
-      sigaction(sig, &dfl, nullptr);
+      syscall(SYS_rt_sigaction, sig, &dfl, nullptr, sizeof(uint64_t));
     }
   }
   setsid();

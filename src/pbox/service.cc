@@ -233,10 +233,28 @@ grpc::Status PboxService::Authorize(grpc::ServerContext* ctx) const {
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid token");
 }
 
-Result<std::shared_ptr<Sandbox>> PboxService::Lookup(const std::string& id) {
-  BRAGG_ASSIGN_OR_RETURN(std::shared_ptr<Sandbox> sb, manager_->Get(id));
-  sb->Touch();
-  return sb;
+grpc::Status PboxService::Enter(grpc::ServerContext* ctx, const std::string& sandbox_id,
+                                std::shared_ptr<Sandbox>* out) {
+  if (auto s = Authorize(ctx); !s.ok()) {
+    return s;
+  }
+  auto sb = manager_->Get(sandbox_id);
+  if (!sb.ok()) {
+    return ToGrpc(sb.status());
+  }
+  (*sb)->Touch();
+  *out = std::move(*sb);
+  return grpc::Status::OK;
+}
+
+grpc::Status PboxService::StatInto(const Sandbox& sb, const std::string& path, v1::FileInfo* out) {
+  auto st = sb.fs().Stat(path);
+  if (!st.ok()) {
+    return ToGrpc(st.status());
+  }
+  StatToProto(*st, out);
+  out->set_path(path);
+  return grpc::Status::OK;
 }
 
 void PboxService::Describe(const Sandbox& sb, v1::Sandbox* out) const {
@@ -380,11 +398,11 @@ grpc::Status PboxService::Exec(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of an Exec must be ExecStart");
   }
-  auto sb = Lookup(first.start().sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, first.start().sandbox_id(), &sb); !s.ok()) {
+    return s;
   }
-  auto cmd = (*sb)->Start(SpecFromStart(first.start()));
+  auto cmd = sb->Start(SpecFromStart(first.start()));
   if (!cmd.ok()) {
     return ToGrpc(cmd.status());
   }
@@ -444,9 +462,9 @@ grpc::Status PboxService::Run(grpc::ServerContext* ctx, const v1::RunRequest* re
                                     "stream larger output",
                                     cap, kMaxRunOutputCap));
   }
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
+    return s;
   }
   CommandSpec spec;
   spec.argv.assign(req->argv().begin(), req->argv().end());
@@ -454,7 +472,7 @@ grpc::Status PboxService::Run(grpc::ServerContext* ctx, const v1::RunRequest* re
   spec.cwd = req->cwd();
   spec.timeout = std::chrono::milliseconds(req->timeout_ms());
   spec.stdin = !req->stdin().empty();
-  auto cmd = (*sb)->Start(spec);
+  auto cmd = sb->Start(spec);
   if (!cmd.ok()) {
     return ToGrpc(cmd.status());
   }
@@ -504,17 +522,16 @@ grpc::Status PboxService::WriteFile(grpc::ServerContext* ctx,
                         "the first message of a WriteFile must be its header");
   }
   const v1::WriteFileHeader header = msg.header();
-  auto sb = Lookup(header.sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, header.sandbox_id(), &sb); !s.ok()) {
+    return s;
   }
   uint32_t mode = header.mode() == 0 ? 0644 : header.mode();
   if ((mode & ~07777u) != 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         fmt::format("mode {:o} has bits beyond 07777", mode));
   }
-  auto fd =
-      (*sb)->fs().OpenWrite(header.path(), mode & 0777, header.make_parents(), header.append());
+  auto fd = sb->fs().OpenWrite(header.path(), mode & 0777, header.make_parents(), header.append());
   if (!fd.ok()) {
     return ToGrpc(fd.status());
   }
@@ -553,15 +570,12 @@ grpc::Status PboxService::WriteFile(grpc::ServerContext* ctx,
 
 grpc::Status PboxService::ReadFile(grpc::ServerContext* ctx, const v1::ReadFileRequest* req,
                                    grpc::ServerWriter<v1::ReadFileResponse>* writer) {
-  if (auto s = Authorize(ctx); !s.ok()) {
+  auto t0 = Clock::now();
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
-  auto t0 = Clock::now();
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
-  }
-  auto fd = (*sb)->fs().OpenRead(req->path());
+  auto fd = sb->fs().OpenRead(req->path());
   if (!fd.ok()) {
     return ToGrpc(fd.status());
   }
@@ -601,14 +615,11 @@ grpc::Status PboxService::ReadFile(grpc::ServerContext* ctx, const v1::ReadFileR
 
 grpc::Status PboxService::ListDir(grpc::ServerContext* ctx, const v1::ListDirRequest* req,
                                   v1::ListDirResponse* resp) {
-  if (auto s = Authorize(ctx); !s.ok()) {
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
-  }
-  auto entries = (*sb)->fs().ListDir(req->path());
+  auto entries = sb->fs().ListDir(req->path());
   if (!entries.ok()) {
     return ToGrpc(entries.status());
   }
@@ -620,79 +631,49 @@ grpc::Status PboxService::ListDir(grpc::ServerContext* ctx, const v1::ListDirReq
 
 grpc::Status PboxService::Stat(grpc::ServerContext* ctx, const v1::StatRequest* req,
                                v1::FileInfo* resp) {
-  if (auto s = Authorize(ctx); !s.ok()) {
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
-  }
-  auto st = (*sb)->fs().Stat(req->path());
-  if (!st.ok()) {
-    return ToGrpc(st.status());
-  }
-  StatToProto(*st, resp);
-  resp->set_path(req->path());
-  return grpc::Status::OK;
+  return StatInto(*sb, req->path(), resp);
 }
 
 grpc::Status PboxService::MakeDir(grpc::ServerContext* ctx, const v1::MakeDirRequest* req,
                                   v1::FileInfo* resp) {
-  if (auto s = Authorize(ctx); !s.ok()) {
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
-  }
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
   }
   uint32_t mode = req->mode() == 0 ? 0755 : req->mode();
   if ((mode & ~07777u) != 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         fmt::format("mode {:o} has bits beyond 07777", mode));
   }
-  if (Status s = (*sb)->fs().MakeDir(req->path(), mode & 0777, req->parents()); !s.ok()) {
+  if (Status s = sb->fs().MakeDir(req->path(), mode & 0777, req->parents()); !s.ok()) {
     return ToGrpc(s);
   }
-  auto st = (*sb)->fs().Stat(req->path());
-  if (!st.ok()) {
-    return ToGrpc(st.status());
-  }
-  StatToProto(*st, resp);
-  resp->set_path(req->path());
-  return grpc::Status::OK;
+  return StatInto(*sb, req->path(), resp);
 }
 
 grpc::Status PboxService::Remove(grpc::ServerContext* ctx, const v1::RemoveRequest* req,
                                  v1::RemoveResponse*) {
-  if (auto s = Authorize(ctx); !s.ok()) {
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
-  }
-  return ToGrpc((*sb)->fs().Remove(req->path(), req->recursive()));
+  return ToGrpc(sb->fs().Remove(req->path(), req->recursive()));
 }
 
 grpc::Status PboxService::Move(grpc::ServerContext* ctx, const v1::MoveRequest* req,
                                v1::FileInfo* resp) {
-  if (auto s = Authorize(ctx); !s.ok()) {
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
-  auto sb = Lookup(req->sandbox_id());
-  if (!sb.ok()) {
-    return ToGrpc(sb.status());
-  }
-  if (Status s = (*sb)->fs().Move(req->src(), req->dst(), req->no_replace()); !s.ok()) {
+  if (Status s = sb->fs().Move(req->src(), req->dst(), req->no_replace()); !s.ok()) {
     return ToGrpc(s);
   }
-  auto st = (*sb)->fs().Stat(req->dst());
-  if (!st.ok()) {
-    return ToGrpc(st.status());
-  }
-  StatToProto(*st, resp);
-  resp->set_path(req->dst());
-  return grpc::Status::OK;
+  return StatInto(*sb, req->dst(), resp);
 }
 
 grpc::Status PboxService::Info(grpc::ServerContext* ctx, const v1::InfoRequest*,

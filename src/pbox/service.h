@@ -88,7 +88,11 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
  private:
   // OK for unix-socket peers and TCP peers with the right token; UNAUTHENTICATED otherwise.
   grpc::Status Authorize(grpc::ServerContext* ctx) const;
-  Result<std::shared_ptr<Sandbox>> Lookup(const std::string& id);
+  // Authorize, then find the sandbox and mark it used.
+  grpc::Status Enter(grpc::ServerContext* ctx, const std::string& sandbox_id,
+                     std::shared_ptr<Sandbox>* out);
+  // Stat of `path` in `sb` into `out`, with `out->path` = path as asked.
+  static grpc::Status StatInto(const Sandbox& sb, const std::string& path, v1::FileInfo* out);
   void Describe(const Sandbox& sb, v1::Sandbox* out) const;
 
   SandboxManager* manager_;

@@ -18,6 +18,7 @@ Result<std::unique_ptr<TestAgent>> TestAgent::Start(const AgentOptions& options)
   a->state_dir_ = a->dir_.path() + "/state";
   a->ready_file_ = a->dir_.path() + "/ready.json";
   a->unix_endpoint_ = "unix://" + a->dir_.path() + "/pbox.sock";
+  a->cgroup_parent_ = "pbox-test-" + a->dir_.path().substr(a->dir_.path().rfind('-') + 1);
   a->flags_ = {"--listen",     a->unix_endpoint_, "--state-dir", a->state_dir_,      "--ready-file",
                a->ready_file_, "--log-level",     "warn",        "--metrics-listen", "127.0.0.1:0"};
   if (options.tcp) {

@@ -29,6 +29,7 @@ class TestAgent {
   const std::string& tcp_endpoint() const { return tcp_endpoint_; }
   const std::string& token() const { return token_; }
   const std::string& state_dir() const { return state_dir_; }
+  const std::string& cgroup_parent() const { return cgroup_parent_; }
   const std::string& dir() const { return dir_.path(); }
   pid_t pid() const { return process_.pid(); }
   int metrics_port() const { return metrics_port_; }
@@ -46,7 +47,7 @@ class TestAgent {
   Status Launch();
 
   TempDir dir_;
-  std::string state_dir_, unix_endpoint_, tcp_endpoint_, token_, ready_file_;
+  std::string state_dir_, cgroup_parent_, unix_endpoint_, tcp_endpoint_, token_, ready_file_;
   std::vector<std::string> flags_;
   ChildProcess process_;
   int metrics_port_ = 0;

@@ -659,6 +659,7 @@ TEST(AgentLifecycleTest, SigtermDestroysEverything) {
   for (const auto& id : ids) {
     EXPECT_EQ(CountCgroupDirs(id), 0) << id;
   }
+  EXPECT_EQ(CountCgroupDirs((*agent)->cgroup_parent()), 0) << "the agent's own cgroup stayed";
 }
 
 TEST(AgentLifecycleTest, SigkillThenRestartLeavesNothingBehind) {
