@@ -93,7 +93,15 @@ Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const 
   const SourceChunk& c = w.tensor->chunks[w.chunk];
   const std::string path = src_dir + "/" + c.file;
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
-  BRAGG_ASSIGN_OR_RETURN(TensorRef ref, LocateChunk(fd.get(), *w.tensor, c, path));
+  TensorRef ref;
+  if (c.resolved) {
+    ref.dtype = w.tensor->dtype;
+    ref.shape = c.sizes;
+    ref.data_offset = c.data_offset;
+    ref.bytes = NumElements(c.sizes) * ElementSize(w.tensor->dtype);
+  } else {
+    BRAGG_ASSIGN_OR_RETURN(ref, LocateChunk(fd.get(), *w.tensor, c, path));
+  }
   std::vector<CopyRun> runs = w.runs;
   // Grown to the largest window actually needed: a chunk smaller than the window never costs
   // the whole window's memory.

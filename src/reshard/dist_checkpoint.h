@@ -22,6 +22,10 @@ struct SourceChunk {
   std::string file;
   uint64_t archive_offset = 0;
   uint64_t archive_length = 0;
+  // Legacy checkpoints resolve tensors while indexing: the chunk's row-major data starts at byte
+  // `data_offset` of `file`, and no archive is opened at copy time.
+  bool resolved = false;
+  uint64_t data_offset = 0;
 };
 
 struct SourceTensor {

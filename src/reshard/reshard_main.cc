@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -14,6 +15,7 @@
 #include "common/units.h"
 #include "reshard/convert.h"
 #include "reshard/dist_checkpoint.h"
+#include "reshard/legacy_checkpoint.h"
 #include "reshard/model_map.h"
 #include "reshard/plan.h"
 
@@ -23,8 +25,16 @@ using bragg::Result;
 using bragg::Status;
 namespace rs = bragg::reshard;
 
+// torch_dist when .metadata exists, else legacy mp_rank_* directories.
+Result<rs::CheckpointIndex> ReadIndex(const std::string& dir) {
+  if (::access((dir + "/.metadata").c_str(), F_OK) != 0 && rs::IsLegacyCheckpoint(dir)) {
+    return rs::ReadLegacyCheckpointIndex(dir);
+  }
+  return rs::ReadDistCheckpointIndex(dir);
+}
+
 Status Inspect(const std::string& dir) {
-  BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, rs::ReadDistCheckpointIndex(dir));
+  BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, ReadIndex(dir));
   uint64_t total = 0;
   for (const auto& [key, t] : idx.tensors) {
     uint64_t bytes = rs::NumElements(t.shape) * rs::ElementSize(t.dtype);
@@ -32,8 +42,8 @@ Status Inspect(const std::string& dir) {
     fmt::print("{} {} [{}] {} chunks\n", key, rs::SafetensorsDType(t.dtype),
                fmt::join(t.shape, ","), t.chunks.size());
     for (const rs::SourceChunk& c : t.chunks) {
-      fmt::print("    [{}] + [{}] in {} @{} (+{})\n", fmt::join(c.offsets, ","),
-                 fmt::join(c.sizes, ","), c.file, c.archive_offset, c.archive_length);
+      fmt::print("    [{}] + [{}] in {} @{}\n", fmt::join(c.offsets, ","), fmt::join(c.sizes, ","),
+                 c.file, c.resolved ? c.data_offset : c.archive_offset);
     }
   }
   for (const std::string& k : idx.byte_items) {
@@ -84,7 +94,7 @@ Status Convert(ConvertArgs a) {
   BRAGG_ASSIGN_OR_RETURN(std::string cfg_text,
                          bragg::ReadFileToString(a.hf_config_dir + "/config.json"));
   BRAGG_ASSIGN_OR_RETURN(rs::ModelConfig cfg, rs::ParseModelConfig(a.model, cfg_text));
-  BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, rs::ReadDistCheckpointIndex(a.src));
+  BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, ReadIndex(a.src));
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
   spdlog::info(
@@ -102,7 +112,7 @@ Status Convert(ConvertArgs a) {
     return absl::OkStatus();
   }
   rs::ConvertOptions o;
-  o.src_dir = a.src;
+  o.src_dir = idx.dir;  // the iteration directory for legacy checkpoints
   o.dst_dir = a.dst;
   o.hf_config_dir = a.hf_config_dir;
   o.threads = a.threads > 0 ? a.threads

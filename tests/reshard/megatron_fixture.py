@@ -217,6 +217,64 @@ def write_family(args, family, out):
     save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
 
 
+def write_legacy(root, family, tp, pp):
+    """The legacy format of the same model: iter_0000010/mp_rank_TT_PPP/model_optim_rng.pt with
+    local tensors and local layer indices, as Megatron's non-distributed save writes it."""
+    import collections
+
+    cfg = make_config(family)
+    tensors = global_tensors(family, cfg)
+    L = cfg["num_hidden_layers"]
+    out = os.path.join(root, family + "-legacy")
+    for pr in range(pp):
+        for tr in range(tp):
+            model = collections.OrderedDict()
+            for key, full in tensors.items():
+                stacked = key.startswith("decoder.layers.")
+                if not stacked and key.startswith("embedding.") and pr != 0:
+                    continue
+                if not stacked and not key.startswith("embedding.") and pr != pp - 1:
+                    continue
+                t = full
+                d = None
+                if key.endswith(("linear_qkv.weight", "linear_qkv.bias")) or key.startswith(
+                        ("embedding.", "output_layer.")):
+                    d = 1 if stacked else 0
+                elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                    d = len(full.shape) - 1
+                if key.endswith("linear_fc1.weight"):
+                    gate, up = torch.chunk(full, 2, dim=1)
+                    t = torch.cat([torch.chunk(gate, tp, dim=1)[tr],
+                                   torch.chunk(up, tp, dim=1)[tr]], dim=1)
+                elif d is not None:
+                    t = torch.chunk(full, tp, dim=d)[tr]
+                if stacked:
+                    per = L // pp
+                    for i in range(per):
+                        name = key.replace("decoder.layers.", f"decoder.layers.{i}.")
+                        model[name] = t[pr * per + i].clone()
+                        if name.endswith("linear_qkv.weight"):
+                            model[name.replace("weight", "_extra_state")] = None
+                else:
+                    model[key] = t.clone()
+            d = os.path.join(out, "iter_0000010", f"mp_rank_{tr:02d}_{pr:03d}")
+            os.makedirs(d, exist_ok=True)
+            torch.save({"args": argparse.Namespace(tensor_model_parallel_size=tp,
+                                                   pipeline_model_parallel_size=pp),
+                        "checkpoint_version": 3.0, "iteration": 10, "model": model},
+                       os.path.join(d, "model_optim_rng.pt"))
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("10")
+    shutil_copy_config(root, family, family + "-legacy")
+
+
+def shutil_copy_config(root, family, name):
+    import shutil
+
+    shutil.copytree(os.path.join(root, family + "-hf-config"),
+                    os.path.join(root, name + "-hf-config"))
+
+
 def rewrite_metadata(ckpt, variant):
     """Re-pickles .metadata as newer PyTorch would (class paths, TensorProperties state)."""
     from torch.distributed._shard.checkpoint import filesystem, metadata
@@ -288,6 +346,7 @@ def write_all(root, families, tp, pp):
             json.dump({"model_max_length": 128}, f)
         if "-" not in name:
             torch.save(reference(ckpt, cfg, family), ckpt + "-ref.pt")
+            write_legacy(root, family, tp, pp)
     # Rewritten last: the reference reads the torch 1.13 class paths.
     if "llama" in families:
         for variant in ("newpaths", "transforms"):

@@ -207,3 +207,21 @@ def test_truncated_and_corrupt_chunks(root, tmp_path):
         f.write(b"\x80\x04garbage")
     p = run("inspect", bad, check=False)
     assert p.returncode == 1 and "pickle" in p.stderr
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_legacy_format_matches_reference(root, tmp_path, family):
+    dst = str(tmp_path / "out")
+    convert(root, family + "-legacy", dst, "--threads", "2", "--max-shard-size", "30K",
+            "--verify")
+    got, _ = read_output(dst)
+    assert_bit_identical(got, torch.load(os.path.join(root, family + "-ref.pt")))
+
+
+def test_legacy_missing_rank_fails(root, tmp_path):
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(root, "llama-legacy"), bad)
+    shutil.rmtree(os.path.join(bad, "iter_0000010", "mp_rank_01_001"))
+    p = run("inspect", bad, check=False)
+    assert p.returncode != 0 and "tp=1 pp=1 is missing" in p.stderr, p.stderr
