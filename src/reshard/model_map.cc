@@ -26,13 +26,13 @@ Result<int64_t> Field(const nlohmann::json& j, const char* name, int64_t fallbac
 }  // namespace
 
 Result<ModelConfig> ParseModelConfig(const std::string& family, const std::string& config_json) {
-  if (family != "llama" && family != "qwen2" && family != "qwen3") {
-    if (family == "qwen3_moe" || family == "deepseek_v3") {
+  if (family != "llama" && family != "qwen2" && family != "qwen3" && family != "qwen3_moe") {
+    if (family == "deepseek_v3") {
       return absl::UnimplementedError(fmt::format(
-          "--model {} is not implemented yet (supported: llama, qwen2, qwen3)", family));
+          "--model {} is not implemented yet (supported: llama, qwen2, qwen3, qwen3_moe)", family));
     }
     return absl::InvalidArgumentError(
-        fmt::format("unknown --model '{}' (supported: llama, qwen2, qwen3)", family));
+        fmt::format("unknown --model '{}' (supported: llama, qwen2, qwen3, qwen3_moe)", family));
   }
   nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
@@ -57,7 +57,17 @@ Result<ModelConfig> ParseModelConfig(const std::string& family, const std::strin
   }
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   c.qkv_bias = family == "qwen2" || j.value("attention_bias", false);
-  c.qk_norm = family == "qwen3";
+  c.qk_norm = family == "qwen3" || family == "qwen3_moe";
+  if (family == "qwen3_moe") {
+    BRAGG_ASSIGN_OR_RETURN(c.num_experts, Field(j, "num_experts"));
+    BRAGG_ASSIGN_OR_RETURN(c.moe_intermediate_size, Field(j, "moe_intermediate_size"));
+    auto dense = j.find("mlp_only_layers");
+    if (j.value("decoder_sparse_step", 1) != 1 ||
+        (dense != j.end() && dense->is_array() && !dense->empty())) {
+      return absl::UnimplementedError(
+          "qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step) is not supported");
+    }
+  }
   return c;
 }
 
@@ -69,9 +79,9 @@ std::vector<TensorMapping> BuildMappings(const ModelConfig& c) {
   const int64_t q_per_group = c.num_heads / c.num_kv_heads;
   const int64_t group_rows = (q_per_group + 2) * hd;
   auto add = [&](std::string hf, std::vector<int64_t> shape, std::string src, int64_t layer,
-                 std::vector<RowSegment> seg = {}) {
-    out.push_back(
-        TensorMapping{std::move(hf), std::move(shape), std::move(src), layer, std::move(seg)});
+                 std::vector<RowSegment> seg = {}, int64_t expert = -1) {
+    out.push_back(TensorMapping{std::move(hf), std::move(shape), std::move(src), layer, expert,
+                                std::move(seg)});
   };
   add("model.embed_tokens.weight", {c.vocab_size, h}, "embedding.word_embeddings.weight", -1,
       {{0, c.vocab_size}});
@@ -106,6 +116,20 @@ std::vector<TensorMapping> BuildMappings(const ModelConfig& c) {
     }
     add(p + "self_attn.o_proj.weight", {h, c.num_heads * hd},
         dl + "self_attention.linear_proj.weight", i);
+    if (c.num_experts > 0) {
+      // MoE layer: the norm is not fused into fc1; experts are stacked on axis 1.
+      const int64_t f = c.moe_intermediate_size;
+      const std::string ex = dl + "mlp.experts.experts.";
+      add(p + "post_attention_layernorm.weight", {h}, dl + "pre_mlp_layernorm.weight", i);
+      add(p + "mlp.gate.weight", {c.num_experts, h}, dl + "mlp.router.weight", i);
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string q = fmt::format("{}mlp.experts.{}.", p, e);
+        add(q + "gate_proj.weight", {f, h}, ex + "linear_fc1.weight", i, {{0, f}}, e);
+        add(q + "up_proj.weight", {f, h}, ex + "linear_fc1.weight", i, {{f, f}}, e);
+        add(q + "down_proj.weight", {h, f}, ex + "linear_fc2.weight", i, {}, e);
+      }
+      continue;
+    }
     add(p + "post_attention_layernorm.weight", {h}, dl + "mlp.linear_fc1.layer_norm_weight", i);
     // Megatron's gated fc1 is [gate; up] in the global (torch_dist) tensor.
     add(p + "mlp.gate_proj.weight", {c.intermediate_size, h}, dl + "mlp.linear_fc1.weight", i,

@@ -26,14 +26,14 @@ void AddRuns(const SourceTensor& src, const SourceChunk& chunk, const TensorMapp
              const RowSegment& seg, int64_t out_row_base, uint64_t tensor_offset,
              std::vector<CopyRun>* runs) {
   const size_t rank = src.shape.size();
-  const size_t rdim = m.layer >= 0 ? 1 : 0;
+  const size_t rdim = m.FixedAxes();
   std::vector<int64_t> lo(rank), hi(rank);
   for (size_t d = 0; d < rank; ++d) {
     int64_t a = 0;
     int64_t b = src.shape[d];
     if (d < rdim) {
-      a = m.layer;
-      b = m.layer + 1;
+      a = d == 0 ? m.layer : m.expert;
+      b = a + 1;
     } else if (d == rdim) {
       a = seg.start;
       b = seg.start + seg.count;
@@ -86,7 +86,7 @@ void AddRuns(const SourceTensor& src, const SourceChunk& chunk, const TensorMapp
 }
 
 Status CheckShapes(const SourceTensor& src, const TensorMapping& m, const ModelConfig& cfg) {
-  const size_t rdim = m.layer >= 0 ? 1 : 0;
+  const size_t rdim = m.FixedAxes();
   auto bad = [&](std::string_view what) {
     return absl::InvalidArgumentError(
         fmt::format("'{}' (from '{}' of shape [{}]): {}; does --model/config.json match the "
@@ -99,6 +99,10 @@ Status CheckShapes(const SourceTensor& src, const TensorMapping& m, const ModelC
   if (m.layer >= 0 && src.shape[0] != cfg.num_layers) {
     return bad(fmt::format("stacked layer axis is {} but num_hidden_layers is {}", src.shape[0],
                            cfg.num_layers));
+  }
+  if (m.expert >= 0 && src.shape[1] != cfg.num_experts) {
+    return bad(fmt::format("expert axis is {} but the config has {} experts", src.shape[1],
+                           cfg.num_experts));
   }
   if (src.shape.size() - rdim != m.hf_shape.size()) {
     return bad(fmt::format("rank differs from the expected [{}]", fmt::join(m.hf_shape, ",")));
@@ -202,7 +206,7 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
       const SourceTensor& src = index.tensors.at(t.map.src_key);
       std::vector<RowSegment> segs = t.map.segments;
       if (segs.empty()) {
-        segs.push_back({0, src.shape[t.map.layer >= 0 ? 1 : 0]});
+        segs.push_back({0, src.shape[t.map.FixedAxes()]});
       }
       for (size_t c = 0; c < src.chunks.size(); ++c) {
         WorkItem& w = items[{s, src.key, c}];
@@ -267,9 +271,10 @@ std::string DescribePlan(const Plan& plan) {
       for (const RowSegment& r : t.map.segments) {
         segs += fmt::format(" [{},{})", r.start, r.start + r.count);
       }
-      out += fmt::format("  {} {} [{}] @{} <- {}{}{}\n", t.map.hf_name, SafetensorsDType(t.dtype),
+      out += fmt::format("  {} {} [{}] @{} <- {}{}{}{}\n", t.map.hf_name, SafetensorsDType(t.dtype),
                          fmt::join(t.map.hf_shape, ","), t.offset, t.map.src_key,
                          t.map.layer >= 0 ? fmt::format("[{}]", t.map.layer) : "",
+                         t.map.expert >= 0 ? fmt::format("[{}]", t.map.expert) : "",
                          segs.empty() ? "" : " rows" + segs);
     }
   }

@@ -214,7 +214,17 @@ TEST(PlanTest, RejectsMismatchedCheckpoints) {
 
 TEST(PlanTest, ConfigValidation) {
   EXPECT_EQ(ParseModelConfig("gpt2", "{}").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseModelConfig("qwen3_moe", "{}").status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(ParseModelConfig("deepseek_v3", "{}").status().code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_FALSE(ParseModelConfig("qwen3_moe", R"({"hidden_size": 8, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "intermediate_size": 4, "vocab_size": 4})")
+                   .ok());
+  EXPECT_EQ(ParseModelConfig("qwen3_moe", R"({"hidden_size": 8, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "intermediate_size": 4, "vocab_size": 4, "num_experts": 4,
+      "moe_intermediate_size": 2, "mlp_only_layers": [0]})")
+                .status()
+                .code(),
+            absl::StatusCode::kUnimplemented);
   EXPECT_FALSE(ParseModelConfig("llama", "not json").ok());
   EXPECT_FALSE(ParseModelConfig("llama", R"({"hidden_size": 8})").ok());
   EXPECT_FALSE(ParseModelConfig("llama", R"({"hidden_size": -8, "num_hidden_layers": 1,

@@ -6,7 +6,7 @@ its local shards of the global (layer-stacked) tensors through PyTorch's distrib
 writer, as separate gloo processes on loopback.
 
 Usage (the test drives it):
-  megatron_fixture.py all --root DIR [--families llama,qwen2,qwen3] [--tp 2 --pp 2]
+  megatron_fixture.py all --root DIR [--families llama,qwen2,qwen3,qwen3_moe] [--tp 2 --pp 2]
 writes DIR/<family> (torch 1.13 class paths), DIR/<family>-hf-config, DIR/<family>-ref.pt (the
 reference conversion), and two variants of llama: DIR/llama-newpaths (the
 torch.distributed.checkpoint.metadata class paths and 5-tuple TensorProperties state that newer
@@ -83,8 +83,11 @@ def make_config(family):
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         cfg["head_dim"] = 16  # differs from hidden/heads, as in real Qwen3
+    if family == "qwen3_moe":
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   decoder_sparse_step=1, mlp_only_layers=[])
     return cfg
 
 
@@ -114,9 +117,18 @@ def global_tensors(family, cfg):
     }
     if family == "qwen2":
         t[p + "self_attention.linear_qkv.bias"] = r(L, qkv)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         t[p + "self_attention.q_layernorm.weight"] = r(L, hd)
         t[p + "self_attention.k_layernorm.weight"] = r(L, hd)
+    if family == "qwen3_moe":
+        E, f = cfg["num_experts"], cfg["moe_intermediate_size"]
+        for k in ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+                  "mlp.linear_fc2.weight"):
+            del t[p + k]
+        t[p + "pre_mlp_layernorm.weight"] = r(L, h)
+        t[p + "mlp.router.weight"] = r(L, E, h)
+        t[p + "mlp.experts.experts.linear_fc1.weight"] = r(L, E, 2 * f, h)
+        t[p + "mlp.experts.experts.linear_fc2.weight"] = r(L, E, h, f)
     return t
 
 
@@ -138,6 +150,12 @@ def chunks_for(key, shape, tp, pp):
             elif pr != pp - 1:
                 continue  # final norm and output layer live on the last stage
             d = 1 if stacked else 0
+            if ".experts.experts." in key:
+                # Expert parallel (EP = the TP size, expert TP = 1): experts split on axis 1.
+                size[1] = shape[1] // tp
+                off[1] = tr * size[1]
+                out.append((rank, off, size))
+                continue
             if key.endswith("linear_fc1.weight"):
                 # Megatron's swiglu factory: each TP rank holds [gate_tp; up_tp] as two chunks of
                 # the global [gate; up].
@@ -346,7 +364,8 @@ def write_all(root, families, tp, pp):
             json.dump({"model_max_length": 128}, f)
         if "-" not in name:
             torch.save(reference(ckpt, cfg, family), ckpt + "-ref.pt")
-            write_legacy(root, family, tp, pp)
+            if family != "qwen3_moe":
+                write_legacy(root, family, tp, pp)
     # Rewritten last: the reference reads the torch 1.13 class paths.
     if "llama" in families:
         for variant in ("newpaths", "transforms"):
@@ -401,11 +420,22 @@ def reference(ckpt, cfg, family):
             hf[q + "self_attn.q_proj.bias"] = qb.reshape(-1)
             hf[q + "self_attn.k_proj.bias"] = kb.reshape(-1)
             hf[q + "self_attn.v_proj.bias"] = vb.reshape(-1)
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             hf[q + "self_attn.q_norm.weight"] = g[p + "self_attention.q_layernorm.weight"][i]
             hf[q + "self_attn.k_norm.weight"] = g[p + "self_attention.k_layernorm.weight"][i]
         hf[q + "input_layernorm.weight"] = g[p + "self_attention.linear_qkv.layer_norm_weight"][i]
         hf[q + "self_attn.o_proj.weight"] = g[p + "self_attention.linear_proj.weight"][i]
+        if family == "qwen3_moe":
+            hf[q + "post_attention_layernorm.weight"] = g[p + "pre_mlp_layernorm.weight"][i]
+            hf[q + "mlp.gate.weight"] = g[p + "mlp.router.weight"][i]
+            for e in range(cfg["num_experts"]):
+                fc1 = g[p + "mlp.experts.experts.linear_fc1.weight"][i, e]
+                gate, up = torch.chunk(fc1, 2, dim=0)
+                x = f"{q}mlp.experts.{e}."
+                hf[x + "gate_proj.weight"] = gate
+                hf[x + "up_proj.weight"] = up
+                hf[x + "down_proj.weight"] = g[p + "mlp.experts.experts.linear_fc2.weight"][i, e]
+            continue
         hf[q + "post_attention_layernorm.weight"] = g[p + "mlp.linear_fc1.layer_norm_weight"][i]
         gate, up = torch.chunk(g[p + "mlp.linear_fc1.weight"][i], 2, dim=0)
         hf[q + "mlp.gate_proj.weight"] = gate
@@ -418,7 +448,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["all", "write-rank"])
     ap.add_argument("--root", required=True)
-    ap.add_argument("--families", default="llama,qwen2,qwen3")
+    ap.add_argument("--families", default="llama,qwen2,qwen3,qwen3_moe")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int)
