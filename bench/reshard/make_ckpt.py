@@ -1,0 +1,80 @@
+"""Writes a synthetic Megatron torch_dist checkpoint of about --gb GB (llama shapes, bf16, TP=2 x
+PP=2 chunking) with PyTorch's distributed checkpoint writer, in one gloo process."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests",
+                                "reshard"))
+import megatron_fixture as mf  # noqa: E402  (installs the torch 1.13 import fix)
+import torch  # noqa: E402
+
+
+def config(gb):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+           "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 5632,
+           "vocab_size": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    per_layer = 2 * (24 * 128 * 2048 + 16 * 128 * 2048 + 3 * 5632 * 2048 + 2 * 2048)
+    fixed = 2 * (2 * 32256 * 2048 + 2048)
+    layers = max(2, round((gb * 1e9 - fixed) / per_layer / 2) * 2)
+    cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def main():
+    from torch.distributed._shard.checkpoint import FileSystemWriter, save_state_dict
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                  TensorProperties)
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import torch.distributed as dist
+
+    # ShardedTensor wants a process group even with one process (loopback only).
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mf.free_port()}", rank=0,
+                            world_size=1)
+    cfg = config(args.gb)
+    L, h, ffn = cfg["num_hidden_layers"], 2048, 5632
+    shapes = {
+        "embedding.word_embeddings.weight": (32256, h),
+        "output_layer.weight": (32256, h),
+        "decoder.final_layernorm.weight": (h,),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (L, h),
+        "decoder.layers.self_attention.linear_qkv.weight": (L, 24 * 128, h),
+        "decoder.layers.self_attention.linear_proj.weight": (L, h, 16 * 128),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, h),
+        "decoder.layers.mlp.linear_fc1.weight": (L, 2 * ffn, h),
+        "decoder.layers.mlp.linear_fc2.weight": (L, h, ffn),
+    }
+    state = {}
+    for key, shape in shapes.items():
+        chunks = mf.chunks_for(key, shape, 2, 2)
+        metas = [ShardMetadata(o, s, "rank:0/cpu") for _, o, s in chunks]
+        local = []
+        for m in metas:
+            n = 1
+            for s in m.shard_sizes:
+                n *= s
+            t = (torch.arange(n, dtype=torch.int32) % 251).to(torch.bfloat16).reshape(
+                m.shard_sizes)
+            local.append(Shard(t, m))
+        st_meta = ShardedTensorMetadata(metas, torch.Size(shape),
+                                        TensorProperties(dtype=torch.bfloat16))
+        state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, st_meta, sharding_spec=EnumerableShardingSpec(metas))
+    save_state_dict(state, FileSystemWriter(args.out, single_file_per_rank=True))
+    hf = args.out + "-hf-config"
+    os.makedirs(hf, exist_ok=True)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""The torch reference converter on a checkpoint (whole tensors in RAM), for timing."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests",
+                                "reshard"))
+import megatron_fixture as mf  # noqa: E402
+import torch  # noqa: E402
+
+ckpt, cfg_dir, out = sys.argv[1:4]
+with open(os.path.join(cfg_dir, "config.json")) as f:
+    cfg = json.load(f)
+torch.save(mf.reference(ckpt, cfg, "llama"), out)
