@@ -1,0 +1,142 @@
+#pragma once
+
+// bragg-gateway: an HTTP front for a pool of SGLang workers. Routes /generate (and the
+// OpenAI-compatible endpoints) by policy, keeps rollouts sticky, pairs prefill and decode workers,
+// runs fleet-wide in-place weight updates, and exports Prometheus metrics.
+
+#include <httplib.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "gateway/http_util.h"
+#include "gateway/router.h"
+
+namespace bragg::gateway {
+
+struct GatewayOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0: any free port
+  // Regular workers ("http://127.0.0.1:PORT"); more can be registered with POST /workers.
+  std::vector<std::string> workers;
+  // Prefill/decode disaggregation: when both are given, every /generate goes to one pair.
+  std::vector<std::string> prefill_workers;
+  std::vector<std::string> decode_workers;
+  int bootstrap_port = 8998;  // the prefill workers' KV bootstrap port
+  RouterOptions router;
+  int health_interval_ms = 1000;
+  size_t max_threads = 16384;
+};
+
+// Per-worker outcome of a fleet weight update.
+struct WorkerUpdate {
+  std::string url;
+  std::string previous_version;
+  bool paused = false;
+  bool loaded = false;
+  bool rolled_back = false;
+  bool continued = false;
+  bool removed = false;  // taken out of rotation: could not be brought back to one version
+  std::string error;
+};
+
+struct WeightUpdateReport {
+  bool success = false;
+  std::string weight_version;
+  std::vector<WorkerUpdate> workers;
+  nlohmann::json ToJson() const;
+};
+
+// Owns its HTTP server and a health-check thread. Start/Stop from one thread; the handlers and
+// UpdateWeights are thread-safe (updates are serialized).
+class Gateway {
+ public:
+  explicit Gateway(GatewayOptions options);
+  ~Gateway();
+  Gateway(const Gateway&) = delete;
+  Gateway& operator=(const Gateway&) = delete;
+
+  // Binds and serves on background threads. InvalidArgument for a bad worker URL, Unavailable
+  // if the port cannot be bound.
+  Status Start();
+  void Stop();
+  int port() const { return port_; }
+
+  // Pauses every healthy worker in place, loads `model_path` as `version` without flushing the
+  // KV cache, and continues them. If any pause or load fails, the workers that loaded go back to
+  // their previous weights and all continue on the old version (success false).
+  WeightUpdateReport UpdateWeights(const std::string& model_path, const std::string& version);
+
+ private:
+  struct Pool {
+    explicit Pool(std::string n, RouterOptions o) : name(std::move(n)), router(std::move(o)) {}
+    std::string name;
+    Router router;
+    std::mutex mu;
+    std::deque<std::unique_ptr<ClientPool>> clients;  // by worker index
+    std::deque<std::string> urls;
+    std::deque<std::string> versions;  // last known weight version per worker
+  };
+  struct Upstream {
+    httplib::Error error = httplib::Error::Success;
+    int status = 0;
+    std::string body;
+  };
+  struct Target {
+    Pool* pool;
+    int worker;
+    std::string url;
+  };
+
+  Status AddWorker(Pool& pool, const std::string& url);
+  ClientPool* Client(Pool& pool, int worker);
+  Upstream Post(Pool& pool, int worker, const std::string& path, const std::string& body);
+  void MarkDown(Pool& pool, int worker, std::string_view why);
+  std::vector<Target> HealthyTargets();
+  void Register();
+  void HandleGenerate(const httplib::Request& req, httplib::Response& res);
+  void HandleGeneratePd(nlohmann::json body, const std::string& key,
+                        const std::vector<int32_t>& tokens, const std::string& client_salt,
+                        httplib::Response& res);
+  void HandleStream(nlohmann::json body, std::string key, std::vector<int32_t> tokens,
+                    std::string client_salt, httplib::Response& res);
+  void HandleOpenAi(const httplib::Request& req, httplib::Response& res);
+  std::string Metrics();
+  void HealthLoop();
+
+  GatewayOptions options_;
+  httplib::Server server_;
+  std::thread serve_thread_;
+  std::thread health_thread_;
+  int port_ = 0;
+  std::unique_ptr<Pool> main_;
+  std::unique_ptr<Pool> prefill_;
+  std::unique_ptr<Pool> decode_;
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false;
+
+  std::mutex update_mu_;  // one fleet update at a time
+  std::mutex rng_mu_;
+  std::mt19937_64 rng_;
+  std::atomic<uint64_t> rid_counter_{0};
+  std::atomic<uint64_t> client_aborts_{0};
+  std::atomic<uint64_t> upstream_errors_{0};
+  std::atomic<uint64_t> weight_updates_ok_{0};
+  std::atomic<uint64_t> weight_updates_failed_{0};
+  std::mutex version_mu_;
+  std::string fleet_version_;
+};
+
+}  // namespace bragg::gateway

@@ -1,0 +1,62 @@
+// bragg-gateway --listen 127.0.0.1:PORT --worker http://127.0.0.1:P1 ... [--policy P]
+
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+
+#include "common/logging.h"
+#include "gateway/gateway.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Bragg rollout gateway for SGLang workers"};
+  std::string listen = "127.0.0.1:8080";
+  std::string policy = "sticky";
+  bragg::gateway::GatewayOptions o;
+  app.add_option("--listen", listen, "HOST:PORT to serve on (port 0: any)");
+  app.add_option("--worker", o.workers, "worker URL http://HOST:PORT (repeat)");
+  app.add_option("--policy", policy, "sticky|cache_aware|round_robin|least_load");
+  app.add_option("--prefill", o.prefill_workers, "prefill worker URL (PD disaggregation)");
+  app.add_option("--decode", o.decode_workers, "decode worker URL (PD disaggregation)");
+  app.add_option("--bootstrap-port", o.bootstrap_port, "prefill workers' bootstrap port");
+  app.add_option("--health-interval-ms", o.health_interval_ms, "health check period");
+  app.add_option("--cache-threshold", o.router.cache_threshold, "sgl_cache_aware match rate");
+  app.add_option("--balance-abs-threshold", o.router.balance_abs_threshold, "load gap");
+  app.add_option("--balance-rel-threshold", o.router.balance_rel_threshold, "load ratio");
+  app.add_option("--bounded-load", o.router.bounded_load_factor,
+                 "new rollouts go to workers under this multiple of the mean load");
+  CLI11_PARSE(app, argc, argv);
+  (void)bragg::InitLogging(argv[0], "info");
+  auto p = bragg::gateway::ParsePolicy(policy);
+  if (!p.ok()) {
+    spdlog::error("--policy: {}", std::string(p.status().message()));
+    return 2;
+  }
+  o.router.policy = *p;
+  auto hp = bragg::gateway::ParseHostPort(listen);
+  if (!hp.ok()) {
+    spdlog::error("--listen: {}", std::string(hp.status().message()));
+    return 2;
+  }
+  o.host = hp->host;
+  o.port = hp->port;
+  // Writes to a hung-up client must fail with EPIPE, not kill the process.
+  std::signal(SIGPIPE, SIG_IGN);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  bragg::gateway::Gateway gateway(o);
+  bragg::Status s = gateway.Start();
+  if (!s.ok()) {
+    spdlog::error("{}", std::string(s.message()));
+    return 1;
+  }
+  std::printf("listening on http://%s:%d\n", o.host.c_str(), gateway.port());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&set, &sig);
+  gateway.Stop();
+  return 0;
+}

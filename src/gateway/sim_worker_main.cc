@@ -1,0 +1,57 @@
+// bragg-sim-worker --listen 127.0.0.1:PORT [--cache-tokens N] [--seed S]
+
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <thread>
+
+#include "common/logging.h"
+#include "gateway/http_util.h"
+#include "gateway/sim_worker.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Simulated SGLang worker for the Bragg gateway"};
+  std::string listen = "127.0.0.1:30000";
+  bragg::gateway::SimWorkerOptions o;
+  app.add_option("--listen", listen, "HOST:PORT to serve on (port 0: any)");
+  app.add_option("--cache-tokens", o.cache_tokens, "prefix cache capacity in tokens");
+  app.add_option("--seed", o.seed, "seed of the output tokens");
+  app.add_option("--prefill-us", o.prefill_us_per_token, "microseconds per uncached prompt token");
+  app.add_option("--decode-us", o.decode_us_per_token, "microseconds per output token");
+  app.add_option("--moe-layers", o.moe.layers, "MoE layers in routed_experts");
+  app.add_option("--moe-topk", o.moe.top_k, "experts per token per layer");
+  app.add_option("--num-experts", o.moe.num_experts, "experts per layer");
+  app.add_option("--weight-version", o.weight_version, "initial weight version");
+  app.add_option("--model-path", o.model_path, "initial model path");
+  app.add_flag("--noop", o.noop, "answer /generate at once with a fixed body");
+  CLI11_PARSE(app, argc, argv);
+  (void)bragg::InitLogging(argv[0], "info");
+  auto hp = bragg::gateway::ParseHostPort(listen);
+  if (!hp.ok()) {
+    spdlog::error("--listen: {}", std::string(hp.status().message()));
+    return 2;
+  }
+  o.host = hp->host;
+  o.port = hp->port;
+  // Writes to a hung-up client must fail with EPIPE, not kill the process.
+  std::signal(SIGPIPE, SIG_IGN);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  bragg::gateway::SimWorker worker(o);
+  bragg::Status s = worker.Start();
+  if (!s.ok()) {
+    spdlog::error("{}", std::string(s.message()));
+    return 1;
+  }
+  // Scripts read the port from here when they asked for port 0.
+  std::printf("listening on %s\n", worker.url().c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&set, &sig);
+  worker.Stop();
+  return 0;
+}

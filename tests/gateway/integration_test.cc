@@ -1,0 +1,646 @@
+// Drives bragg-gateway and bragg-sim-worker binaries over real HTTP on loopback.
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/process.h"
+#include "gateway/client.h"
+#include "gateway/http_util.h"
+
+namespace bragg::gateway {
+namespace {
+
+using nlohmann::json;
+
+struct Proc {
+  ChildProcess child;
+  std::string url;
+  int port = 0;
+};
+
+class GatewayIntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::signal(SIGPIPE, SIG_IGN);
+    auto dir = TempDir::Create("/tmp", "bragg-gw-test-");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = std::move(*dir);
+  }
+
+  void TearDown() override {
+    if (!HasFailure()) {
+      return;
+    }
+    // The children's logs say why.
+    for (int i = 0; i < counter_; ++i) {
+      auto text = ReadFileToString(fmt::format("{}/out-{}", dir_.path(), i));
+      if (text.ok()) {
+        std::string tail = text->size() > 3000 ? text->substr(text->size() - 3000) : *text;
+        std::printf("--- child %d output (tail) ---\n%s\n", i, tail.c_str());
+      }
+    }
+  }
+
+  // Starts a binary that prints "listening on URL" and returns once it does.
+  Proc Start(std::vector<std::string> argv) {
+    std::string out = fmt::format("{}/out-{}", dir_.path(), counter_++);
+    int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0);
+    UniqueFd owned(fd);
+    SpawnOptions so;
+    so.stdout_fd = fd;
+    so.stderr_fd = fd;
+    auto child = Spawn(argv, so);
+    EXPECT_TRUE(child.ok()) << child.status();
+    Proc p;
+    p.child = std::move(*child);
+    for (int i = 0; i < 200; ++i) {
+      auto text = ReadFileToString(out);
+      size_t at = text.ok() ? text->find("listening on ") : std::string::npos;
+      if (at != std::string::npos && text->find('\n', at) != std::string::npos) {
+        p.url = text->substr(at + 13, text->find('\n', at) - at - 13);
+        p.port = ParseHostPort(p.url)->port;
+        return p;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "no 'listening on' from " << argv[0];
+    return p;
+  }
+
+  Proc Worker(std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {BRAGG_SIM_WORKER, "--listen", "127.0.0.1:0", "--seed", "1"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Start(argv);
+  }
+
+  Proc Gateway(const std::vector<Proc*>& workers, const std::string& policy,
+               std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {BRAGG_GATEWAY, "--listen", "127.0.0.1:0",
+                                     "--policy",    policy,     "--health-interval-ms",
+                                     "100"};
+    for (Proc* w : workers) {
+      argv.push_back("--worker");
+      argv.push_back(w->url);
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Start(argv);
+  }
+
+  TempDir dir_;
+  int counter_ = 0;
+};
+
+std::unique_ptr<httplib::Client> Http(const Proc& p) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", p.port);
+  c->set_read_timeout(60, 0);
+  c->set_keep_alive(true);
+  return c;
+}
+
+json PostJson(httplib::Client& c, const std::string& path, const json& body, int* status,
+              std::string* worker = nullptr) {
+  auto r = c.Post(path, body.dump(), "application/json");
+  if (!r) {
+    *status = -1;
+    return json{{"transport_error", httplib::to_string(r.error())}};
+  }
+  *status = r->status;
+  if (worker != nullptr) {
+    *worker = r->get_header_value("X-Bragg-Worker");
+  }
+  return json::parse(r->body, nullptr, false);
+}
+
+std::vector<int32_t> Tokens(int seed, int n, int base = 0) {
+  std::vector<int32_t> v;
+  for (int i = 0; i < n; ++i) {
+    v.push_back(base + (seed * 131 + i * 7) % 30000);
+  }
+  return v;
+}
+
+std::vector<int32_t> SharedPrompt(int n) { return Tokens(99999, n, 1); }
+
+// Runs `turns` turns of rollout `key`: each turn's prompt is the conversation so far plus a tool
+// output. Returns the worker per turn; checks every turn reuses the whole previous conversation
+// when `expect_full_reuse`.
+std::vector<std::string> RunRollout(httplib::Client& c, const std::string& key, int turns,
+                                    std::vector<int32_t> convo, bool expect_full_reuse) {
+  std::vector<std::string> where;
+  size_t prev_total = 0;
+  for (int t = 0; t < turns; ++t) {
+    json req = {{"input_ids", convo},
+                {"routing_key", key},
+                {"sampling_params", {{"max_new_tokens", 8}, {"temperature", 0.7}}}};
+    int status = 0;
+    std::string worker;
+    json res = PostJson(c, "/generate", req, &status, &worker);
+    EXPECT_EQ(status, 200) << res.dump();
+    if (status != 200) {
+      return where;
+    }
+    const json& m = res["meta_info"];
+    EXPECT_EQ(m["prompt_tokens"].get<size_t>(), convo.size());
+    EXPECT_EQ(m["completion_tokens"].get<size_t>(), 8u);
+    EXPECT_TRUE(m.contains("weight_version"));
+    if (expect_full_reuse && t > 0) {
+      EXPECT_EQ(m["cached_tokens"].get<size_t>(), prev_total) << key << " turn " << t;
+    }
+    where.push_back(worker);
+    for (int32_t id : res["output_ids"].get<std::vector<int32_t>>()) {
+      convo.push_back(id);
+    }
+    prev_total = convo.size();
+    auto tool = Tokens(t + static_cast<int>(key.size()) * 17, 5 + t * 3, 40000);
+    convo.insert(convo.end(), tool.begin(), tool.end());
+  }
+  return where;
+}
+
+std::string Metrics(httplib::Client& c) {
+  auto r = c.Get("/metrics");
+  return r ? r->body : "";
+}
+
+TEST_F(GatewayIntegrationTest, EveryPolicyServesRollouts) {
+  Proc w0 = Worker(), w1 = Worker(), w2 = Worker();
+  for (const std::string policy : {"sticky", "cache_aware", "round_robin", "least_load"}) {
+    SCOPED_TRACE(policy);
+    Proc gw = Gateway({&w0, &w1, &w2}, policy);
+    auto c = Http(gw);
+    std::set<std::string> used;
+    for (int k = 0; k < 6; ++k) {
+      std::string key = policy + "-r" + std::to_string(k);
+      bool sticky_like = policy == "sticky" || policy == "cache_aware";
+      auto where = RunRollout(*c, key, 4, Tokens(k, 64), sticky_like);
+      ASSERT_EQ(where.size(), 4u);
+      used.insert(where.begin(), where.end());
+      if (sticky_like) {
+        EXPECT_EQ(std::set<std::string>(where.begin(), where.end()).size(), 1u)
+            << "rollout moved between turns";
+      }
+      if (policy == "round_robin") {
+        EXPECT_NE(where[0], where[1]);
+      }
+    }
+    if (policy != "least_load") {
+      EXPECT_EQ(used.size(), 3u) << "all workers should get rollouts";
+    }
+    std::string m = Metrics(*c);
+    EXPECT_NE(m.find("bragg_gateway_cache_hit_rate"), std::string::npos);
+    EXPECT_NE(m.find("bragg_gateway_worker_in_flight{pool=\"main\""), std::string::npos);
+    if (policy == "sticky") {
+      EXPECT_NE(m.find("reason=\"sticky\"} 18"), std::string::npos) << m;
+    } else if (policy == "round_robin") {
+      EXPECT_NE(m.find("reason=\"round_robin\"} 24"), std::string::npos) << m;
+    }
+  }
+}
+
+TEST_F(GatewayIntegrationTest, SharedSystemPromptSpreadsOverWorkers) {
+  Proc w0 = Worker(), w1 = Worker(), w2 = Worker(), w3 = Worker();
+  Proc gw = Gateway({&w0, &w1, &w2, &w3}, "sticky");
+  auto c = Http(gw);
+  std::map<std::string, int> per_worker;
+  std::vector<int32_t> shared = SharedPrompt(2000);
+  for (int k = 0; k < 40; ++k) {
+    std::vector<int32_t> prompt = shared;
+    auto own = Tokens(k, 20, 50000);
+    prompt.insert(prompt.end(), own.begin(), own.end());
+    auto where = RunRollout(*c, "shared-" + std::to_string(k), 2, prompt, true);
+    ASSERT_EQ(where.size(), 2u);
+    per_worker[where[0]]++;
+  }
+  ASSERT_EQ(per_worker.size(), 4u);
+  int mx = 0, mn = 1 << 30;
+  for (auto& [w, n] : per_worker) {
+    mx = std::max(mx, n);
+    mn = std::min(mn, n);
+  }
+  EXPECT_LE(static_cast<double>(mx) / mn, 1.5);
+}
+
+TEST_F(GatewayIntegrationTest, KilledWorkerRolloutsMoveOnceNoRequestLost) {
+  Proc w0 = Worker(), w1 = Worker(), w2 = Worker();
+  Proc gw = Gateway({&w0, &w1, &w2}, "sticky");
+  auto c = Http(gw);
+  std::map<std::string, std::vector<int32_t>> convo;
+  std::map<std::string, std::string> home;
+  auto turn = [&](const std::string& key) {
+    int status = 0;
+    std::string worker;
+    json res = PostJson(*c, "/generate",
+                        {{"input_ids", convo[key]},
+                         {"routing_key", key},
+                         {"sampling_params", {{"max_new_tokens", 4}}}},
+                        &status, &worker);
+    EXPECT_EQ(status, 200) << res.dump();
+    for (int32_t id : res.value("output_ids", std::vector<int32_t>{})) {
+      convo[key].push_back(id);
+    }
+    convo[key].push_back(7);
+    return worker;
+  };
+  for (int k = 0; k < 12; ++k) {
+    std::string key = "kill-" + std::to_string(k);
+    convo[key] = Tokens(k, 100);
+    home[key] = turn(key);
+  }
+  std::string victim = fmt::format("127.0.0.1:{}", w1.port);
+  int on_victim = 0;
+  for (auto& [k, w] : home) {
+    on_victim += w == victim;
+  }
+  ASSERT_GT(on_victim, 0);
+  ASSERT_TRUE(w1.child.Signal(SIGKILL).ok());
+  ASSERT_TRUE(w1.child.Wait(std::chrono::seconds(5)).ok());
+  std::map<std::string, std::string> after;
+  for (int round = 0; round < 3; ++round) {
+    for (auto& [key, w] : home) {
+      std::string now = turn(key);
+      EXPECT_NE(now, victim);
+      if (w != victim) {
+        EXPECT_EQ(now, w) << key << " moved although its worker lives";
+      } else if (round == 0) {
+        after[key] = now;
+      } else {
+        EXPECT_EQ(now, after[key]) << key << " moved twice";
+      }
+    }
+  }
+  std::string m = Metrics(*c);
+  EXPECT_NE(m.find(fmt::format("bragg_gateway_worker_rollouts_moved_total{{pool=\"main\",worker="
+                               "\"http://{}\"}} {}",
+                               victim, on_victim)),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find(fmt::format(
+                "bragg_gateway_worker_healthy{{pool=\"main\",worker=\"http://{}\"}} 0", victim)),
+            std::string::npos);
+}
+
+TEST_F(GatewayIntegrationTest, HostileInputsAreRejected) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  auto post = [&](const std::string& path, const std::string& body) {
+    auto r = c->Post(path, body, "application/json");
+    return r ? r->status : -1;
+  };
+  EXPECT_EQ(post("/generate", "{not json"), 400);
+  EXPECT_EQ(post("/generate", "[1,2,3]"), 400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": "abc"})"), 400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": []})"), 400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1, -5]})"), 400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1, 99999999999]})"), 400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1, 2.5]})"), 400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1], "routing_key": 5})"), 400);
+  EXPECT_EQ(post("/generate", R"({"sampling_params": {}})"), 400);
+  // Fields the gateway passes through are checked by the worker.
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}})"),
+            400);
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1], "routed_experts_start_len": 50})"), 400);
+  EXPECT_EQ(post("/weights/update", R"({"model_path": "x"})"), 400);
+  EXPECT_EQ(post("/weights/update", R"({"model_path": "x", "weight_version": ""})"), 400);
+  EXPECT_EQ(post("/workers", R"({"url": "not a url"})"), 400);
+  EXPECT_EQ(post("/workers", R"({"url": "http://127.0.0.1:99999"})"), 400);
+  EXPECT_EQ(post("/nope", "{}"), 404);
+  // Still serving after all of that.
+  EXPECT_EQ(post("/generate", R"({"input_ids": [1, 2, 3], "routing_key": "ok"})"), 200);
+}
+
+TEST_F(GatewayIntegrationTest, GatewayWithoutWorkersSays503) {
+  Proc gw = Gateway({}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  json res = PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+  EXPECT_EQ(status, 503);
+  EXPECT_NE(res.dump().find("no healthy worker"), std::string::npos);
+  // Register one at run time.
+  Proc w0 = Worker();
+  PostJson(*c, "/workers", {{"url", w0.url}}, &status);
+  EXPECT_EQ(status, 200);
+  PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+  EXPECT_EQ(status, 200);
+  auto r = c->Get("/workers");
+  ASSERT_TRUE(r);
+  EXPECT_NE(r->body.find(w0.url), std::string::npos);
+}
+
+TEST_F(GatewayIntegrationTest, OpenAiEndpointsPassThrough) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  json res = PostJson(*c, "/v1/chat/completions",
+                      {{"model", "m"},
+                       {"messages", {{{"role", "user"}, {"content", "hello there"}}}},
+                       {"max_tokens", 3}},
+                      &status);
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(res["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(res["usage"]["completion_tokens"], 3);
+  res = PostJson(*c, "/v1/completions", {{"prompt", "abc"}, {"max_tokens", 2}}, &status);
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(res["object"], "text_completion");
+}
+
+TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
+  Proc w0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  {
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/generate";
+    req.body = json{{"input_ids", {1, 2, 3}},
+                    {"routing_key", "s"},
+                    {"stream", true},
+                    {"sampling_params", {{"max_new_tokens", 5}}}}
+                   .dump();
+    req.set_header("Content-Type", "application/json");
+    std::string got;
+    req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+      got.append(d, n);
+      return true;
+    };
+    auto r = c->send(req);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_NE(got.find("data: [DONE]"), std::string::npos);
+    EXPECT_NE(got.find("\"completion_tokens\":5"), std::string::npos);
+  }
+  {
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/generate";
+    req.body = json{{"input_ids", {4, 5, 6}},
+                    {"routing_key", "gone"},
+                    {"stream", true},
+                    {"sampling_params", {{"max_new_tokens", 1000}}}}
+                   .dump();
+    req.set_header("Content-Type", "application/json");
+    int chunks = 0;
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 3; };
+    auto c2 = Http(gw);
+    auto r = c2->send(req);
+    EXPECT_FALSE(r);  // we hung up
+    c2->stop();
+  }
+  auto wc = Http(w0);
+  bool aborted = false;
+  for (int i = 0; i < 100 && !aborted; ++i) {
+    auto r = wc->Get("/sim/stats");
+    aborted = r && json::parse(r->body)["aborts"].get<int>() >= 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(aborted) << "the worker never saw the abort";
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_client_aborts_total 1"), std::string::npos);
+}
+
+TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
+  Proc p0 = Worker(), p1 = Worker(), d0 = Worker(), d1 = Worker();
+  Proc gw = Gateway({}, "sticky",
+                    {"--prefill", p0.url, "--prefill", p1.url, "--decode", d0.url, "--decode",
+                     d1.url, "--bootstrap-port", "9123"});
+  auto c = Http(gw);
+  std::map<std::string, std::pair<int, int>> pair_of;
+  auto last = [&](const Proc& w) {
+    auto r = Http(w)->Get("/sim/stats");
+    return json::parse(r->body);
+  };
+  for (int turn = 0; turn < 2; ++turn) {
+    for (int k = 0; k < 4; ++k) {
+      std::string key = "pd-" + std::to_string(k);
+      int status = 0;
+      json res =
+          PostJson(*c, "/generate",
+                   {{"input_ids", Tokens(k, 30 + turn * 10)}, {"routing_key", key}}, &status);
+      ASSERT_EQ(status, 200) << res.dump();
+      // Which pair served it: the workers whose last request has this rid.
+      std::string rid = res["meta_info"]["id"];
+      int pi = -1, di = -1;
+      json seen;
+      for (int i = 0; i < 2; ++i) {
+        json ps = last(i == 0 ? p0 : p1);
+        if (ps["last_request"].is_object() && ps["last_request"].value("rid", "") == rid) {
+          pi = i;
+          seen = ps["last_request"];
+        }
+      }
+      for (int i = 0; i < 2; ++i) {
+        json ds = last(i == 0 ? d0 : d1);
+        if (ds["last_request"].is_object() && ds["last_request"].value("rid", "") == rid) {
+          di = i;
+          EXPECT_EQ(ds["last_request"]["bootstrap_room"],
+                    seen.is_object() ? seen["bootstrap_room"] : json());
+          EXPECT_EQ(ds["last_request"]["bootstrap_host"], "127.0.0.1");
+        }
+      }
+      ASSERT_GE(pi, 0);
+      ASSERT_GE(di, 0);
+      EXPECT_EQ(seen["bootstrap_host"], "127.0.0.1");
+      EXPECT_EQ(seen["bootstrap_port"], 9123);
+      ASSERT_TRUE(seen["bootstrap_room"].is_number_unsigned());
+      EXPECT_LT(seen["bootstrap_room"].get<uint64_t>(), uint64_t{1} << 63);
+      if (turn == 0) {
+        pair_of[key] = {pi, di};
+      } else {
+        EXPECT_EQ(pair_of[key], std::make_pair(pi, di)) << "pair not sticky for " << key;
+      }
+    }
+  }
+}
+
+TEST_F(GatewayIntegrationTest, DeltaRouterReplayEqualsFullEveryTurn) {
+  Proc w0 = Worker({"--moe-layers", "6", "--moe-topk", "4"});
+  Proc w1 = Worker({"--moe-layers", "6", "--moe-topk", "4"});
+  Proc gw = Gateway({&w0, &w1}, "sticky");
+  ClientOptions delta_opts{.return_routed_experts = true, .delta_routed_experts = true};
+  ClientOptions full_opts{.return_routed_experts = true, .delta_routed_experts = false};
+  auto delta = RolloutClient::Create(fmt::format("http://127.0.0.1:{}", gw.port), delta_opts);
+  auto full = RolloutClient::Create(fmt::format("http://127.0.0.1:{}", gw.port), full_opts);
+  ASSERT_TRUE(delta.ok() && full.ok());
+  EXPECT_FALSE(RolloutClient::Create("nonsense", delta_opts).ok());
+  std::vector<int32_t> convo = Tokens(3, 500);
+  for (int turn = 0; turn < 6; ++turn) {
+    auto d = (*delta)->Generate("delta", convo, {{"max_new_tokens", 16}});
+    auto f = (*full)->Generate("full", convo, {{"max_new_tokens", 16}});
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_EQ(d->output_ids, f->output_ids);
+    size_t total = convo.size() + d->output_ids.size();
+    const auto& a = (*delta)->RoutedExperts("delta");
+    const auto& b = (*full)->RoutedExperts("full");
+    ASSERT_EQ(a.size(), (total - 1) * 6 * 4);
+    ASSERT_EQ(a, b) << "turn " << turn;
+    if (turn > 0) {
+      EXPECT_LT(d->routed_experts_bytes * 5, f->routed_experts_bytes);
+    }
+    convo.insert(convo.end(), d->output_ids.begin(), d->output_ids.end());
+    auto tool = Tokens(turn, 40, 20000);
+    convo.insert(convo.end(), tool.begin(), tool.end());
+  }
+  // A conversation that shrinks cannot be delta-replayed.
+  auto bad = (*delta)->Generate("delta", Tokens(3, 10), {{"max_new_tokens", 1}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(GatewayIntegrationTest, WeightUpdateFailsSafe) {
+  Proc w0 = Worker(), w1 = Worker(), w2 = Worker();
+  Proc gw = Gateway({&w0, &w1, &w2}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*Http(w2), "/sim/config", {{"fail_update", true}}, &status);
+  ASSERT_EQ(status, 200);
+  json rep = PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "2"}},
+                      &status);
+  EXPECT_EQ(status, 500);
+  EXPECT_FALSE(rep["success"].get<bool>());
+  ASSERT_EQ(rep["workers"].size(), 3u);
+  int rolled_back = 0;
+  for (const json& w : rep["workers"]) {
+    EXPECT_TRUE(w["paused"].get<bool>());
+    EXPECT_TRUE(w["continued"].get<bool>());
+    EXPECT_FALSE(w["removed"].get<bool>());
+    rolled_back += w["rolled_back"].get<bool>();
+  }
+  EXPECT_EQ(rolled_back, 2);
+  for (Proc* w : {&w0, &w1, &w2}) {
+    auto r = Http(*w)->Get("/get_model_info");
+    json info = json::parse(r->body);
+    EXPECT_EQ(info["weight_version"], "0");
+    EXPECT_EQ(info["model_path"], "sim-model");
+    EXPECT_FALSE(info["paused"].get<bool>());
+  }
+  json res =
+      PostJson(*c, "/generate", {{"input_ids", {1, 2, 3}}, {"routing_key", "after"}}, &status);
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(res["meta_info"]["weight_version"], "0");
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_weight_updates_total{result=\"failed\"} 1"),
+            std::string::npos);
+}
+
+TEST_F(GatewayIntegrationTest, WeightUpdateDuring1000RunningRollouts) {
+  std::vector<Proc> workers;
+  for (int i = 0; i < 4; ++i) {
+    workers.push_back(Worker({"--decode-us", "1500"}));
+  }
+  std::vector<Proc*> ptrs;
+  for (auto& w : workers) {
+    ptrs.push_back(&w);
+  }
+  Proc gw = Gateway(ptrs, "sticky");
+  constexpr int kRollouts = 1000;
+  constexpr int kThreads = 100;
+  constexpr int kTurns = 3;
+  std::atomic<int> ok{0}, failed{0}, spans_bad{0}, mixed{0}, turn_done{0}, first_turns_done{0};
+  std::atomic<int> cached_after{0};
+  std::mutex first_failure_mu;
+  std::string first_failure;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Http(gw);
+      std::map<int, std::vector<int32_t>> convo;
+      for (int turn = 0; turn < kTurns; ++turn) {
+        for (int k = t; k < kRollouts; k += kThreads) {
+          if (turn == 0) {
+            convo[k] = SharedPrompt(200);
+            auto own = Tokens(k, 30, 30000);
+            convo[k].insert(convo[k].end(), own.begin(), own.end());
+          }
+          int status = 0;
+          json res = PostJson(*c, "/generate",
+                              {{"input_ids", convo[k]},
+                               {"routing_key", "wu-" + std::to_string(k)},
+                               {"sampling_params", {{"max_new_tokens", 6}}}},
+                              &status);
+          if (status != 200 || res["meta_info"]["finish_reason"]["type"] != "length") {
+            if (failed++ == 0) {
+              std::lock_guard<std::mutex> lock(first_failure_mu);
+              first_failure = fmt::format("HTTP {}: {}", status, res.dump());
+            }
+            continue;
+          }
+          ok++;
+          const json& m = res["meta_info"];
+          size_t covered = 0;
+          for (const json& s : m["weight_versions"]) {
+            if (s["start"].get<size_t>() != covered) {
+              spans_bad++;
+            }
+            covered = s["end"].get<size_t>();
+          }
+          if (covered != m["completion_tokens"].get<size_t>()) {
+            spans_bad++;
+          }
+          mixed += m["weight_versions"].size() > 1;
+          if (turn > 0 && m["cached_tokens"].get<size_t>() + 1 >= convo[k].size() - 3) {
+            cached_after++;
+          }
+          for (int32_t id : res["output_ids"].get<std::vector<int32_t>>()) {
+            convo[k].push_back(id);
+          }
+          convo[k].insert(convo[k].end(), {1, 2, 3});
+        }
+        turn_done++;
+        if (turn == 0) {
+          first_turns_done++;
+        }
+      }
+    });
+  }
+  // Update in the middle of the second turn, once every rollout has started.
+  while (first_turns_done.load() < kThreads || ok.load() + failed.load() < kRollouts * 3 / 2) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  auto c = Http(gw);
+  int status = 0;
+  json rep = PostJson(*c, "/weights/update", {{"model_path", "/ckpt/v2"}, {"weight_version", "v2"}},
+                      &status);
+  for (auto& th : threads) {
+    th.join();
+  }
+  EXPECT_EQ(status, 200) << rep.dump();
+  EXPECT_TRUE(rep.value("success", false));
+  EXPECT_EQ(failed.load(), 0) << first_failure;
+  EXPECT_EQ(ok.load(), kRollouts * kTurns);
+  EXPECT_EQ(spans_bad.load(), 0);
+  // Running rollouts kept their KV across the update (flush_cache=false).
+  EXPECT_GE(cached_after.load(), kRollouts * (kTurns - 1) * 9 / 10);
+  for (Proc& w : workers) {
+    auto r = Http(w)->Get("/get_model_info");
+    EXPECT_EQ(json::parse(r->body)["weight_version"], "v2");
+  }
+  // A rollout that starts now is salted with the version it started on; an old one is not.
+  json res = PostJson(*c, "/generate", {{"input_ids", SharedPrompt(200)}, {"routing_key", "fresh"}},
+                      &status);
+  ASSERT_EQ(status, 200);
+  EXPECT_EQ(res["meta_info"]["cached_tokens"], 0) << "new rollout reused KV from old weights";
+  EXPECT_EQ(res["meta_info"]["weight_versions"][0]["version"], "v2");
+  std::string m = Metrics(*c);
+  EXPECT_NE(m.find("bragg_gateway_weight_version_skew 0"), std::string::npos) << m;
+  // Requests in flight across the pause finish on the new weights: their spans show both.
+  EXPECT_GE(mixed.load(), 1);
+  std::printf("requests with output from two versions: %d\n", mixed.load());
+}
+
+}  // namespace
+}  // namespace bragg::gateway
