@@ -279,6 +279,11 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> bytes_done{0};
   std::atomic<bool> failed{false};
+  std::atomic<int64_t> last_report_ms{0};
+  uint64_t total_work = 0;
+  for (const WorkItem* w : work) {
+    total_work += w->bytes;
+  }
   std::mutex mu;
   Status first_error;
   auto worker = [&]() {
@@ -302,7 +307,15 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
         failed = true;
         return;
       }
-      bytes_done.fetch_add(w.bytes);
+      uint64_t done = bytes_done.fetch_add(w.bytes) + w.bytes;
+      // Progress at most every 5 s, from whichever worker passes the mark.
+      int64_t now_ms = static_cast<int64_t>(Since(t0) * 1000);
+      int64_t last = last_report_ms.load();
+      if (now_ms - last >= 5000 && last_report_ms.compare_exchange_strong(last, now_ms)) {
+        spdlog::info("{}: {:.1f}% ({:.2f} of {:.2f} GB), {:.2f} GB/s", o.verify ? "verify" : "copy",
+                     100.0 * done / std::max<uint64_t>(total_work, 1), done / 1e9, total_work / 1e9,
+                     done / 1e9 / std::max(Since(t0), 1e-9));
+      }
     }
   };
   std::vector<std::thread> pool;
