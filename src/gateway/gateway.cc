@@ -272,6 +272,11 @@ void Gateway::HandleGenerate(const httplib::Request& req, httplib::Response& res
   if (!body.contains("rid")) {
     body["rid"] = fmt::format("gw{}-{}", port_, rid_counter_.fetch_add(1));
   }
+  if (options_.dp_size > 1 && !key.empty() && !body.contains("routed_dp_rank")) {
+    // A rollout's KV lives on one DP rank: pin it there, spread rollouts by a stable hash.
+    body["routed_dp_rank"] =
+        static_cast<uint32_t>(static_cast<uint32_t>(-SaltToken(key)) % options_.dp_size);
+  }
   bool pd = !options_.prefill_workers.empty();
   if (pd) {
     HandleGeneratePd(std::move(body), key, tokens, client_salt, res);

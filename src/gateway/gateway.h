@@ -33,6 +33,9 @@ struct GatewayOptions {
   std::vector<std::string> prefill_workers;
   std::vector<std::string> decode_workers;
   int bootstrap_port = 8998;  // the prefill workers' KV bootstrap port
+  // Data-parallel-attention ranks per worker; above 1, every request of a rollout carries the
+  // same routed_dp_rank (unless the client set one).
+  int dp_size = 1;
   RouterOptions router;
   int health_interval_ms = 1000;
   size_t max_threads = 16384;

@@ -19,6 +19,8 @@ int main(int argc, char** argv) {
   app.add_option("--prefill", o.prefill_workers, "prefill worker URL (PD disaggregation)");
   app.add_option("--decode", o.decode_workers, "decode worker URL (PD disaggregation)");
   app.add_option("--bootstrap-port", o.bootstrap_port, "prefill workers' bootstrap port");
+  app.add_option("--dp-size", o.dp_size, "DP-attention ranks per worker: pin rollouts to one")
+      ->check(CLI::Range(1, 1024));
   app.add_option("--health-interval-ms", o.health_interval_ms, "health check period");
   app.add_option("--cache-threshold", o.router.cache_threshold, "sgl_cache_aware match rate");
   app.add_option("--balance-abs-threshold", o.router.balance_abs_threshold, "load gap");

@@ -468,6 +468,48 @@ TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
   }
 }
 
+TEST_F(GatewayIntegrationTest, DpRankPinnedPerRollout) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky", {"--dp-size", "4"});
+  auto c = Http(gw);
+  auto wc = Http(w0);
+  std::map<std::string, int> rank_of;
+  std::set<int> ranks;
+  for (int turn = 0; turn < 2; ++turn) {
+    for (int k = 0; k < 16; ++k) {
+      std::string key = "dp-" + std::to_string(k);
+      int status = 0;
+      PostJson(*c, "/generate", {{"input_ids", Tokens(k, 20 + turn)}, {"routing_key", key}},
+               &status);
+      ASSERT_EQ(status, 200);
+      json last = json::parse(wc->Get("/sim/stats")->body)["last_request"];
+      ASSERT_TRUE(last.contains("routed_dp_rank")) << last.dump();
+      int rank = last["routed_dp_rank"].get<int>();
+      EXPECT_GE(rank, 0);
+      EXPECT_LT(rank, 4);
+      ranks.insert(rank);
+      if (turn == 0) {
+        rank_of[key] = rank;
+      } else {
+        EXPECT_EQ(rank_of[key], rank) << key;
+      }
+      EXPECT_FALSE(last.contains("routing_key")) << "gateway-only field leaked to the worker";
+    }
+  }
+  EXPECT_GE(ranks.size(), 2u);
+  // The client's own rank passes through untouched.
+  int status = 0;
+  PostJson(*c, "/generate", {{"input_ids", {1, 2}}, {"routing_key", "x"}, {"routed_dp_rank", 3}},
+           &status);
+  EXPECT_EQ(json::parse(wc->Get("/sim/stats")->body)["last_request"]["routed_dp_rank"], 3);
+  // Bad --dp-size is refused at startup.
+  auto bad = Spawn({BRAGG_GATEWAY, "--listen", "127.0.0.1:0", "--dp-size", "0"});
+  ASSERT_TRUE(bad.ok());
+  auto exit = bad->Wait(std::chrono::seconds(10));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_NE(exit->exit_code, 0);
+}
+
 TEST_F(GatewayIntegrationTest, DeltaRouterReplayEqualsFullEveryTurn) {
   Proc w0 = Worker({"--moe-layers", "6", "--moe-topk", "4"});
   Proc w1 = Worker({"--moe-layers", "6", "--moe-topk", "4"});
