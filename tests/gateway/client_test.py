@@ -1,0 +1,75 @@
+"""Python client against bragg-gateway and two bragg-sim-workers on loopback."""
+
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.environ["BRAGG_GATEWAY_PYTHON"])
+import bragg_gateway_client as bgc  # noqa: E402
+
+
+def start(argv):
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    if not line.startswith("listening on "):
+        p.kill()
+        raise RuntimeError(f"{argv[0]} did not start: {line!r}")
+    return p, line.split()[-1]
+
+
+class ClientTest(unittest.TestCase):
+    def setUp(self):
+        self.procs = []
+        urls = []
+        for _ in range(2):
+            p, url = start([os.environ["BRAGG_SIM_WORKER"], "--listen", "127.0.0.1:0", "--seed",
+                            "3", "--moe-layers", "5", "--moe-topk", "3"])
+            self.procs.append(p)
+            urls.append(url)
+        argv = [os.environ["BRAGG_GATEWAY"], "--listen", "127.0.0.1:0"]
+        for u in urls:
+            argv += ["--worker", u]
+        p, self.gw = start(argv)
+        self.procs.append(p)
+
+    def tearDown(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+    def test_delta_equals_full_every_turn(self):
+        delta = bgc.RolloutClient(self.gw, return_routed_experts=True, delta=True)
+        full = bgc.RolloutClient(self.gw, return_routed_experts=True, delta=False)
+        convo = [(i * 37) % 5000 for i in range(300)]
+        for turn in range(5):
+            d = delta.generate("d", convo, {"max_new_tokens": 12})
+            f = full.generate("f", convo, {"max_new_tokens": 12})
+            self.assertEqual(d["output_ids"], f["output_ids"])
+            total = len(convo) + len(d["output_ids"])
+            self.assertEqual(len(delta.routed_experts("d")), (total - 1) * 5 * 3)
+            self.assertEqual(delta.routed_experts("d"), full.routed_experts("f"), f"turn {turn}")
+            if turn > 0:
+                self.assertGreater(d["meta_info"]["cached_tokens"], 0)
+                self.assertLess(d["meta_info"]["routed_experts_bytes"] * 4,
+                                f["meta_info"]["routed_experts_bytes"])
+            convo += d["output_ids"] + [7000 + turn] * 20
+
+    def test_errors(self):
+        with self.assertRaises(ValueError):
+            bgc.RolloutClient("127.0.0.1:1")
+        c = bgc.RolloutClient(self.gw, return_routed_experts=True)
+        c.generate("x", list(range(50)), {"max_new_tokens": 2})
+        with self.assertRaises(ValueError):
+            c.generate("x", [1, 2], {"max_new_tokens": 2})  # shorter than what it covered
+        with self.assertRaises(bgc.GatewayError) as e:
+            c.generate("y", [], {})
+        self.assertEqual(e.exception.status, 400)
+        dead = bgc.RolloutClient("http://127.0.0.1:1", timeout=2)
+        with self.assertRaises(bgc.GatewayError):
+            dead.generate("z", [1], {})
+
+
+if __name__ == "__main__":
+    unittest.main()
