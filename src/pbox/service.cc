@@ -601,13 +601,7 @@ grpc::Status PboxService::ReadFile(grpc::ServerContext* ctx, const v1::ReadFileR
       break;
     }
     buf->resize(static_cast<size_t>(n));
-    // Chunks before the last may wait in gRPC's buffer and go out together.
-    bool more = static_cast<size_t>(n) == want && left > want;
-    grpc::WriteOptions options;
-    if (more) {
-      options.set_buffer_hint();
-    }
-    if (!writer->Write(msg, options)) {
+    if (!writer->Write(msg)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "download cancelled by the client");
     }
     offset += static_cast<uint64_t>(n);

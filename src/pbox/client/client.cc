@@ -291,29 +291,14 @@ Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std:
   h->set_path(path);
   h->set_mode(mode);
   h->set_make_parents(make_parents);
-  // All but the last message may wait in gRPC's buffer; the last one also half-closes.
-  bool ok = true;
-  bool closed = false;
-  if (data.empty()) {
-    ok = writer->Write(msg, grpc::WriteOptions().set_last_message());
-    closed = true;
-  } else {
-    ok = writer->Write(msg, grpc::WriteOptions().set_buffer_hint());
-  }
+  bool ok = writer->Write(msg);
   while (ok && !data.empty()) {
     size_t n = std::min(data.size(), kChunkBytes);
     msg.set_chunk(data.data(), n);
+    ok = writer->Write(msg);
     data.remove_prefix(n);
-    if (data.empty()) {
-      ok = writer->Write(msg, grpc::WriteOptions().set_last_message());
-      closed = true;
-    } else {
-      ok = writer->Write(msg, grpc::WriteOptions().set_buffer_hint());
-    }
   }
-  if (!closed) {
-    writer->WritesDone();
-  }
+  writer->WritesDone();
   BRAGG_RETURN_IF_ERROR(FromGrpc(writer->Finish()));
   return resp;
 }
