@@ -279,8 +279,8 @@ Result<v1::ExecResult> Client::Exec(const v1::ExecStart& start, int stdin_fd,
   return st.ok() ? absl::InternalError("Exec ended without a result") : st;
 }
 
-Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std::string& path,
-                                       std::string_view data, uint32_t mode, bool make_parents) {
+Result<v1::FileInfo> Client::Upload(const std::string& sandbox_id, const std::string& path,
+                                    uint32_t mode, bool make_parents, const NextChunkFn& next) {
   grpc::ClientContext ctx;
   Prepare(&ctx, false);
   v1::FileInfo resp;
@@ -292,54 +292,55 @@ Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std:
   h->set_mode(mode);
   h->set_make_parents(make_parents);
   bool ok = writer->Write(msg);
-  while (ok && !data.empty()) {
-    size_t n = std::min(data.size(), kChunkBytes);
-    msg.set_chunk(data.data(), n);
-    ok = writer->Write(msg);
-    data.remove_prefix(n);
-  }
-  writer->WritesDone();
-  BRAGG_RETURN_IF_ERROR(FromGrpc(writer->Finish()));
-  return resp;
-}
-
-Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, const std::string& path,
-                                             int fd, uint32_t mode, bool make_parents) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, false);
-  v1::FileInfo resp;
-  auto writer = stub_->WriteFile(&ctx, &resp);
-  v1::WriteFileRequest msg;
-  v1::WriteFileHeader* h = msg.mutable_header();
-  h->set_sandbox_id(sandbox_id);
-  h->set_path(path);
-  h->set_mode(mode);
-  h->set_make_parents(make_parents);
-  bool ok = writer->Write(msg);
-  std::string* buf = msg.mutable_chunk();
-  Status read_error;
+  Status source_error;
   while (ok) {
-    buf->resize(kChunkBytes);
-    ssize_t n = ::read(fd, buf->data(), buf->size());
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n < 0) {
-      read_error = ErrnoError("read", "upload source");
+    auto more = next(msg.mutable_chunk());
+    if (!more.ok()) {
+      source_error = more.status();
       ctx.TryCancel();
       break;
     }
-    if (n == 0) {
+    if (!*more) {
       break;
     }
-    buf->resize(static_cast<size_t>(n));
     ok = writer->Write(msg);
   }
   writer->WritesDone();
   Status st = FromGrpc(writer->Finish());
-  BRAGG_RETURN_IF_ERROR(read_error);
+  BRAGG_RETURN_IF_ERROR(source_error);
   BRAGG_RETURN_IF_ERROR(st);
   return resp;
+}
+
+Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std::string& path,
+                                       std::string_view data, uint32_t mode, bool make_parents) {
+  return Upload(sandbox_id, path, mode, make_parents, [&data](std::string* chunk) -> Result<bool> {
+    if (data.empty()) {
+      return false;
+    }
+    size_t n = std::min(data.size(), kChunkBytes);
+    chunk->assign(data.data(), n);
+    data.remove_prefix(n);
+    return true;
+  });
+}
+
+Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, const std::string& path,
+                                             int fd, uint32_t mode, bool make_parents) {
+  return Upload(sandbox_id, path, mode, make_parents, [fd](std::string* chunk) -> Result<bool> {
+    chunk->resize(kChunkBytes);
+    for (;;) {
+      ssize_t n = ::read(fd, chunk->data(), chunk->size());
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n < 0) {
+        return ErrnoError("read", "upload source");
+      }
+      chunk->resize(static_cast<size_t>(n));
+      return n > 0;
+    }
+  });
 }
 
 Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::string& path,

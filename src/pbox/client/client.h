@@ -109,8 +109,14 @@ class Client {
   static constexpr size_t kChunkBytes = 256 * 1024;
 
  private:
+  // Fills `chunk` with the next piece of an upload: true if it holds data, false at the end.
+  using NextChunkFn = std::function<Result<bool>(std::string* chunk)>;
+
   Client() = default;
   void Prepare(grpc::ClientContext* ctx, bool with_deadline) const;
+  // One WriteFile call fed by `next`; a source error cancels the call and is returned.
+  Result<v1::FileInfo> Upload(const std::string& sandbox_id, const std::string& path, uint32_t mode,
+                              bool make_parents, const NextChunkFn& next);
 
   std::string endpoint_;
   std::string token_;
