@@ -99,48 +99,46 @@ Stats HostExec(const std::vector<std::string>& argv, int rounds) {
 // The floor: the same bytes up and back down over one loopback TCP connection to an echo
 // thread (what any network service must at least pay).
 Stats LoopbackFloor(size_t bytes, int rounds) {
-  int ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  bragg::UniqueFd ls(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(ls, 1) != 0 ||
-      ::getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+  if (!ls.valid() || ::bind(ls.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(ls.get(), 1) != 0 ||
+      ::getsockname(ls.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     Die(bragg::ErrnoError("bind/listen", "127.0.0.1"), "loopback floor");
   }
-  std::thread echo([ls, bytes, rounds] {
-    int c = ::accept4(ls, nullptr, nullptr, SOCK_CLOEXEC);
-    int one = 1;
-    ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int one = 1;
+  std::thread echo([&ls, bytes, rounds, one] {
+    bragg::UniqueFd c(::accept4(ls.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    ::setsockopt(c.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     std::string buf(bytes, '\0');
     for (int r = 0; r < rounds; ++r) {
       size_t got = 0;
       while (got < bytes) {
-        ssize_t n = ::read(c, buf.data() + got, bytes - got);
+        ssize_t n = ::read(c.get(), buf.data() + got, bytes - got);
         if (n <= 0) {
-          ::close(c);
           return;
         }
         got += static_cast<size_t>(n);
       }
-      (void)bragg::WriteAll(c, buf);
+      (void)bragg::WriteAll(c.get(), buf);
     }
-    ::close(c);
   });
-  int c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int one = 1;
-  ::setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  if (::connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  bragg::UniqueFd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ::setsockopt(c.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     Die(bragg::ErrnoError("connect", "127.0.0.1"), "loopback floor");
   }
   std::string data(bytes, 'x'), back(bytes, '\0');
   Stats st;
   for (int r = 0; r < rounds; ++r) {
     auto t0 = Clock::now();
-    std::thread sender([&] { (void)bragg::WriteAll(c, data); });
+    std::thread sender([&] { (void)bragg::WriteAll(c.get(), data); });
     size_t got = 0;
     while (got < bytes) {
-      ssize_t n = ::read(c, back.data() + got, bytes - got);
+      ssize_t n = ::read(c.get(), back.data() + got, bytes - got);
       if (n <= 0) {
         break;
       }
@@ -149,9 +147,8 @@ Stats LoopbackFloor(size_t bytes, int rounds) {
     sender.join();
     st.v.push_back(Ms(t0));
   }
-  ::close(c);
+  c.Reset();
   echo.join();
-  ::close(ls);
   return st;
 }
 
