@@ -7,6 +7,7 @@
 
 #include "common/logging.h"
 #include "gateway/gateway.h"
+#include "gateway/http_util.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Bragg rollout gateway for SGLang workers"};
@@ -42,13 +43,7 @@ int main(int argc, char** argv) {
   }
   o.host = hp->host;
   o.port = hp->port;
-  // Writes to a hung-up client must fail with EPIPE, not kill the process.
-  std::signal(SIGPIPE, SIG_IGN);
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  sigset_t set = bragg::gateway::BlockTerminationSignals();
   bragg::gateway::Gateway gateway(o);
   bragg::Status s = gateway.Start();
   if (!s.ok()) {
@@ -57,8 +52,7 @@ int main(int argc, char** argv) {
   }
   std::printf("listening on http://%s:%d\n", o.host.c_str(), gateway.port());
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&set, &sig);
+  bragg::gateway::WaitForTermination(set);
   gateway.Stop();
   return 0;
 }

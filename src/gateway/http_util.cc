@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <nlohmann/json.hpp>
 
 namespace bragg::gateway {
@@ -158,6 +159,21 @@ void SetError(httplib::Response& res, int status, std::string_view message) {
   nlohmann::json body = {{"error", {{"message", std::string(message)}, {"code", status}}}};
   res.status = status;
   res.set_content(body.dump(), "application/json");
+}
+
+sigset_t BlockTerminationSignals() {
+  std::signal(SIGPIPE, SIG_IGN);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
+}
+
+void WaitForTermination(const sigset_t& set) {
+  int sig = 0;
+  sigwait(&set, &sig);
 }
 
 }  // namespace bragg::gateway

@@ -3,6 +3,7 @@
 // Small pieces shared by the gateway and the simulated worker on top of cpp-httplib.
 
 #include <httplib.h>
+#include <signal.h>
 
 #include <condition_variable>
 #include <cstddef>
@@ -24,6 +25,13 @@ struct HostPort {
 
 // "127.0.0.1:8080" or "http://127.0.0.1:8080" (no path). InvalidArgument otherwise.
 Result<HostPort> ParseHostPort(std::string_view text);
+
+// For a server's main(): ignores SIGPIPE (a write to a hung-up client then fails with EPIPE
+// instead of killing the process) and blocks SIGINT and SIGTERM in this thread and every
+// thread started after it. Returns the blocked set for WaitForTermination.
+sigset_t BlockTerminationSignals();
+// Waits until SIGINT or SIGTERM arrives.
+void WaitForTermination(const sigset_t& set);
 
 // httplib task queue that grows a thread per connection when all are busy, up to `max_threads`,
 // and keeps idle threads for reuse: httplib serves one connection per thread, and a pool of

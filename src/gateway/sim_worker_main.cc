@@ -34,13 +34,7 @@ int main(int argc, char** argv) {
   }
   o.host = hp->host;
   o.port = hp->port;
-  // Writes to a hung-up client must fail with EPIPE, not kill the process.
-  std::signal(SIGPIPE, SIG_IGN);
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  sigset_t set = bragg::gateway::BlockTerminationSignals();
   bragg::gateway::SimWorker worker(o);
   bragg::Status s = worker.Start();
   if (!s.ok()) {
@@ -50,8 +44,7 @@ int main(int argc, char** argv) {
   // Scripts read the port from here when they asked for port 0.
   std::printf("listening on %s\n", worker.url().c_str());
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&set, &sig);
+  bragg::gateway::WaitForTermination(set);
   worker.Stop();
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -247,6 +248,18 @@ Result<std::string> CanonicalCpus(const std::string& cpus) {
         fmt::format("invalid cpuset '{}': no CPUs (leave it empty to inherit)", cpus));
   }
   return set.ToString();
+}
+
+Result<std::string> CheckNameAndLimits(const std::string& name, const CgroupLimits& limits) {
+  BRAGG_RETURN_IF_ERROR(ValidateCgroupName("sandbox cgroup name", name));
+  if (!std::isfinite(limits.cpu_quota) || limits.cpu_quota < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("invalid cpu_quota {} for cgroup {}: must be >= 0", limits.cpu_quota, name));
+  }
+  if (limits.cpus.empty()) {
+    return std::string();
+  }
+  return CanonicalCpus(limits.cpus);
 }
 
 Result<std::string> DetectCgroupVersion(const std::string& root) {

@@ -78,6 +78,10 @@ Status RemoveCgroupTree(CgroupFs& fs, const std::string& dir);
 // "0-3" from a limits string, validated and canonical; InvalidArgument otherwise.
 Result<std::string> CanonicalCpus(const std::string& cpus);
 
+// The checks every CreateCgroup makes before touching cgroupfs: a valid name and a finite,
+// non-negative CPU quota. Returns the canonical CPU list ("" when the limits inherit it).
+Result<std::string> CheckNameAndLimits(const std::string& name, const CgroupLimits& limits);
+
 inline constexpr std::chrono::milliseconds kKillTimeout{2000};
 
 }  // namespace bragg::pbox

@@ -153,14 +153,8 @@ class CgroupV2Manager : public CgroupManager {
 
   Result<std::unique_ptr<Cgroup>> CreateCgroup(const std::string& name,
                                                const CgroupLimits& limits) override {
-    BRAGG_RETURN_IF_ERROR(ValidateCgroupName("sandbox cgroup name", name));
-    if (!std::isfinite(limits.cpu_quota) || limits.cpu_quota < 0) {
-      return absl::InvalidArgumentError(
-          fmt::format("invalid cpu_quota {} for cgroup {}: must be >= 0", limits.cpu_quota, name));
-    }
-    std::string cpus;
-    if (!limits.cpus.empty()) {
-      BRAGG_ASSIGN_OR_RETURN(cpus, CanonicalCpus(limits.cpus));
+    BRAGG_ASSIGN_OR_RETURN(std::string cpus, CheckNameAndLimits(name, limits));
+    if (!cpus.empty()) {
       BRAGG_RETURN_IF_ERROR(Require("cpuset", "CPUs were asked for"));
     }
     if (limits.cpu_quota > 0) {
