@@ -337,8 +337,9 @@ with pbox.ClusterClient() as cl:
     execs = [sb.exec(["sleep", "1000"]) for sb in held]
     time.sleep(0.3)
     n = sum(len(v) for v in s.list().values())
-    with open(out + ".20", "w") as f:
+    with open(out + ".20.tmp", "w") as f:
         json.dump({"live": n, "procs": descendants(agent_pids)}, f)
+    os.rename(out + ".20.tmp", out + ".20")  # the test polls for the name: publish it whole
     time.sleep(1000)
 '''
 
