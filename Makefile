@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 PY := /usr/bin/python3
 
-.PHONY: all deps build test demo bench fmt clean
+.PHONY: all deps build test demo bench soak fmt clean
 
 all: build
 
@@ -24,6 +24,12 @@ demo: build
 
 bench: build
 	scripts/bench-all --build $(BUILD)
+
+# The pbox leak test at full length: 10,000 create/exec/destroy cycles (make test runs 300).
+SOAK_CYCLES ?= 10000
+soak: build
+	PYTHONPATH=$(BUILD)/python PBOXD=$(BUILD)/src/pbox/pboxd PBOX_LEAK_CYCLES=$(SOAK_CYCLES) \
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/pbox/python/test_leaks.py
 
 fmt:
 	git ls-files '*.cc' '*.h' | xargs clang-format -i

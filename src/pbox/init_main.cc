@@ -2,13 +2,26 @@
 //
 // Usage: pbox-init [--channel-fd=N]   (N defaults to 3)
 
+#include <sys/prctl.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "common/unique_fd.h"
 #include "pbox/init_server.h"
 
 int main(int argc, char** argv) {
+  // Commands in the sandbox run as the same uid (0, without capabilities) as PID 1. While
+  // PID 1 is dumpable they could ptrace it, read its memory, or open through /proc/1/fd and
+  // /proc/1/exe what it holds: the agent's log on stderr and the host's pbox-init binary.
+  // Not dumpable, /proc/1 answers only to CAP_SYS_PTRACE, which no sandbox process has.
+  // Commands are dumpable again after their exec.
+  if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+    fprintf(stderr, "pbox-init: prctl(PR_SET_DUMPABLE): %s\n", strerror(errno));
+    return 1;
+  }
   int channel_fd = 3;
   std::string error;
   if (!bragg::pbox::ParseInitFlags(argc, argv, &channel_fd, &error)) {
