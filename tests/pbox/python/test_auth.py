@@ -72,10 +72,13 @@ def test_refusals_are_identical_and_name_nothing(agents) -> None:
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.PboxStub(channel)
             for label, md in bad_metadata.items():
-                for method, call in _calls(stub, sb.id, session.id):
-                    with pytest.raises(grpc.RpcError) as err:
-                        call(md)
-                    seen[(label, method)] = (err.value.code(), err.value.details())
+                # A real sandbox and session, and ids that do not exist: the refusal must not
+                # tell them apart.
+                for ids in ((sb.id, session.id), ("sb-0000000000000000", "ss-00000000")):
+                    for method, call in _calls(stub, *ids):
+                        with pytest.raises(grpc.RpcError) as err:
+                            call(md)
+                        seen[(label, ids[0], method)] = (err.value.code(), err.value.details())
         outcomes = set(seen.values())
         assert outcomes == {(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")}, seen
         for _, details in outcomes:
