@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -127,6 +128,7 @@ struct ChildPlan {
   int init_exe = -1;
   std::vector<std::string> cgroup_procs;  // the child moves itself into each
   const struct sock_fprog* seccomp = nullptr;
+  struct rlimit nofile = {};  // the sandbox's limit on open files (the agent's own is raised)
   std::string mount_point, tmpfs_opts, upper, work, root, overlay_opts;
   std::vector<std::pair<std::string, std::string>> binds;  // host source, path under root
   std::string dev, shm, shm_opts, proc, hostname;
@@ -287,6 +289,10 @@ int BindReadOnly(const char* path) {
   if (::syscall(SYS_close_range, 4, ~0U, CLOSE_RANGE_CLOEXEC) != 0) {
     Fail(plan, kStepFds);
   }
+  // Last: until exec closes them, the agent's fds (maybe above the sandbox's limit) are here.
+  if (::setrlimit(RLIMIT_NOFILE, &plan.nofile) != 0) {
+    Fail(plan, kStepFds);
+  }
   const char* argv[] = {"pbox-init", "--channel-fd=3", nullptr};
   const char* envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin", nullptr};
   ::syscall(SYS_execveat, exe, "", argv, envp, AT_EMPTY_PATH);
@@ -347,6 +353,17 @@ Result<std::unique_ptr<NativeRuntime>> NativeRuntime::Create(const NativeRuntime
   std::unique_ptr<NativeRuntime> rt(new NativeRuntime(options, std::move(exe), std::move(seccomp)));
   rt->mount_point_ = options.state_dir + "/mnt";
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->mount_point_, 0700));
+  if (::getrlimit(RLIMIT_NOFILE, &rt->sandbox_nofile_) != 0) {
+    return ErrnoError("getrlimit", "RLIMIT_NOFILE");
+  }
+  if (rt->sandbox_nofile_.rlim_cur < rt->sandbox_nofile_.rlim_max) {
+    struct rlimit raised = {rt->sandbox_nofile_.rlim_max, rt->sandbox_nofile_.rlim_max};
+    if (::setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+      return ErrnoError("setrlimit", "RLIMIT_NOFILE");
+    }
+    spdlog::info("open files limit raised from {} to {} (sandboxes keep {})",
+                 rt->sandbox_nofile_.rlim_cur, raised.rlim_cur, rt->sandbox_nofile_.rlim_cur);
+  }
   return rt;
 }
 
@@ -392,6 +409,7 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   plan.hostname = spec.hostname.empty() ? "pbox" : spec.hostname;
   plan.seccomp = seccomp_.prog();
   plan.init_exe = init_exe_.get();
+  plan.nofile = sandbox_nofile_;
 
   plan.cgroup_procs = spec.cgroup->ProcsFiles();
 

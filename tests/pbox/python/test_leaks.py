@@ -5,6 +5,7 @@ warm-up) within 10%.
 
     PBOX_LEAK_CYCLES       cycles (default 300: under a minute on a loaded 2-core machine; `make soak` runs 10,000)
     PBOX_LEAK_CONCURRENCY  cycles in flight at once (default 6)
+    PBOX_LEAK_WARMUP       cycles before the baseline (default max(150, cycles / 10))
     PBOX_LEAK_REPORT       write the measurements as JSON to this path (by rename)
 """
 
@@ -24,7 +25,9 @@ from runtime_under_test import AGENT_ARGS, RUNTIME
 
 CYCLES = int(os.environ.get("PBOX_LEAK_CYCLES", "300"))
 CONCURRENCY = int(os.environ.get("PBOX_LEAK_CONCURRENCY", "6"))
-WARMUP = max(4 * CONCURRENCY, 30)
+# glibc's per-thread arenas (gRPC and per-sandbox reader threads) keep growing their resident
+# high-water mark for the first few hundred cycles: the baseline is taken after that.
+WARMUP = int(os.environ.get("PBOX_LEAK_WARMUP", str(max(150, CYCLES // 10))))
 
 
 def _children() -> Dict[int, List[int]]:
@@ -78,6 +81,11 @@ def _cgroup_dirs(agent_pid: int, parent_name: str) -> List[str]:
                    if os.path.isdir(f"{m}{p.rstrip('/')}/{parent_name}")})
 
 
+def _sandbox_mount(line: str, root: str) -> bool:
+    source = line.split(" - ", 1)[1].split()[1]
+    return root in line or source in ("pbox", "pbox-dev", "pbox-shm")
+
+
 def _walk(root: str) -> List[str]:
     out = []
     for d, dirs, files in os.walk(root):
@@ -94,10 +102,13 @@ class Snapshot:
             host = f.read().splitlines()
         with open(f"/proc/{pid}/mountinfo") as f:
             own = f.read().splitlines()
-        root = str(agent.root)
-        self.host_mounts = sum(root in m for m in host)
-        self.agent_mounts = len(own)
-        self.agent_mounts_ours = sum(root in m for m in own)
+        # The agent shares the host's mount namespace, where everyone else on the machine
+        # mounts too: count what can only be a sandbox's (its state dir, its tmpfs and
+        # overlay sources); the totals are reported, not compared.
+        self.host_mounts = sum(_sandbox_mount(m, str(agent.root)) for m in host)
+        self.agent_mounts = sum(_sandbox_mount(m, str(agent.root)) for m in own)
+        self.host_mounts_total = len(host)
+        self.agent_mounts_total = len(own)
         self.nsfs_mounts = sum(" - nsfs " in m for m in host)
         self.cgroup_dirs = _cgroup_dirs(pid, parent_name)
         self.cgroups = sum(len([e for e in os.scandir(d) if e.is_dir()])
@@ -184,12 +195,14 @@ def test_cycles_leave_nothing_behind(make_agent) -> None:
     after = _settled(agent, parent, before)
     left = after.leftovers(before)
     report = {
-        "runtime": RUNTIME, "cycles": CYCLES, "concurrency": CONCURRENCY,
+        "runtime": RUNTIME, "cycles": CYCLES, "warmup": WARMUP, "concurrency": CONCURRENCY,
         "seconds": round(elapsed, 1), "cycles_per_second": round(CYCLES / elapsed, 1),
         "rss_before_mib": round(before.rss / 2**20, 1), "rss_after_mib": round(after.rss / 2**20, 1),
         "fds_before": before.fds, "fds_after": after.fds,
         "host_netns_before": before.host_netns, "host_netns_after": after.host_netns,
         "nsfs_mounts_before": before.nsfs_mounts, "nsfs_mounts_after": after.nsfs_mounts,
+        "host_mounts_total_before": before.host_mounts_total,
+        "host_mounts_total_after": after.host_mounts_total,
         "leftovers": left, "load_average": os.getloadavg(),
     }
     print(json.dumps(report), file=sys.stderr)
@@ -200,8 +213,7 @@ def test_cycles_leave_nothing_behind(make_agent) -> None:
         os.rename(path + ".tmp", path)
 
     assert left["processes"] == 0, left
-    assert left["host_mounts"] <= 0 and left["agent_mounts"] <= 0, left
-    assert after.host_mounts == 0 and after.agent_mounts_ours == 0
+    assert after.host_mounts == 0 and after.agent_mounts == 0, left
     assert left["cgroups"] == 0, left
     assert left["netns"] == 0 and left["fd_netns"] == 0, left
     assert left["state"] == [], left
