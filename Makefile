@@ -25,7 +25,7 @@ demo: build
 bench: build
 	scripts/bench-all --build $(BUILD)
 
-# The pbox leak test at full length: 10,000 create/exec/destroy cycles (make test runs 300).
+# The pbox leak test at full length: 10,000 create/exec/destroy cycles (make test runs 250).
 SOAK_CYCLES ?= 10000
 soak: build
 	PYTHONPATH=$(BUILD)/python PBOXD=$(BUILD)/src/pbox/pboxd PBOX_LEAK_CYCLES=$(SOAK_CYCLES) \

@@ -282,7 +282,8 @@ def _():
 @probe("raw_sockets")
 def _():
     opened, errs = [], []
-    for fam, typ, proto, name in ((socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP, "inet raw"),
+    for fam, typ, proto, name in ((socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP,
+                                   "inet raw"),
                                   (socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6,
                                    "inet6 raw"),
                                   (socket.AF_PACKET, socket.SOCK_RAW, 0x0300, "packet raw"),
