@@ -313,6 +313,54 @@ def test_entry_replacing_a_symlink_does_not_write_through_it(ic: pbox.Client,
     ic.remove_image("replace-link")
 
 
+def test_concurrent_imports_and_prunes(ic: pbox.Client, img_agent: Agent,
+                                       tmp_path: Path) -> None:
+    import threading
+
+    shared = Layer().busybox().file("etc/shared", b"s").bytes()
+    paths = [write(tmp_path, f"c{i}.tar", docker_archive(
+        [shared, Layer().file("etc/own", str(i).encode()).bytes()])) for i in range(4)]
+    errors: List[BaseException] = []
+    stop = threading.Event()
+
+    def importer(i: int) -> None:
+        try:
+            ic.import_image(f"conc-{i}", paths[i])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def pruner() -> None:
+        while not stop.is_set():
+            try:
+                ic.prune_images()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=importer, args=(i,)) for i in range(4)]
+    p = threading.Thread(target=pruner)
+    p.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    p.join(120)
+    assert errors == []
+    infos = {i.name: i for i in ic.list_images()}
+    assert len({infos[f"conc-{i}"].layers[0] for i in range(4)}) == 1  # one shared base layer
+    ic.prune_images()  # nothing of a listed image goes
+    for i in range(4):
+        sb = ic.create(image=f"conc-{i}", memory="128M", disk="64M")
+        try:
+            assert run(sb, "cat", "/etc/shared", "/etc/own").stdout == b"s" + str(i).encode()
+        finally:
+            sb.destroy()
+        ic.remove_image(f"conc-{i}")
+    assert scratch_entries(img_agent) == []
+    assert not [d for d in store_layers(img_agent) if d.startswith(".tmp-")]
+
+
 def test_size_limit(make_agent: AgentFactory, tmp_path: Path) -> None:
     agent = make_agent(extra=["--max-image-bytes", "4M"])
     c = agent.client()
