@@ -32,6 +32,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, CommandError, DataLoss, 
                      FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
                      PboxError, PermissionDenied, ResourceExhausted, SessionClosed,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
+from .images import ImageInfo, PruneResult
 from .types import AgentInfo, FileInfo, FileType, Health, RunResult, SandboxInfo, SandboxSpec
 from ._common import parse_size
 from .cluster import ClusterClient, ClusterSession, CpuSplit, cpu_split, load_endpoints, parse_cpu_list  # noqa: E501

@@ -22,6 +22,7 @@ from ._proto import pbox_pb2 as pb
 from ._proto import pbox_pb2_grpc as pb_grpc
 from .errors import PboxError, SessionClosed, error_from_rpc, NotFound, Unavailable
 from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
+from . import images as im
 
 __all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
 
@@ -79,6 +80,33 @@ class Client:
     def health(self) -> Health:
         """Whether the agent serves, and how many sandboxes it holds."""
         return c.health(self._unary("Health", pb.HealthRequest()))
+
+    # ---- images ----
+
+    def import_image(self, name: str, path: Union[str, os.PathLike, IO[bytes]]) -> im.ImageInfo:
+        """Imports a root filesystem tarball (plain, gzip or zstd) or a ``docker save`` /
+        ``podman save`` archive, read from a local path or a binary file object, as image
+        ``name`` (replacing an imported image of that name). Layers the agent's node already
+        has are reused. Raises InvalidArgument for a hostile or malformed archive (the message
+        names the entry), ResourceExhausted past the agent's ``--max-image-bytes``."""
+        try:
+            return im.image_info(self._stub.ImportImage(im.import_requests(name, path),
+                                                        metadata=self._md))
+        except grpc.RpcError as e:
+            raise self._error(e, "ImportImage") from None
+
+    def list_images(self) -> List[im.ImageInfo]:
+        """Every image of the agent: "host", its ``--image`` directories, imported ones."""
+        return [im.image_info(i) for i in self._unary("ListImages", pb.ListImagesRequest()).images]
+
+    def remove_image(self, name: str) -> None:
+        """Removes an imported image (its layers stay until :meth:`prune_images`). Raises
+        NotFound, or FailedPrecondition while a sandbox uses it."""
+        self._unary("RemoveImage", pb.RemoveImageRequest(name=name))
+
+    def prune_images(self) -> im.PruneResult:
+        """Deletes the layers that no image and no live sandbox uses."""
+        return im.prune_result(self._unary("PruneImages", pb.PruneImagesRequest(), deadline=False))
 
     # ---- sandboxes ----
 

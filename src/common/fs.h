@@ -47,6 +47,8 @@ class TempDir {
   TempDir& operator=(const TempDir&) = delete;
 
   const std::string& path() const { return path_; }
+  // Gives up ownership (e.g. after renaming the directory into place) without removing it.
+  std::string Release() { return std::exchange(path_, std::string()); }
 
  private:
   explicit TempDir(std::string path) : path_(std::move(path)) {}

@@ -135,8 +135,10 @@ Status RunAgent(const AgentConfig& config) {
   }
   BRAGG_RETURN_IF_ERROR(RemoveTree(config.state_dir + "/mnt"));
 
-  BRAGG_ASSIGN_OR_RETURN(ImageStore images,
-                         ImageStore::Create(config.state_dir + "/images", config.images));
+  BRAGG_ASSIGN_OR_RETURN(
+      std::unique_ptr<ImageStore> images,
+      ImageStore::Create(config.state_dir + "/images", config.images, "/",
+                         ImageStoreOptions{.max_image_bytes = config.max_image_bytes}));
   NativeRuntimeOptions rt_opts;
   rt_opts.state_dir = config.state_dir;
   rt_opts.init_path = config.init_path.empty() ? SelfDir() + "/pbox-init" : config.init_path;
@@ -150,8 +152,8 @@ Status RunAgent(const AgentConfig& config) {
   Registry registry;
   AgentMetrics metrics = AgentMetrics::Register(&registry);
 
-  SandboxManager manager({{"native", native.get()}}, "native", &images, cgroups.get(), &allocator,
-                         config.defaults, config.max_sandboxes);
+  SandboxManager manager({{"native", native.get()}}, "native", images.get(), cgroups.get(),
+                         &allocator, config.defaults, config.max_sandboxes);
   registry.AddCallbackGauge("pbox_sandboxes_live", "Sandboxes alive now.",
                             [&manager] { return static_cast<double>(manager.live()); });
   std::unique_ptr<MetricsServer> metrics_server;
@@ -165,10 +167,10 @@ Status RunAgent(const AgentConfig& config) {
                    .default_runtime = "native",
                    .runtimes = {"native"},
                    .cpuset = sandbox_cpus.ToString(),
-                   .images = images.Names(),
+                   .images = images->Names(),
                    .hostname = hostname,
                    .cgroup_version = cgroups->version()};
-  PboxService service(&manager, &metrics, info, token);
+  PboxService service(&manager, &metrics, info, token, images.get());
 
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);

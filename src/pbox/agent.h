@@ -29,6 +29,7 @@ struct AgentConfig {
   std::string cgroup_parent;                  // empty: "pbox-<hash of state_dir>"
   std::string ready_file;  // written (JSON: pid, endpoints, metrics port) once serving
   uint32_t keepalive_ms = 10000;
+  uint64_t max_image_bytes = 4ull << 30;  // largest image import (archive, and unpacked)
 };
 
 // Runs the agent until a termination signal. Returns the error that stopped it from starting

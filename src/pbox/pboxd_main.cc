@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   bragg::TuneAllocatorForBulkData();
   bragg::pbox::AgentConfig config;
   std::string log_level = "info";
-  std::string memory = "1G", disk = "1G", max_memory = "0";
+  std::string memory = "1G", disk = "1G", max_memory = "0", max_image = "4G";
   std::vector<std::string> images, listen;
   CLI::App app{"pboxd: the pbox sandbox agent (one per node)"};
   app.add_option("--listen", listen,
@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-listen", config.metrics_listen, "HOST:PORT for /metrics");
   app.add_option("--runtime", config.runtime, "default runtime")->capture_default_str();
   app.add_option("--image", images, "NAME=DIR: a directory image; repeatable");
+  app.add_option("--max-image-bytes", max_image,
+                 "largest image `pbox image import` accepts (the archive, and its unpacked files)")
+      ->capture_default_str();
   app.add_option("--init-path", config.init_path, "pbox-init binary (default: beside pboxd)");
   app.add_option("--cgroup", config.cgroup_mode, "auto, v1 or v2")->capture_default_str();
   app.add_option("--cgroup-parent", config.cgroup_parent,
@@ -59,7 +62,8 @@ int main(int argc, char** argv) {
   }
   for (auto [text, dest] : {std::pair{&memory, &config.defaults.memory_bytes},
                             {&disk, &config.defaults.disk_bytes},
-                            {&max_memory, &config.defaults.max_memory_bytes}}) {
+                            {&max_memory, &config.defaults.max_memory_bytes},
+                            {&max_image, &config.max_image_bytes}}) {
     auto size = bragg::ParseSize(*text);
     if (!size.ok()) {
       std::cerr << "pboxd: " << size.status().message() << "\n";

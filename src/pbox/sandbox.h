@@ -119,6 +119,8 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   Result<std::unique_ptr<RunningCommand>> Start(const CommandSpec& spec);
   // Kills everything and releases the runtime and the cgroup. Idempotent.
   Status Destroy();
+  // Keeps the sandbox's image (and its layers) from removal until this object is gone.
+  void HoldImage(ImageLease lease) { image_lease_ = std::move(lease); }
 
  private:
   friend class RunningCommand;
@@ -133,6 +135,7 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   std::mutex destroy_mu_;
   std::unique_ptr<Cgroup> cgroup_;
   std::unique_ptr<RuntimeSandbox> runtime_;
+  ImageLease image_lease_;
 };
 
 int64_t UnixMillisNow();

@@ -27,7 +27,7 @@ std::string NewId(const char* prefix) {
 }
 
 SandboxManager::SandboxManager(std::map<std::string, Runtime*> runtimes,
-                               std::string default_runtime, const ImageStore* images,
+                               std::string default_runtime, ImageStore* images,
                                CgroupManager* cgroups, CpuAllocator* cpus, SandboxDefaults defaults,
                                uint32_t max_sandboxes, ManagerHooks hooks)
     : runtimes_(std::move(runtimes)),
@@ -188,7 +188,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
     return absl::InvalidArgumentError(
         fmt::format("unknown runtime \"{}\" (this agent runs: {})", s.runtime, known));
   }
-  BRAGG_ASSIGN_OR_RETURN(const Image* image, images_->Get(s.image));
+  BRAGG_ASSIGN_OR_RETURN(ImageLease image, images_->Acquire(s.image));
 
   std::string id = NewId("sb-");
   BRAGG_ASSIGN_OR_RETURN(CpuSet cpus, cpus_->Allocate(s.cpus));
@@ -212,7 +212,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
 
   LaunchSpec launch;
   launch.id = id;
-  launch.image = image;
+  launch.image = &image.image();
   launch.disk_bytes = s.disk_bytes;
   launch.shm_bytes = std::min<uint64_t>(64ull << 20, s.memory_bytes / 2);
   launch.hostname = id;
@@ -224,6 +224,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
   }
   auto sandbox = std::make_shared<Sandbox>(id, session_id, s, cpus, std::move(cgroup),
                                            std::move(*runtime_sandbox));
+  sandbox->HoldImage(std::move(image));
   if (s.workdir != "/") {
     Status st = sandbox->fs().MakeDir(s.workdir, 0755, /*parents=*/true);
     if (!st.ok() && st.code() != absl::StatusCode::kAlreadyExists) {

@@ -43,7 +43,7 @@ class SandboxManager {
   // `runtimes` by name; `default_runtime` must be one of them. All pointers are borrowed and
   // must outlive the manager.
   SandboxManager(std::map<std::string, Runtime*> runtimes, std::string default_runtime,
-                 const ImageStore* images, CgroupManager* cgroups, CpuAllocator* cpus,
+                 ImageStore* images, CgroupManager* cgroups, CpuAllocator* cpus,
                  SandboxDefaults defaults, uint32_t max_sandboxes, ManagerHooks hooks = {});
   // Destroys every sandbox.
   ~SandboxManager();
@@ -77,7 +77,7 @@ class SandboxManager {
 
   const std::map<std::string, Runtime*> runtimes_;
   const std::string default_runtime_;
-  const ImageStore* images_;
+  ImageStore* images_;
   CgroupManager* cgroups_;
   CpuAllocator* cpus_;
   const SandboxDefaults defaults_;

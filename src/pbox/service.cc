@@ -211,8 +211,12 @@ AgentMetrics AgentMetrics::Register(Registry* r) {
 }
 
 PboxService::PboxService(SandboxManager* manager, const AgentMetrics* metrics, ServiceInfo info,
-                         std::string token)
-    : manager_(manager), metrics_(metrics), info_(std::move(info)), token_(std::move(token)) {}
+                         std::string token, ImageStore* images)
+    : manager_(manager),
+      metrics_(metrics),
+      info_(std::move(info)),
+      token_(std::move(token)),
+      images_(images) {}
 
 grpc::Status PboxService::Authorize(grpc::ServerContext* ctx) const {
   std::string peer = ctx->peer();
@@ -689,7 +693,7 @@ grpc::Status PboxService::Info(grpc::ServerContext* ctx, const v1::InfoRequest*,
   resp->set_cpuset(info_.cpuset);
   resp->set_max_sandboxes(manager_->max_sandboxes());
   resp->set_live_sandboxes(static_cast<uint32_t>(manager_->live()));
-  for (const auto& i : info_.images) {
+  for (const auto& i : images_ != nullptr ? images_->Names() : info_.images) {
     resp->add_images(i);
   }
   resp->set_hostname(info_.hostname);

@@ -45,8 +45,9 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
  public:
   // `token`: required on TCP connections ("authorization: Bearer <token>"); unix-socket
   // peers are trusted by the socket's file mode. Empty: TCP calls are all refused.
+  // `images` (borrowed, may be null: no image calls) must outlive the service.
   PboxService(SandboxManager* manager, const AgentMetrics* metrics, ServiceInfo info,
-              std::string token);
+              std::string token, ImageStore* images = nullptr);
 
   grpc::Status Session(
       grpc::ServerContext* ctx,
@@ -82,6 +83,17 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
   grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest* req,
                       v1::HealthResponse* resp) override;
 
+  // Images (image_service.cc).
+  grpc::Status ImportImage(grpc::ServerContext* ctx,
+                           grpc::ServerReader<v1::ImportImageRequest>* reader,
+                           v1::ImageInfo* resp) override;
+  grpc::Status ListImages(grpc::ServerContext* ctx, const v1::ListImagesRequest* req,
+                          v1::ListImagesResponse* resp) override;
+  grpc::Status RemoveImage(grpc::ServerContext* ctx, const v1::RemoveImageRequest* req,
+                           v1::RemoveImageResponse* resp) override;
+  grpc::Status PruneImages(grpc::ServerContext* ctx, const v1::PruneImagesRequest* req,
+                           v1::PruneImagesResponse* resp) override;
+
   // Chunk size of ReadFile responses.
   static constexpr size_t kChunkBytes = 256 * 1024;
 
@@ -99,6 +111,7 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
   const AgentMetrics* metrics_;
   const ServiceInfo info_;
   const std::string token_;
+  ImageStore* images_;
 };
 
 // absl::Status -> grpc::Status (the canonical codes are the same numbers).

@@ -453,4 +453,65 @@ Result<v1::FileInfo> Client::Move(const std::string& sandbox_id, const std::stri
   return resp;
 }
 
+Result<v1::ImageInfo> Client::ImportImage(const std::string& name, int fd) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::ImageInfo resp;
+  auto writer = stub_->ImportImage(&ctx, &resp);
+  v1::ImportImageRequest msg;
+  msg.mutable_header()->set_name(name);
+  bool ok = writer->Write(msg);
+  Status source_error;
+  std::string* chunk = msg.mutable_chunk();
+  // Larger pieces than file uploads: images are GiBs and the agent only spools them.
+  constexpr size_t kImportChunkBytes = 1 << 20;
+  while (ok) {
+    chunk->resize(kImportChunkBytes);
+    ssize_t n = ::read(fd, chunk->data(), chunk->size());
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      source_error = ErrnoError("read", "image archive");
+      ctx.TryCancel();
+      break;
+    }
+    if (n == 0) {
+      break;
+    }
+    chunk->resize(static_cast<size_t>(n));
+    ok = writer->Write(msg);
+  }
+  writer->WritesDone();
+  Status st = FromGrpc(writer->Finish());
+  BRAGG_RETURN_IF_ERROR(source_error);
+  BRAGG_RETURN_IF_ERROR(st);
+  return resp;
+}
+
+Result<std::vector<v1::ImageInfo>> Client::ListImages() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::ListImagesResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->ListImages(&ctx, v1::ListImagesRequest(), &resp)));
+  return std::vector<v1::ImageInfo>(resp.images().begin(), resp.images().end());
+}
+
+Status Client::RemoveImage(const std::string& name) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::RemoveImageRequest req;
+  req.set_name(name);
+  v1::RemoveImageResponse resp;
+  return FromGrpc(stub_->RemoveImage(&ctx, req, &resp));
+}
+
+Result<v1::PruneImagesResponse> Client::PruneImages() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::PruneImagesResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->PruneImages(&ctx, v1::PruneImagesRequest(), &resp)));
+  return resp;
+}
+
 }  // namespace bragg::pbox::client

@@ -106,6 +106,13 @@ class Client {
   Result<v1::FileInfo> Move(const std::string& sandbox_id, const std::string& src,
                             const std::string& dst, bool no_replace = false);
 
+  // Images. ImportImage streams the archive read from `fd` (a rootfs tarball or a docker/
+  // podman save archive) to the agent.
+  Result<v1::ImageInfo> ImportImage(const std::string& name, int fd);
+  Result<std::vector<v1::ImageInfo>> ListImages();
+  Status RemoveImage(const std::string& name);
+  Result<v1::PruneImagesResponse> PruneImages();
+
   static constexpr size_t kChunkBytes = 256 * 1024;
 
  private:

@@ -5,6 +5,7 @@
 //                                                 137: OOM-killed or killed)
 //   pbox cp SRC DST                               one side ID:/path; '-' is stdin/stdout
 //   pbox ps | ls ID:/dir | rm ID... | info
+//   pbox image import NAME FILE | image ls | image rm NAME... | image prune
 
 #include <fcntl.h>
 #include <signal.h>
@@ -20,6 +21,7 @@
 #include "common/units.h"
 #include "fmt/format.h"
 #include "pbox/client/client.h"
+#include "pbox/client/image_cli.h"
 
 namespace {
 
@@ -132,6 +134,9 @@ int main(int argc, char** argv) {
   rm->add_option("ids", rm_ids, "sandbox ids")->required();
 
   auto* info = app.add_subcommand("info", "show the agent's version, CPU set and capacity");
+
+  bragg::pbox::client::ImageCli image_cli;
+  image_cli.Register(app);
 
   CLI11_PARSE(app, argc, argv);
 
@@ -292,6 +297,10 @@ int main(int argc, char** argv) {
       }
     }
     return rc;
+  }
+
+  if (image_cli.selected()) {
+    return image_cli.Run(client);
   }
 
   if (*info) {

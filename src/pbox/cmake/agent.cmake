@@ -22,6 +22,7 @@ target_compile_options(pbox_proto PRIVATE -w)
 
 add_library(pbox_agent STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/agent.cc
+  ${CMAKE_CURRENT_SOURCE_DIR}/image_service.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/image_store.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/native_runtime.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/sandbox.cc
@@ -29,7 +30,7 @@ add_library(pbox_agent STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/seccomp_filter.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/service.cc)
 target_link_libraries(pbox_agent PUBLIC
-  pbox_proto pbox_cgroup pbox_fs pbox_init_client pbox_metrics bragg_common
+  pbox_proto pbox_cgroup pbox_fs pbox_images pbox_init_client pbox_metrics bragg_common
   nlohmann_json::nlohmann_json PkgConfig::SECCOMP absl::synchronization)
 
 add_executable(pboxd ${CMAKE_CURRENT_SOURCE_DIR}/pboxd_main.cc)
@@ -40,5 +41,6 @@ add_dependencies(pboxd pbox-init)
 add_library(pbox_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/client/client.cc)
 target_link_libraries(pbox_client PUBLIC pbox_proto bragg_common absl::synchronization)
 
-add_executable(pbox ${CMAKE_CURRENT_SOURCE_DIR}/client/pbox_main.cc)
+add_executable(pbox ${CMAKE_CURRENT_SOURCE_DIR}/client/pbox_main.cc
+                    ${CMAKE_CURRENT_SOURCE_DIR}/client/image_cli.cc)
 target_link_libraries(pbox PRIVATE pbox_client CLI11::CLI11)
