@@ -549,7 +549,7 @@ def main():
     systems.append({"label": "floor", "kind": "floor", "runs": results["floor"],
                     "desc": "measured by pbox-bench in each of its runs: the same commands "
                             "spawned directly on the host (posix_spawn, no isolation) "
-                            f"{max(args.sandboxes * args.rounds, 20)} times each, 1 MiB over "
+                            f"{min(max(args.sandboxes * args.rounds, 20), 100)} times each, 1 MiB over "
                             "loopback TCP (one connection; then as many connections as "
                             "sandboxes at once), the tool scripts run on the host."})
     meta = {"machine": machine(), "load_start": load_start, "load_end": loadavg(),
