@@ -1,13 +1,18 @@
-// pbox-bench: latency and throughput of a pbox agent with N live sandboxes, beside the
-// loopback TCP floor for the same bytes, measured in the same run.
+// pbox-bench: latency and throughput of a pbox agent with N live sandboxes, and the wall time
+// of sampled scientific tool executions, beside the floor (the host without isolation, and
+// loopback TCP for the same bytes) measured in the same run.
 //
 //   pbox-bench --endpoint unix:///tmp/pbox.sock --sandboxes 100 --rounds 3 --json out.json
 //
-// Output contract (scripts depend on it): one JSON object with "runtime", "sandboxes",
-// "metrics" {create_ms, exec_true_ms, exec_python_ms, rtt_1mib_ms, rtt_1mib_concurrent_ms:
-// {"p50", "p99"}}, "throughput_gbps", and "floor" (the same shape for loopback TCP).
+// Output contract (scripts depend on it; bench/peers/*_peer.py write the same shape): one JSON
+// object with "runtime", "sandboxes", "metrics" {create_ms, exec_true_ms, exec_python_ms,
+// rtt_1mib_ms, rtt_1mib_concurrent_ms: {"p50", "p99", "n"}}, "throughput_gbps", and "tools"
+// {NAME: {"p50", "p99", "n", "ms": [wall ms of execution k, run with seed k]}}. "floor" holds
+// the same shape with "runtime": "floor" (no create_ms: the host creates nothing).
+// Exit status 3: the agent does not offer the runtime asked for.
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -18,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -34,6 +40,8 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Where tool scripts are uploaded inside each sandbox.
+constexpr const char* kToolsDir = "/opt/bragg-tools";
 using bragg::pbox::client::Client;
 namespace v1 = bragg::pbox::v1;
 
@@ -52,6 +60,22 @@ struct Stats {
     return v[std::min(idx, v.size() - 1)];
   }
   nlohmann::json Json() { return {{"p50", Pct(50)}, {"p99", Pct(99)}, {"n", v.size()}}; }
+};
+
+// Tool executions: wall ms per execution, in seed order, per tool.
+struct ToolTimes {
+  std::vector<std::string> names;
+  std::vector<std::vector<double>> ms;  // [tool][seed]
+  nlohmann::json Json() const {
+    nlohmann::json out = nlohmann::json::object();
+    for (size_t t = 0; t < names.size(); ++t) {
+      Stats st{ms[t]};
+      nlohmann::json j = st.Json();
+      j["ms"] = ms[t];
+      out[names[t]] = j;
+    }
+    return out;
+  }
 };
 
 [[noreturn]] void Die(const bragg::Status& s, const char* what) {
@@ -80,16 +104,22 @@ void ParallelFor(size_t n, size_t threads, Fn fn) {
 // (posix_spawn + wait), what any sandbox must at least pay.
 Stats HostExec(const std::vector<std::string>& argv, int rounds) {
   Stats st;
+  auto devnull = bragg::OpenFile("/dev/null", O_WRONLY | O_CLOEXEC);
+  if (!devnull.ok()) {
+    Die(devnull.status(), "host exec");
+  }
   for (int r = 0; r < rounds; ++r) {
     auto t0 = Clock::now();
     bragg::SpawnOptions opts;
+    opts.stdout_fd = devnull->get();
     auto child = bragg::Spawn(argv, opts);
     if (!child.ok()) {
       Die(child.status(), "host exec");
     }
     auto exit = child->Wait();
     if (!exit.ok() || exit->exit_code != 0) {
-      Die(absl::InternalError("host command failed"), "host exec");
+      Die(absl::InternalError(fmt::format("host command failed: {}", fmt::join(argv, " "))),
+          "host exec");
     }
     st.v.push_back(Ms(t0));
   }
@@ -152,6 +182,124 @@ Stats LoopbackFloor(size_t bytes, int rounds) {
   return st;
 }
 
+// The floor for the concurrent phase: `conns` loopback TCP connections, each moving the same
+// bytes up and back at once, `rounds` times. Returns per-connection round trips; `gbps` gets
+// the aggregate rate (bytes both ways over the wall time of all rounds).
+Stats LoopbackFloorConcurrent(size_t bytes, size_t conns, int rounds, double* gbps) {
+  bragg::UniqueFd ls(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (!ls.valid() || ::bind(ls.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(ls.get(), static_cast<int>(conns)) != 0 ||
+      ::getsockname(ls.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    Die(bragg::ErrnoError("bind/listen", "127.0.0.1"), "concurrent loopback floor");
+  }
+  auto read_full = [](int fd, std::string* buf) {
+    size_t got = 0;
+    while (got < buf->size()) {
+      ssize_t n = ::read(fd, buf->data() + got, buf->size() - got);
+      if (n <= 0) {
+        return false;
+      }
+      got += static_cast<size_t>(n);
+    }
+    return true;
+  };
+  // Echo side: one thread per accepted connection reads the whole message, then sends it back
+  // (so a client may write everything before it reads).
+  std::vector<std::thread> echoes;
+  std::thread acceptor([&] {
+    for (size_t i = 0; i < conns; ++i) {
+      bragg::UniqueFd c(::accept4(ls.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!c.valid()) {
+        return;
+      }
+      int nodelay = 1;
+      ::setsockopt(c.get(), IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof(nodelay));
+      echoes.emplace_back([c = std::move(c), bytes, rounds, &read_full]() mutable {
+        std::string buf(bytes, '\0');
+        for (int r = 0; r < rounds && read_full(c.get(), &buf); ++r) {
+          (void)bragg::WriteAll(c.get(), buf);
+        }
+      });
+    }
+  });
+  std::vector<bragg::UniqueFd> clients;
+  int one = 1;
+  for (size_t i = 0; i < conns; ++i) {
+    bragg::UniqueFd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ::setsockopt(c.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      Die(bragg::ErrnoError("connect", "127.0.0.1"), "concurrent loopback floor");
+    }
+    clients.push_back(std::move(c));
+  }
+  acceptor.join();
+  std::string data(bytes, 'x');
+  Stats st;
+  std::mutex mu;
+  auto t_all = Clock::now();
+  for (int r = 0; r < rounds; ++r) {
+    ParallelFor(conns, conns, [&](size_t i) {
+      std::string back(bytes, '\0');
+      auto t0 = Clock::now();
+      if (!bragg::WriteAll(clients[i].get(), data).ok() || !read_full(clients[i].get(), &back)) {
+        Die(absl::InternalError("short transfer"), "concurrent loopback floor");
+      }
+      double ms = Ms(t0);
+      std::lock_guard<std::mutex> lock(mu);
+      st.v.push_back(ms);
+    });
+  }
+  double secs = Ms(t_all) / 1000.0;
+  *gbps = 2.0 * static_cast<double>(bytes) * static_cast<double>(conns) * rounds / secs / 1e9;
+  clients.clear();
+  for (auto& t : echoes) {
+    t.join();
+  }
+  return st;
+}
+
+// The tool scripts (NAME.py) in `dir`, sorted by name, with their contents.
+std::vector<std::pair<std::string, std::string>> LoadTools(const std::string& dir) {
+  std::vector<std::pair<std::string, std::string>> tools;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.is_regular_file() && entry.path().extension() == ".py") {
+      auto text = bragg::ReadFileToString(entry.path().string());
+      if (!text.ok()) {
+        Die(text.status(), "reading a tool script");
+      }
+      tools.emplace_back(entry.path().stem().string(), *text);
+    }
+  }
+  if (ec) {
+    Die(absl::NotFoundError(fmt::format("{}: {}", dir, ec.message())), "--tools");
+  }
+  std::sort(tools.begin(), tools.end());
+  return tools;
+}
+
+// Seed-order wall times of `samples` executions of each tool on the host, without isolation.
+ToolTimes HostTools(const std::string& dir,
+                    const std::vector<std::pair<std::string, std::string>>& tools, int samples) {
+  ToolTimes out;
+  out.ms.resize(tools.size());
+  for (const auto& [name, text] : tools) {
+    out.names.push_back(name);
+  }
+  for (int k = 0; k < samples; ++k) {
+    for (size_t t = 0; t < tools.size(); ++t) {
+      Stats one = HostExec(
+          {"/usr/bin/python3", fmt::format("{}/{}.py", dir, tools[t].first), std::to_string(k)}, 1);
+      out.ms[t].push_back(one.v[0]);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -172,7 +320,20 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "client threads for creation and concurrent phases")
       ->capture_default_str();
   app.add_option("--json", json_out, "write results here");
+  std::string tools_dir = PBOX_BENCH_TOOLS_DIR;
+  int tool_samples = 5;
+  app.add_option("--tools", tools_dir, "directory of tool scripts (NAME.py SEED)")
+      ->capture_default_str();
+  app.add_option("--tool-samples", tool_samples,
+                 "executions of each tool (seeds 0..K-1), spread over the sandboxes; 0: none")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (sandboxes == 0 || rounds <= 0 || tool_samples < 0) {
+    std::cerr << "pbox-bench: --sandboxes and --rounds must be positive\n";
+    return 2;
+  }
+  auto tools =
+      tool_samples > 0 ? LoadTools(tools_dir) : std::vector<std::pair<std::string, std::string>>{};
 
   auto client_or = Client::Connect(options);
   if (!client_or.ok()) {
@@ -189,6 +350,11 @@ int main(int argc, char** argv) {
   }
   std::string sid = (*session)->id();
   std::string rt = runtime.empty() ? info->default_runtime() : runtime;
+  if (std::find(info->runtimes().begin(), info->runtimes().end(), rt) == info->runtimes().end()) {
+    std::cerr << fmt::format("pbox-bench: the agent does not offer runtime {} (it offers: {})\n",
+                             rt, fmt::join(info->runtimes(), ", "));
+    return 3;
+  }
   std::cerr << fmt::format("pbox-bench: {} sandboxes, runtime {}, {} rounds, agent cpus {}\n",
                            sandboxes, rt, rounds, info->cpuset());
 
@@ -285,15 +451,59 @@ int main(int argc, char** argv) {
   std::cerr << fmt::format("  concurrent 1 MiB round trips p50 {:.3f} ms, {:.2f} GB/s\n",
                            rtt_conc.Pct(50), gbps);
 
+  // Tool executions: each script uploaded once to every sandbox; execution k of tool t runs
+  // with seed k in sandbox (k * tools + t) mod N, timed from the call to its result.
+  ToolTimes tool_times;
+  tool_times.ms.resize(tools.size());
+  for (const auto& [name, text] : tools) {
+    tool_times.names.push_back(name);
+  }
+  if (!tools.empty()) {
+    ParallelFor(sandboxes, threads, [&](size_t i) {
+      for (const auto& [name, text] : tools) {
+        auto w = client.WriteFile(ids[i], fmt::format("{}/{}.py", kToolsDir, name), text);
+        if (!w.ok()) {
+          Die(w.status(), "uploading a tool script");
+        }
+      }
+    });
+    for (int k = 0; k < tool_samples; ++k) {
+      for (size_t t = 0; t < tools.size(); ++t) {
+        bragg::pbox::client::RunArgs args{
+            .sandbox_id = ids[(static_cast<size_t>(k) * tools.size() + t) % sandboxes],
+            .argv = {"python3", fmt::format("{}/{}.py", kToolsDir, tools[t].first),
+                     std::to_string(k)}};
+        auto t0 = Clock::now();
+        auto res = client.Run(args);
+        double ms = Ms(t0);
+        if (!res.ok() || res->result().exit_code() != 0) {
+          Die(res.ok() ? absl::InternalError(res->stderr()) : res.status(), tools[t].first.c_str());
+        }
+        tool_times.ms[t].push_back(ms);
+      }
+    }
+    for (size_t t = 0; t < tools.size(); ++t) {
+      std::cerr << fmt::format("  tool {} p50 {:.1f} ms\n", tools[t].first,
+                               Stats{tool_times.ms[t]}.Pct(50));
+    }
+  }
+
   Stats floor = LoopbackFloor(kMiB, std::max(rounds * 20, 50));
   std::cerr << fmt::format("  loopback TCP floor, 1 MiB up and back: p50 {:.3f} ms\n",
                            floor.Pct(50));
 
-  int host_rounds = static_cast<int>(std::max<size_t>(sandboxes * rounds, 50));
+  double floor_gbps = 0;
+  Stats floor_conc = LoopbackFloorConcurrent(kMiB, sandboxes, rounds, &floor_gbps);
+  std::cerr << fmt::format("  loopback TCP floor, {} at once: p50 {:.3f} ms, {:.2f} GB/s\n",
+                           sandboxes, floor_conc.Pct(50), floor_gbps);
+
+  // As many host spawns as sandbox execs, from 20 (for a stable p50) to 100 (enough for it).
+  int host_rounds = static_cast<int>(std::clamp<size_t>(sandboxes * rounds, 20, 100));
   Stats host_true = HostExec({"/usr/bin/true"}, host_rounds);
   Stats host_python = HostExec({"/usr/bin/python3", "-c", "pass"}, host_rounds);
   std::cerr << fmt::format("  host floor: true p50 {:.3f} ms, python3 -c pass p50 {:.3f} ms\n",
                            host_true.Pct(50), host_python.Pct(50));
+  ToolTimes host_tools = HostTools(tools_dir, tools, tool_samples);
 
   (void)(*session)->Close();
   nlohmann::json out = {
@@ -307,10 +517,17 @@ int main(int argc, char** argv) {
         {"rtt_1mib_ms", rtt.Json()},
         {"rtt_1mib_concurrent_ms", rtt_conc.Json()}}},
       {"throughput_gbps", gbps},
+      {"tools", tool_times.Json()},
       {"floor",
-       {{"rtt_1mib_tcp_loopback_ms", floor.Json()},
-        {"exec_true_host_ms", host_true.Json()},
-        {"exec_python_host_ms", host_python.Json()}}},
+       {{"runtime", "floor"},
+        {"sandboxes", sandboxes},
+        {"metrics",
+         {{"exec_true_ms", host_true.Json()},
+          {"exec_python_ms", host_python.Json()},
+          {"rtt_1mib_ms", floor.Json()},
+          {"rtt_1mib_concurrent_ms", floor_conc.Json()}}},
+        {"throughput_gbps", floor_gbps},
+        {"tools", host_tools.Json()}}},
   };
   std::cout << out.dump(2) << "\n";
   if (!json_out.empty()) {
