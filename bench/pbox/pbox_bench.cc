@@ -100,6 +100,99 @@ void ParallelFor(size_t n, size_t threads, Fn fn) {
   }
 }
 
+// --clone N: CloneSandbox(source, N) of a source holding `setup_mib` MiB of uploaded files
+// (a prompt's environment), `rounds` times, beside the same setup done the slow way (create N
+// sandboxes and upload the files into each). Per clone = the call's wall time / N. Output:
+// {"clone": {"count", "setup_mib", "rounds", "per_clone_ms", "call_ms", "first_exec_ms",
+// "create_and_upload_per_sandbox_ms": {"p50", "p99", "n"}}}.
+int CloneBench(Client& client, const std::string& sid, uint32_t n, int rounds, size_t setup_mib,
+               const std::string& json_out) {
+  auto make = [&] {
+    v1::SandboxSpec spec;
+    spec.set_memory_bytes(256 << 20);
+    spec.set_disk_bytes(256 << 20);
+    auto sb = client.Create(spec, sid);
+    if (!sb.ok()) {
+      Die(sb.status(), "CreateSandbox");
+    }
+    return sb->id();
+  };
+  std::string mib(1 << 20, '\0');
+  std::mt19937_64 rng(7);
+  for (size_t i = 0; i < mib.size(); i += 8) {
+    uint64_t x = rng();
+    std::memcpy(mib.data() + i, &x, 8);
+  }
+  auto setup = [&](const std::string& id) {
+    for (size_t f = 0; f < setup_mib; ++f) {
+      auto w = client.WriteFile(id, fmt::format("/task/input-{}.bin", f), mib);
+      if (!w.ok()) {
+        Die(w.status(), "WriteFile");
+      }
+    }
+  };
+  std::string source = make();
+  setup(source);
+  Stats per_clone, call, first_exec, baseline;
+  for (int r = 0; r < rounds; ++r) {
+    auto t0 = Clock::now();
+    auto clones = client.Clone(source, n, sid);
+    double ms = Ms(t0);
+    if (!clones.ok()) {
+      Die(clones.status(), "CloneSandbox");
+    }
+    call.v.push_back(ms);
+    per_clone.v.push_back(ms / n);
+    for (const auto& c : *clones) {
+      auto t1 = Clock::now();
+      auto res = client.Run({.sandbox_id = c.id(), .argv = {"true"}});
+      if (!res.ok() || res->result().exit_code() != 0) {
+        Die(res.ok() ? absl::InternalError(res->stderr()) : res.status(), "Run in a clone");
+      }
+      first_exec.v.push_back(Ms(t1));
+    }
+    std::cerr << fmt::format("  round {}: {} clones in {:.1f} ms, {:.2f} ms per clone\n", r + 1, n,
+                             ms, ms / n);
+    for (const auto& c : *clones) {
+      (void)client.Destroy(c.id());
+    }
+  }
+  // The same environment without cloning: create, then upload the setup, N times.
+  for (int r = 0; r < rounds; ++r) {
+    std::vector<std::string> made;
+    for (uint32_t i = 0; i < n; ++i) {
+      auto t0 = Clock::now();
+      made.push_back(make());
+      setup(made.back());
+      baseline.v.push_back(Ms(t0));
+    }
+    for (const auto& id : made) {
+      (void)client.Destroy(id);
+    }
+  }
+  std::cerr << fmt::format(
+      "  clone p50 {:.2f} ms per clone (call p50 {:.1f} ms); create + upload {} MiB p50 "
+      "{:.1f} ms per sandbox\n",
+      per_clone.Pct(50), call.Pct(50), setup_mib, baseline.Pct(50));
+  (void)client.Destroy(source);
+  nlohmann::json out = {{"clone",
+                         {{"count", n},
+                          {"setup_mib", setup_mib},
+                          {"rounds", rounds},
+                          {"per_clone_ms", per_clone.Json()},
+                          {"call_ms", call.Json()},
+                          {"first_exec_ms", first_exec.Json()},
+                          {"create_and_upload_per_sandbox_ms", baseline.Json()}}}};
+  std::cout << out.dump(2) << "\n";
+  if (!json_out.empty()) {
+    auto s = bragg::WriteStringToFile(json_out, out.dump(2) + "\n");
+    if (!s.ok()) {
+      Die(s, "writing --json");
+    }
+  }
+  return 0;
+}
+
 // The floor for exec: the same command started directly on the host, without isolation
 // (posix_spawn + wait), what any sandbox must at least pay.
 Stats HostExec(const std::vector<std::string>& argv, int rounds) {
@@ -327,6 +420,13 @@ int main(int argc, char** argv) {
   app.add_option("--tool-samples", tool_samples,
                  "executions of each tool (seeds 0..K-1), spread over the sandboxes; 0: none")
       ->capture_default_str();
+  uint32_t clone_count = 0;
+  size_t clone_setup_mib = 8;
+  app.add_option("--clone", clone_count,
+                 "instead: measure CloneSandbox with this many clones per call (--rounds calls)");
+  app.add_option("--clone-setup-mib", clone_setup_mib,
+                 "MiB of files uploaded to the clone source first")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (sandboxes == 0 || rounds <= 0 || tool_samples < 0) {
     std::cerr << "pbox-bench: --sandboxes and --rounds must be positive\n";
@@ -349,6 +449,13 @@ int main(int argc, char** argv) {
     Die(session.status(), "OpenSession");
   }
   std::string sid = (*session)->id();
+  if (clone_count > 0) {
+    std::cerr << fmt::format("pbox-bench: {} clones per call, {} MiB setup, {} rounds\n",
+                             clone_count, clone_setup_mib, rounds);
+    int rc = CloneBench(client, sid, clone_count, rounds, clone_setup_mib, json_out);
+    (void)(*session)->Close();
+    return rc;
+  }
   std::string rt = runtime.empty() ? info->default_runtime() : runtime;
   if (std::find(info->runtimes().begin(), info->runtimes().end(), rt) == info->runtimes().end()) {
     std::cerr << fmt::format("pbox-bench: the agent does not offer runtime {} (it offers: {})\n",

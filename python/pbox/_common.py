@@ -157,6 +157,29 @@ def build_spec(
     )
 
 
+def clone_request(
+    sandbox_id: str,
+    n: int,
+    cpus: Optional[int] = None,
+    memory: Size = None,
+    disk: Size = None,
+    pids: Optional[int] = None,
+    env: Optional[Mapping[str, str]] = None,
+    workdir: Optional[str] = None,
+    idle_ttl: Optional[float] = None,
+    labels: Optional[Mapping[str, str]] = None,
+    cpu_quota: Optional[float] = None,
+) -> pb.CloneSandboxRequest:
+    """A ``CloneSandboxRequest``: ``None`` keeps the source's value; ``env`` and ``labels``
+    merge over the source's. Raises ValueError for a bad ``n`` or override."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n: expected an int >= 1, got {n!r}")
+    overrides = build_spec("", cpus or 0, memory, disk, pids, env, workdir, idle_ttl, labels,
+                           None, cpu_quota)
+    # The clones join the source's session (the agent's default for an empty session id).
+    return pb.CloneSandboxRequest(sandbox_id=sandbox_id, count=n, overrides=overrides)
+
+
 def normalize_argv(argv: Argv) -> List[str]:
     """A str becomes ``["sh", "-c", str]``; a sequence must be non-empty strings."""
     if isinstance(argv, str):

@@ -425,6 +425,18 @@ class Sandbox:
         return c.file_info(await self._client._unary(
             "Move", pb.MoveRequest(sandbox_id=self.id, src=src, dst=dst, no_replace=no_replace)))
 
+    async def clone(self, n: int = 1, *, cpus: Optional[int] = None, memory: c.Size = None,
+                    disk: c.Size = None, pids: Optional[int] = None,
+                    env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
+                    idle_ttl: Optional[float] = None,
+                    labels: Optional[Mapping[str, str]] = None,
+                    cpu_quota: Optional[float] = None) -> List["Sandbox"]:
+        """Clones this sandbox ``n`` times; see :meth:`pbox.Sandbox.clone`."""
+        req = c.clone_request(self.id, n, cpus, memory, disk, pids, env, workdir, idle_ttl,
+                              labels, cpu_quota)
+        resp = await self._client._unary("CloneSandbox", req, deadline=False)
+        return [Sandbox(self._client, c.sandbox_info(s)) for s in resp.sandboxes]
+
     async def destroy(self, missing_ok: bool = False) -> None:
         try:
             await self._client.destroy(self.id)

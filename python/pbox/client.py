@@ -506,6 +506,22 @@ class Sandbox:
 
     # ---- lifetime ----
 
+    def clone(self, n: int = 1, *, cpus: Optional[int] = None, memory: c.Size = None,
+              disk: c.Size = None, pids: Optional[int] = None,
+              env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
+              idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
+              cpu_quota: Optional[float] = None) -> List["Sandbox"]:
+        """Starts ``n`` new sandboxes over a frozen copy of this sandbox's files (its
+        writable layer, stacked read-only above its image): files written or deleted here so
+        far are there, processes are not. Each clone has its own writable layer; this
+        sandbox runs on unchanged. The clones have this sandbox's spec where an argument is
+        ``None`` and join its session (or are detached like it). All or nothing: raises
+        ResourceExhausted, creating none, if ``n`` more sandboxes do not fit the agent."""
+        req = c.clone_request(self.id, n, cpus, memory, disk, pids, env, workdir, idle_ttl,
+                              labels, cpu_quota)
+        resp = self._client._unary("CloneSandbox", req, deadline=False)
+        return [Sandbox(self._client, c.sandbox_info(s)) for s in resp.sandboxes]
+
     def destroy(self, missing_ok: bool = False) -> None:
         """Destroys the sandbox; raises NotFound if it is already gone unless ``missing_ok``."""
         try:

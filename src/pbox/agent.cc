@@ -134,6 +134,9 @@ Status RunAgent(const AgentConfig& config) {
     spdlog::warn("reaped {} sandboxes left by a previous agent", reaped.size());
   }
   BRAGG_RETURN_IF_ERROR(RemoveTree(config.state_dir + "/mnt"));
+  // Frozen layers of clones a dead agent left: their sandboxes went with the cgroups above.
+  const std::string layers_dir = config.state_dir + "/frozen";
+  BRAGG_RETURN_IF_ERROR(RemoveTree(layers_dir));
 
   BRAGG_ASSIGN_OR_RETURN(
       std::unique_ptr<ImageStore> images,
@@ -154,6 +157,7 @@ Status RunAgent(const AgentConfig& config) {
 
   SandboxManager manager({{"native", native.get()}}, "native", images.get(), cgroups.get(),
                          &allocator, config.defaults, config.max_sandboxes);
+  manager.set_layers_dir(layers_dir);
   registry.AddCallbackGauge("pbox_sandboxes_live", "Sandboxes alive now.",
                             [&manager] { return static_cast<double>(manager.live()); });
   std::unique_ptr<MetricsServer> metrics_server;

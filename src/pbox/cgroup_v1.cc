@@ -155,6 +155,40 @@ class CgroupV1 : public Cgroup {
     return KillAllLocked();
   }
 
+  Status Freeze(bool frozen) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (destroyed_) {
+      return absl::FailedPreconditionError(fmt::format("cgroup {} was destroyed", name_));
+    }
+    const std::string& freezer = Dir(layout_.freezer);
+    if (freezer.empty() || !PathExists(freezer + "/freezer.state")) {
+      return absl::FailedPreconditionError(
+          fmt::format("cgroup {} has no freezer: mount the v1 freezer hierarchy", name_));
+    }
+    const std::string state_file = freezer + "/freezer.state";
+    const char* want = frozen ? "FROZEN" : "THAWED";
+    BRAGG_RETURN_IF_ERROR(
+        Annotate(fs_->Write(state_file, want),
+                 fmt::format("{} cgroup {}", frozen ? "freezing" : "thawing", name_)));
+    // FREEZING until every task has stopped; thawing takes effect at once.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      BRAGG_ASSIGN_OR_RETURN(std::string state, fs_->Read(state_file));
+      if (Trim(state) == want) {
+        return absl::OkStatus();
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (frozen) {
+      (void)fs_->Write(state_file, "THAWED");
+    }
+    return absl::DeadlineExceededError(
+        fmt::format("cgroup {} did not reach {} within 1 s", name_, want));
+  }
+
   Status Destroy() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (destroyed_) {

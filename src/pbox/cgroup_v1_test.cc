@@ -250,6 +250,47 @@ TEST_F(CgroupV1Test, KillAllCatchesAProcessThatKeepsForking) {
   EXPECT_EQ(forker->child.Wait(std::chrono::seconds(5))->signal, SIGKILL);
 }
 
+TEST_F(CgroupV1Test, FreezeStopsEveryProcessUntilThawed) {
+  if (parents_.count("freezer") == 0) {
+    GTEST_SKIP() << "no v1 freezer hierarchy";
+  }
+  auto tmp = TempDir::Create("/tmp", "pbox-freeze-");
+  ASSERT_TRUE(tmp.ok());
+  std::string counter = tmp->path() + "/n";
+  auto cg = manager_->CreateCgroup("frozen", CgroupLimits{});
+  ASSERT_TRUE(cg.ok()) << cg.status();
+  // A writer and a forked child of it: the freezer stops both.
+  auto writer = SpawnGated(
+      fmt::format("(while :; do echo x >> {0}; done) & while :; do echo y >> {0}; done", counter));
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_TRUE((*cg)->AddProcess(writer->child.pid()).ok());
+  writer->Open();
+  auto size = [&] { return Read(counter).size(); };
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (size() < 100 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GE(size(), 100u);
+  Status s = (*cg)->Freeze(true);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Trim(Read(Dir("freezer", "frozen") + "/freezer.state")), "FROZEN");
+  size_t frozen_size = size();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(size(), frozen_size) << "a frozen process wrote";
+  ASSERT_TRUE((*cg)->Freeze(false).ok());
+  EXPECT_EQ(Trim(Read(Dir("freezer", "frozen") + "/freezer.state")), "THAWED");
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (size() == frozen_size && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GT(size(), frozen_size) << "the thawed processes did not resume";
+  // A frozen cgroup is still destroyed (KillAll thaws it), and a destroyed one cannot freeze.
+  ASSERT_TRUE((*cg)->Freeze(true).ok());
+  ASSERT_TRUE((*cg)->Destroy().ok());
+  EXPECT_EQ(writer->child.Wait(std::chrono::seconds(5))->signal, SIGKILL);
+  EXPECT_EQ((*cg)->Freeze(true).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(CgroupV1Test, DestroyRemovesEveryHierarchy) {
   auto cg = manager_->CreateCgroup("gone", CgroupLimits{});
   ASSERT_TRUE(cg.ok()) << cg.status();

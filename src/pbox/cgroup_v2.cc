@@ -119,6 +119,35 @@ class CgroupV2 : public Cgroup {
     return Annotate(KillCgroupV2(*fs_, path_), fmt::format("killing cgroup {}", name_));
   }
 
+  Status Freeze(bool frozen) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (destroyed_) {
+      return absl::FailedPreconditionError(fmt::format("cgroup {} was destroyed", name_));
+    }
+    BRAGG_RETURN_IF_ERROR(
+        Annotate(fs_->Write(path_ + "/cgroup.freeze", frozen ? "1" : "0"),
+                 fmt::format("{} cgroup {}", frozen ? "freezing" : "thawing", name_)));
+    // cgroup.events says "frozen 1" once every task has stopped, "frozen 0" once thawed.
+    const uint64_t want = frozen ? 1 : 0;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      BRAGG_ASSIGN_OR_RETURN(uint64_t state,
+                             ReadKeyedU64(*fs_, path_ + "/cgroup.events", "frozen"));
+      if (state == want) {
+        return absl::OkStatus();
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (frozen) {
+      (void)fs_->Write(path_ + "/cgroup.freeze", "0");
+    }
+    return absl::DeadlineExceededError(
+        fmt::format("cgroup {} did not {} within 1 s", name_, frozen ? "freeze" : "thaw"));
+  }
+
   Status Destroy() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (destroyed_) {

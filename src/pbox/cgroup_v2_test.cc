@@ -47,9 +47,10 @@ bool Alive(pid_t pid) {
 }
 
 struct FakeOptions {
-  bool kill_file = true;  // cgroup.kill (5.14+)
-  bool swap_file = true;  // memory.swap.max
-  bool peak_file = true;  // memory.peak (5.19+)
+  bool kill_file = true;         // cgroup.kill (5.14+)
+  bool swap_file = true;         // memory.swap.max
+  bool peak_file = true;         // memory.peak (5.19+)
+  bool freeze_completes = true;  // cgroup.events reports the freeze (false: a task never stops)
 };
 
 class FakeCgroupFs : public CgroupFs {
@@ -159,7 +160,7 @@ class FakeCgroupFs : public CgroupFs {
       }
       return absl::OkStatus();
     }
-    if (EndsWith(path, "/cgroup.freeze")) {
+    if (EndsWith(path, "/cgroup.freeze") && (options_.freeze_completes || data != "1")) {
       Put(dir + "/cgroup.events", fmt::format("populated 1\nfrozen {}\n", data == "1" ? 1 : 0));
     }
     Put(path, std::string(data));
@@ -536,6 +537,32 @@ TEST_F(CgroupV2Test, KillAllWithoutCgroupKillFreezes) {
   std::string dir = own_ + "/pbox/sb";
   EXPECT_EQ(fs_->WritesTo(dir + "/cgroup.freeze"), (std::vector<std::string>{"1", "0"}));
   EXPECT_EQ((*cg)->Stats()->processes, 0u);
+}
+
+TEST_F(CgroupV2Test, FreezeWritesCgroupFreezeAndWaitsForEvents) {
+  auto m = MakeManager();
+  ASSERT_NE(m, nullptr);
+  auto cg = m->CreateCgroup("sb", {});
+  ASSERT_TRUE(cg.ok());
+  std::string dir = own_ + "/pbox/sb";
+  ASSERT_TRUE((*cg)->Freeze(true).ok());
+  EXPECT_EQ(Slurp(dir + "/cgroup.events"), "populated 1\nfrozen 1\n");
+  ASSERT_TRUE((*cg)->Freeze(false).ok());
+  EXPECT_EQ(Slurp(dir + "/cgroup.events"), "populated 1\nfrozen 0\n");
+  EXPECT_EQ(fs_->WritesTo(dir + "/cgroup.freeze"), (std::vector<std::string>{"1", "0"}));
+  ASSERT_TRUE((*cg)->Destroy().ok());
+  EXPECT_EQ((*cg)->Freeze(true).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(fs_->WritesTo(dir + "/cgroup.freeze").size(), 2u);
+}
+
+TEST_F(CgroupV2Test, FreezeThatNeverCompletesTimesOutAndThaws) {
+  auto m = MakeManager({.freeze_completes = false});
+  ASSERT_NE(m, nullptr);
+  auto cg = m->CreateCgroup("sb", {});
+  ASSERT_TRUE(cg.ok());
+  Status s = (*cg)->Freeze(true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_EQ(fs_->WritesTo(own_ + "/pbox/sb/cgroup.freeze"), (std::vector<std::string>{"1", "0"}));
 }
 
 TEST_F(CgroupV2Test, DestroyIsIdempotentAndDestructorCleansUp) {

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "common/fs.h"
@@ -52,6 +53,7 @@ enum Step : int {
   kStepSeccomp,
   kStepFds,
   kStepExec,
+  kStepLayerFd,
 };
 
 const char* StepName(int step) {
@@ -98,6 +100,8 @@ const char* StepName(int step) {
       return "arranging file descriptors";
     case kStepExec:
       return "executing pbox-init";
+    case kStepLayerFd:
+      return "passing the writable layer to the agent";
   }
   return "unknown step";
 }
@@ -126,6 +130,7 @@ struct ChildPlan {
   int err_write = -1;
   int channel = -1;
   int init_exe = -1;
+  int layer_sock = -1;  // the writable layer's fd goes back to the agent here (SCM_RIGHTS)
   std::vector<std::string> cgroup_procs;  // the child moves itself into each
   const struct sock_fprog* seccomp = nullptr;
   struct rlimit nofile = {};  // the sandbox's limit on open files (the agent's own is raised)
@@ -149,6 +154,66 @@ int BindReadOnly(const char* path) {
   }
   return ::mount(nullptr, path, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
                  nullptr);
+}
+
+// The writable layer's tmpfs is mounted only in the sandbox's mount namespace and, after
+// pivot_root detaches the old root, under no path at all: nothing in /proc/<pid>/root or
+// /proc/<pid>/mountinfo leads to it. So the child hands the agent an O_PATH fd of the upper
+// directory over a socket before the pivot; the agent keeps it (it pins the tmpfs only while
+// the sandbox lives, see NativeSandbox::Stop) and reads the layer through it to clone.
+void SendWritableLayer(const ChildPlan& plan) {
+  int fd = ::open(plan.upper.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    Fail(plan, kStepLayerFd);
+  }
+  char byte = 'L';
+  struct iovec iov = {&byte, 1};
+  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  std::memset(control, 0, sizeof(control));
+  struct msghdr msg;
+  std::memset(&msg, 0, sizeof(msg));
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  if (::sendmsg(plan.layer_sock, &msg, MSG_NOSIGNAL) != 1) {
+    Fail(plan, kStepLayerFd);
+  }
+  ::close(fd);
+}
+
+// The agent's end of SendWritableLayer, read once the child has exec'd.
+Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
+  char byte = 0;
+  struct iovec iov = {&byte, 1};
+  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  struct msghdr msg;
+  std::memset(&msg, 0, sizeof(msg));
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    return ErrnoError("recvmsg", fmt::format("writable layer of sandbox {}", id));
+  }
+  struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  if (n != 1 || c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS ||
+      c->cmsg_len != CMSG_LEN(sizeof(int))) {
+    return absl::InternalError(
+        fmt::format("sandbox {}: setup sent no writable layer descriptor", id));
+  }
+  int fd;
+  std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  return UniqueFd(fd);
 }
 
 // Runs on its own stack in the agent's address space (CLONE_VM | CLONE_VFORK) while the
@@ -179,6 +244,7 @@ int BindReadOnly(const char* path) {
       Fail(plan, kStepLayerDirs);
     }
   }
+  SendWritableLayer(plan);
   if (::mount("overlay", plan.root.c_str(), "overlay", MS_NOSUID | MS_NODEV,
               plan.overlay_opts.c_str()) != 0) {
     Fail(plan, kStepOverlay);
@@ -302,12 +368,13 @@ int BindReadOnly(const char* path) {
 class NativeSandbox : public RuntimeSandbox {
  public:
   NativeSandbox(ChildProcess init_process, std::unique_ptr<InitClient> init, SandboxFs fs,
-                Cgroup* cgroup)
+                Cgroup* cgroup, UniqueFd writable_layer)
       : init_process_(std::move(init_process)),
         init_(std::move(init)),
         fs_(std::move(fs)),
         cgroup_(cgroup),
-        init_pid_(init_process_.pid()) {}
+        init_pid_(init_process_.pid()),
+        writable_layer_(std::move(writable_layer)) {}
 
   ~NativeSandbox() override { (void)Stop(); }
 
@@ -315,11 +382,29 @@ class NativeSandbox : public RuntimeSandbox {
   const SandboxFs& fs() const override { return fs_; }
   pid_t init_pid() const override { return init_pid_; }
 
+  Result<UniqueFd> OpenWritableLayer() override {
+    std::lock_guard<std::mutex> lock(layer_mu_);
+    if (!writable_layer_.valid()) {
+      return absl::FailedPreconditionError("the sandbox was stopped");
+    }
+    int fd = ::openat(writable_layer_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+      return ErrnoError("open", "the sandbox's writable layer");
+    }
+    return UniqueFd(fd);
+  }
+
   Status Stop() override {
     if (stopped_) {
       return absl::OkStatus();
     }
     stopped_ = true;
+    {
+      // The fd pins the writable layer's tmpfs (and its memory): let it go with the sandbox.
+      // A clone still copying holds its own fd from OpenWritableLayer and finishes.
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      writable_layer_.Reset();
+    }
     Status status = cgroup_->KillAll();
     // Killing the cgroup killed PID 1 too, which takes the namespace (and its mounts) along.
     (void)init_process_.Signal(SIGKILL);
@@ -338,6 +423,8 @@ class NativeSandbox : public RuntimeSandbox {
   Cgroup* cgroup_;
   pid_t init_pid_;
   bool stopped_ = false;
+  std::mutex layer_mu_;
+  UniqueFd writable_layer_;
 };
 
 }  // namespace
@@ -378,6 +465,9 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   plan.work = mount_point_ + "/work";
   plan.root = mount_point_ + "/root";
   std::string lower;
+  for (const std::string& dir : spec.frozen_lower_dirs) {
+    lower += (lower.empty() ? "" : ":") + dir;
+  }
   for (const std::string& dir : spec.image->lower_dirs) {
     lower += (lower.empty() ? "" : ":") + dir;
   }
@@ -418,6 +508,12 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
     return ErrnoError("socketpair", "init channel");
   }
   UniqueFd agent_end(sv[0]), child_end(sv[1]);
+  int lv[2];
+  if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, lv) != 0) {
+    return ErrnoError("socketpair", "writable layer channel");
+  }
+  UniqueFd layer_agent_end(lv[0]), layer_child_end(lv[1]);
+  plan.layer_sock = layer_child_end.get();
   BRAGG_ASSIGN_OR_RETURN(Pipe err, MakePipe());
   plan.err_write = err.write.get();
   plan.channel = child_end.get();
@@ -447,6 +543,7 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   }
   BRAGG_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Adopt(pid));
   child_end.Reset();
+  layer_child_end.Reset();
   err.write.Reset();
   ChildError child_error{0, 0};
   ssize_t n;
@@ -461,11 +558,13 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   }
   // PID 1 is spared by the OOM killer; pbox-init resets its commands' score to 0.
   (void)WriteControlFile(fmt::format("/proc/{}/oom_score_adj", pid), "-999");
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd writable_layer,
+                         ReceiveWritableLayer(layer_agent_end.get(), spec.id));
   BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(fmt::format("/proc/{}/root", pid)));
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<InitClient> init,
                          InitClient::Create(std::move(agent_end)));
-  return std::unique_ptr<RuntimeSandbox>(
-      new NativeSandbox(std::move(child), std::move(init), std::move(fs), spec.cgroup));
+  return std::unique_ptr<RuntimeSandbox>(new NativeSandbox(
+      std::move(child), std::move(init), std::move(fs), spec.cgroup, std::move(writable_layer)));
 }
 
 }  // namespace bragg::pbox

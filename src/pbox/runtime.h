@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
+#include "common/unique_fd.h"
 #include "pbox/cgroup.h"
 #include "pbox/image_store.h"
 #include "pbox/init_client.h"
@@ -22,6 +24,8 @@ struct LaunchSpec {
   uint64_t shm_bytes = 64 << 20;
   std::string hostname;
   Cgroup* cgroup = nullptr;  // borrowed; already holds the limits; outlives the sandbox
+  // Frozen layers of a clone (frozen_layer.h), top first: stacked above image->lower_dirs.
+  std::vector<std::string> frozen_lower_dirs;
 };
 
 // The kernel side of one running sandbox: its pbox-init, its root filesystem. Destruction
@@ -36,6 +40,12 @@ class RuntimeSandbox {
   virtual pid_t init_pid() const = 0;
   // Kills every process (through the cgroup) and waits for PID 1 to be reaped.
   virtual Status Stop() = 0;
+  // A new read-only fd of the sandbox's writable layer (the OverlayFS upper directory as it
+  // is on its own filesystem: whiteouts and overlay xattrs visible), for CloneSandbox.
+  // FailedPrecondition once stopped; Unimplemented where the runtime has no such directory.
+  virtual Result<UniqueFd> OpenWritableLayer() {
+    return absl::UnimplementedError("this runtime cannot clone sandboxes");
+  }
 };
 
 class Runtime {

@@ -40,6 +40,20 @@ Sandbox::Sandbox(std::string id, std::string session_id, SandboxSettings setting
 
 Sandbox::~Sandbox() { (void)Destroy(); }
 
+void Sandbox::set_frozen_layer(std::shared_ptr<const FrozenLayer> layer) {
+  std::shared_ptr<const FrozenLayer> old;
+  {
+    std::lock_guard<std::mutex> lock(layer_mu_);
+    old = std::exchange(frozen_layer_, std::move(layer));
+  }
+  // `old` may be the last reference: its removal from disk runs here, outside the lock.
+}
+
+std::shared_ptr<const FrozenLayer> Sandbox::frozen_layer() const {
+  std::lock_guard<std::mutex> lock(layer_mu_);
+  return frozen_layer_;
+}
+
 void Sandbox::Touch() { last_used_unix_ms_.store(UnixMillisNow()); }
 
 Status Sandbox::Destroy() {
@@ -52,6 +66,8 @@ Status Sandbox::Destroy() {
   if (cgroup_) {
     status.Update(cgroup_->Destroy());
   }
+  // The overlay that used the frozen layer went with the sandbox's last process.
+  set_frozen_layer(nullptr);
   // The runtime sandbox (root fd, init channel) goes once no command uses it: commands hold a
   // shared_ptr to this Sandbox, so members stay valid until the last one finishes.
   return status;

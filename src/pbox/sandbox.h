@@ -16,6 +16,7 @@
 #include "common/unique_fd.h"
 #include "pbox/cgroup.h"
 #include "pbox/cpuset.h"
+#include "pbox/frozen_layer.h"
 #include "pbox/runtime.h"
 
 namespace bragg::pbox {
@@ -122,6 +123,15 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   // Keeps the sandbox's image (and its layers) from removal until this object is gone.
   void HoldImage(ImageLease lease) { image_lease_ = std::move(lease); }
 
+  // Cloning (sandbox_manager_clone.cc). The frozen layer this sandbox sits on (null unless
+  // it is a clone); Destroy lets go of it, so the last clone's Destroy removes it from disk.
+  void set_frozen_layer(std::shared_ptr<const FrozenLayer> layer);
+  std::shared_ptr<const FrozenLayer> frozen_layer() const;
+  // A read-only fd of the writable layer (RuntimeSandbox::OpenWritableLayer).
+  Result<UniqueFd> OpenWritableLayer() { return runtime_->OpenWritableLayer(); }
+  // Stops or resumes every process of the sandbox (its cgroup's freezer).
+  Status Freeze(bool frozen) { return cgroup_->Freeze(frozen); }
+
  private:
   friend class RunningCommand;
   const std::string id_;
@@ -136,6 +146,8 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   std::unique_ptr<Cgroup> cgroup_;
   std::unique_ptr<RuntimeSandbox> runtime_;
   ImageLease image_lease_;
+  mutable std::mutex layer_mu_;
+  std::shared_ptr<const FrozenLayer> frozen_layer_;
 };
 
 int64_t UnixMillisNow();

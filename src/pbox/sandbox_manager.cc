@@ -124,8 +124,14 @@ Status SandboxManager::Validate(const SandboxSettings& s) const {
 
 Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& session_id,
                                                         const SandboxSettings& requested) {
+  return CreateImpl(session_id, requested, {});
+}
+
+Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& session_id,
+                                                            const SandboxSettings& requested,
+                                                            const CreateOptions& options) {
   auto t0 = std::chrono::steady_clock::now();
-  {
+  if (!options.admitted) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
       return absl::UnavailableError("the agent is shutting down");
@@ -148,10 +154,12 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
   struct CreatingGuard {
     SandboxManager* m;
     ~CreatingGuard() {
-      std::lock_guard<std::mutex> lock(m->mu_);
-      --m->creating_;
+      if (m != nullptr) {
+        std::lock_guard<std::mutex> lock(m->mu_);
+        --m->creating_;
+      }
     }
-  } creating_guard{this};
+  } creating_guard{options.admitted ? nullptr : this};
 
   SandboxSettings s = requested;
   if (s.image.empty()) {
@@ -217,6 +225,9 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
   launch.shm_bytes = std::min<uint64_t>(64ull << 20, s.memory_bytes / 2);
   launch.hostname = id;
   launch.cgroup = cgroup.get();
+  if (options.frozen != nullptr) {
+    launch.frozen_lower_dirs = options.frozen->LowerDirs();
+  }
   auto runtime_sandbox = rt->second->Start(launch);
   if (!runtime_sandbox.ok()) {
     (void)cgroup->Destroy();
@@ -225,6 +236,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
   auto sandbox = std::make_shared<Sandbox>(id, session_id, s, cpus, std::move(cgroup),
                                            std::move(*runtime_sandbox));
   sandbox->HoldImage(std::move(image));
+  sandbox->set_frozen_layer(options.frozen);
   if (s.workdir != "/") {
     Status st = sandbox->fs().MakeDir(s.workdir, 0755, /*parents=*/true);
     if (!st.ok() && st.code() != absl::StatusCode::kAlreadyExists) {
@@ -233,7 +245,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& sessi
     }
   }
   bool orphaned = false;
-  {
+  if (options.publish) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || (!session_id.empty() && sessions_.count(session_id) == 0)) {
       orphaned = true;

@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "pbox/cgroup.h"
 #include "pbox/cpuset.h"
+#include "pbox/frozen_layer.h"
 #include "pbox/image_store.h"
 #include "pbox/runtime.h"
 #include "pbox/sandbox.h"
@@ -56,6 +57,19 @@ class SandboxManager {
   // ResourceExhausted at once when max_sandboxes are live or being created.
   Result<std::shared_ptr<Sandbox>> Create(const std::string& session_id,
                                           const SandboxSettings& requested);
+  // Clones `source_id` `count` times (sandbox_manager_clone.cc; docs/pbox.md "Cloning"):
+  // freezes its writable layer into a frozen layer under `layers_dir` (set_layers_dir) and
+  // starts `count` sandboxes on it, with the source's settings where `overrides` leaves a
+  // field zero or empty (env and labels merge over the source's). The clones join
+  // `session_id`, or the source's session when it is empty; a source of another session
+  // is PermissionDenied. All or nothing: ResourceExhausted when `count` more sandboxes
+  // do not fit, and on any failure every clone made so far is destroyed.
+  Result<std::vector<std::shared_ptr<Sandbox>>> Clone(const std::string& session_id,
+                                                      const std::string& source_id, uint32_t count,
+                                                      const SandboxSettings& overrides);
+  // Where frozen layers are copied; Clone is FailedPrecondition until it is set.
+  void set_layers_dir(std::string dir) { layers_dir_ = std::move(dir); }
+
   // NotFound for unknown ids.
   Result<std::shared_ptr<Sandbox>> Get(const std::string& id);
   Status Destroy(const std::string& id);
@@ -71,6 +85,14 @@ class SandboxManager {
   const SandboxDefaults& defaults() const { return defaults_; }
 
  private:
+  struct CreateOptions {
+    std::shared_ptr<const FrozenLayer> frozen;  // a clone's layers
+    bool admitted = false;                      // the caller already counted it in creating_
+    bool publish = true;  // false: returned unregistered, for the caller to publish
+  };
+  Result<std::shared_ptr<Sandbox>> CreateImpl(const std::string& session_id,
+                                              const SandboxSettings& requested,
+                                              const CreateOptions& options);
   void TtlLoop();
   void DestroyMany(std::vector<std::shared_ptr<Sandbox>> victims);
   Status Validate(const SandboxSettings& s) const;
@@ -88,6 +110,7 @@ class SandboxManager {
   std::map<std::string, std::shared_ptr<Sandbox>> sandboxes_;
   std::map<std::string, std::set<std::string>> sessions_;  // session -> sandbox ids
   size_t creating_ = 0;
+  std::string layers_dir_;
   bool stopping_ = false;
   std::condition_variable ttl_cv_;
   std::thread ttl_thread_;

@@ -354,6 +354,41 @@ grpc::Status PboxService::CreateSandbox(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+grpc::Status PboxService::CloneSandbox(grpc::ServerContext* ctx, const v1::CloneSandboxRequest* req,
+                                       v1::CloneSandboxResponse* resp) {
+  if (auto s = Authorize(ctx); !s.ok()) {
+    return s;
+  }
+  auto t0 = Clock::now();
+  const v1::SandboxSpec& spec = req->overrides();
+  SandboxSettings o;
+  o.image = spec.image();
+  o.runtime = spec.runtime();
+  o.cpus = spec.cpus();
+  o.cpu_quota = spec.cpu_quota();
+  o.memory_bytes = spec.memory_bytes();
+  o.pids = spec.pids();
+  o.disk_bytes = spec.disk_bytes();
+  o.env.insert(spec.env().begin(), spec.env().end());
+  o.workdir = spec.workdir();
+  o.idle_ttl_seconds = spec.idle_ttl_seconds();
+  o.labels.insert(spec.labels().begin(), spec.labels().end());
+  auto clones = manager_->Clone(req->session_id(), req->sandbox_id(), req->count(), o);
+  if (!clones.ok()) {
+    if (clones.status().code() == absl::StatusCode::kResourceExhausted) {
+      metrics_->rejections->Inc();
+    }
+    return ToGrpc(clones.status());
+  }
+  double per_clone = SecondsSince(t0) / static_cast<double>(clones->size());
+  for (const auto& sb : *clones) {
+    metrics_->sandboxes_created->Inc();
+    metrics_->create_seconds->Observe(per_clone);
+    Describe(*sb, resp->add_sandboxes());
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status PboxService::DestroySandbox(grpc::ServerContext* ctx,
                                          const v1::DestroySandboxRequest* req,
                                          v1::DestroySandboxResponse*) {

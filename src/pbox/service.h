@@ -54,6 +54,8 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
       grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) override;
   grpc::Status CreateSandbox(grpc::ServerContext* ctx, const v1::CreateSandboxRequest* req,
                              v1::Sandbox* resp) override;
+  grpc::Status CloneSandbox(grpc::ServerContext* ctx, const v1::CloneSandboxRequest* req,
+                            v1::CloneSandboxResponse* resp) override;
   grpc::Status DestroySandbox(grpc::ServerContext* ctx, const v1::DestroySandboxRequest* req,
                               v1::DestroySandboxResponse* resp) override;
   grpc::Status GetSandbox(grpc::ServerContext* ctx, const v1::GetSandboxRequest* req,

@@ -153,6 +153,21 @@ Result<v1::Sandbox> Client::Create(const v1::SandboxSpec& spec, const std::strin
   return resp;
 }
 
+Result<std::vector<v1::Sandbox>> Client::Clone(const std::string& sandbox_id, uint32_t count,
+                                               const std::string& session_id,
+                                               const v1::SandboxSpec& overrides) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, false);
+  v1::CloneSandboxRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_count(count);
+  req.set_session_id(session_id);
+  *req.mutable_overrides() = overrides;
+  v1::CloneSandboxResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->CloneSandbox(&ctx, req, &resp)));
+  return std::vector<v1::Sandbox>(resp.sandboxes().begin(), resp.sandboxes().end());
+}
+
 Status Client::Destroy(const std::string& sandbox_id) {
   grpc::ClientContext ctx;
   Prepare(&ctx, true);

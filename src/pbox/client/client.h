@@ -78,6 +78,11 @@ class Client {
 
   // Empty session_id: a detached sandbox, destroyed by DestroySandbox or its idle TTL.
   Result<v1::Sandbox> Create(const v1::SandboxSpec& spec, const std::string& session_id = "");
+  // `count` sandboxes over a frozen copy of `sandbox_id`'s files (CloneSandbox). Empty
+  // session_id: the source's session. `overrides`: non-zero fields replace the source's.
+  Result<std::vector<v1::Sandbox>> Clone(const std::string& sandbox_id, uint32_t count,
+                                         const std::string& session_id = "",
+                                         const v1::SandboxSpec& overrides = {});
   Status Destroy(const std::string& sandbox_id);
   Result<v1::Sandbox> Get(const std::string& sandbox_id);
   Result<std::vector<v1::Sandbox>> List(const std::string& session_id = "");

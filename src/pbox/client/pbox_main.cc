@@ -137,6 +137,13 @@ int main(int argc, char** argv) {
 
   bragg::pbox::client::ImageCli image_cli;
   image_cli.Register(app);
+  // clone
+  auto* clone = app.add_subcommand(
+      "clone", "start sandboxes over a frozen copy of a sandbox's files; prints their ids");
+  std::string clone_id;
+  uint32_t clone_count = 1;
+  clone->add_option("id", clone_id, "the sandbox to clone")->required();
+  clone->add_option("-n,--count", clone_count, "how many clones (default 1)");
 
   CLI11_PARSE(app, argc, argv);
 
@@ -178,6 +185,17 @@ int main(int argc, char** argv) {
       return Fail(sb.status());
     }
     std::cout << sb->id() << "\n";
+    return 0;
+  }
+
+  if (*clone) {
+    auto clones = client.Clone(clone_id, clone_count);
+    if (!clones.ok()) {
+      return Fail(clones.status());
+    }
+    for (const auto& sb : *clones) {
+      std::cout << sb.id() << "\n";
+    }
     return 0;
   }
 

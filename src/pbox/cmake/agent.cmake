@@ -23,10 +23,12 @@ target_compile_options(pbox_proto PRIVATE -w)
 add_library(pbox_agent STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/agent.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/image_service.cc
+  ${CMAKE_CURRENT_SOURCE_DIR}/frozen_layer.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/image_store.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/native_runtime.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/sandbox.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/sandbox_manager.cc
+  ${CMAKE_CURRENT_SOURCE_DIR}/sandbox_manager_clone.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/seccomp_filter.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/service.cc)
 target_link_libraries(pbox_agent PUBLIC
