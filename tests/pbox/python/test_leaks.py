@@ -6,7 +6,7 @@ warm-up) within 10%.
     PBOX_LEAK_CYCLES       cycles (default 250: under a minute on a loaded 2-core machine;
                            `make soak` runs 10,000)
     PBOX_LEAK_CONCURRENCY  cycles in flight at once (default 6)
-    PBOX_LEAK_WARMUP       cycles before the baseline (default max(120, cycles / 10))
+    PBOX_LEAK_WARMUP       cycles before the baseline (default max(200, cycles / 10))
     PBOX_LEAK_REPORT       write the measurements as JSON to this path (by rename)
 """
 
@@ -28,7 +28,7 @@ CYCLES = int(os.environ.get("PBOX_LEAK_CYCLES", "250"))
 CONCURRENCY = int(os.environ.get("PBOX_LEAK_CONCURRENCY", "6"))
 # glibc's per-thread arenas (gRPC and per-sandbox reader threads) keep growing their resident
 # high-water mark for the first few hundred cycles: the baseline is taken after that.
-WARMUP = int(os.environ.get("PBOX_LEAK_WARMUP", str(max(120, CYCLES // 10))))
+WARMUP = int(os.environ.get("PBOX_LEAK_WARMUP", str(max(200, CYCLES // 10))))
 
 
 def _children() -> Dict[int, List[int]]:
