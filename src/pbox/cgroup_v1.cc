@@ -170,7 +170,10 @@ class CgroupV1 : public Cgroup {
     BRAGG_RETURN_IF_ERROR(
         Annotate(fs_->Write(state_file, want),
                  fmt::format("{} cgroup {}", frozen ? "freezing" : "thawing", name_)));
-    // FREEZING until every task has stopped; thawing takes effect at once.
+    if (!frozen) {
+      return absl::OkStatus();  // THAWED takes effect in the write
+    }
+    // FREEZING until every task has stopped.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     for (;;) {
       BRAGG_ASSIGN_OR_RETURN(std::string state, fs_->Read(state_file));

@@ -127,7 +127,10 @@ class CgroupV2 : public Cgroup {
     BRAGG_RETURN_IF_ERROR(
         Annotate(fs_->Write(path_ + "/cgroup.freeze", frozen ? "1" : "0"),
                  fmt::format("{} cgroup {}", frozen ? "freezing" : "thawing", name_)));
-    // cgroup.events says "frozen 1" once every task has stopped, "frozen 0" once thawed.
+    if (!frozen) {
+      return absl::OkStatus();  // the tasks resume on their own; nothing to wait for
+    }
+    // cgroup.events says "frozen 1" once every task has stopped.
     const uint64_t want = frozen ? 1 : 0;
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     for (;;) {

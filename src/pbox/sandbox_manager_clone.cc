@@ -53,9 +53,9 @@ Result<SandboxSettings> MergeOverrides(const SandboxSettings& source, const Sand
   return s;
 }
 
-// Clones made in parallel: each waits on the kernel (clone, mounts, exec) for most of its
-// time, so a few at once overlap even on two cores.
-constexpr size_t kCloneWorkers = 4;
+// Clones started at once: one per CPU of the agent (at most 8). More than the CPUs only
+// queue on the kernel's namespace and mount locks (measured in docs/benchmarks.md).
+size_t CloneWorkers() { return std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8); }
 
 }  // namespace
 
@@ -155,7 +155,7 @@ Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
       }
     }
   };
-  size_t workers = std::min<size_t>(count, kCloneWorkers);
+  size_t workers = std::min<size_t>(count, CloneWorkers());
   std::vector<std::thread> threads;
   for (size_t w = 1; w < workers; ++w) {
     threads.emplace_back(work);
