@@ -168,6 +168,9 @@ def test_agent_sigkill_at_random_points(make_agent) -> None:
                 w.start()
             for w in workers:
                 assert w.has_sandbox.wait(DEADLINE_S), "no sandbox created within the deadline"
+            if i == 0:
+                # The leak checks look where the sandboxes really are.
+                assert _leftovers(parent_dirs)["cgroups"], f"no sandbox cgroups in {parent_dirs}"
             time.sleep(rng.uniform(0.0, 0.05))
             for w in workers:
                 in_flight[w.current] += 1
