@@ -40,7 +40,7 @@ fuzz: deps
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS)
 	scripts/run-fuzzers $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
-# The full chaos run: 100 agent SIGKILLs and 100 client SIGKILLs (make test runs 25 + 35).
+# The full chaos run: 100 agent SIGKILLs and 100 client SIGKILLs (make test runs 5 + 30).
 CHAOS_AGENT_KILLS ?= 100
 CHAOS_CLIENT_KILLS ?= 100
 
