@@ -82,8 +82,8 @@ void Init() {
   ::signal(SIGPIPE, SIG_IGN);
   spdlog::set_level(spdlog::level::off);
   // Invalid UTF-8 in string fields is refused by the parser, which also logs it: noise here.
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel, const char*, int, const std::string&) {});
   if (const char* ep = std::getenv("PBOX_FUZZ_ENDPOINT"); ep != nullptr && *ep != '\0') {
     std::string target = ep;
     if (target.rfind("unix://", 0) == 0) {

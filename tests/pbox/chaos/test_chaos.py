@@ -24,7 +24,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import pytest
