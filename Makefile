@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 PY := /usr/bin/python3
 
-.PHONY: all deps build test demo bench soak fmt clean
+.PHONY: all deps build test demo bench soak fuzz chaos fmt clean
 
 all: build
 
@@ -30,6 +30,31 @@ SOAK_CYCLES ?= 10000
 soak: build
 	PYTHONPATH=$(BUILD)/python PBOXD=$(BUILD)/src/pbox/pboxd PBOX_LEAK_CYCLES=$(SOAK_CYCLES) \
 	  $(PY) -m pytest -q -s -p no:cacheprovider tests/pbox/python/test_leaks.py
+
+# libFuzzer + ASan/UBSan build of the fuzz targets (tests/fuzz) with Debian's clang, then each
+# target runs FUZZ_SECONDS (make test runs the same targets for seconds, without clang).
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 300
+FUZZ_TARGETS := pbox_init_protocol_fuzz pbox_init_channel_fuzz pbox_parsers_fuzz pbox_service_fuzz
+
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DBRAGG_LIBFUZZER=ON \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  "-DCMAKE_C_FLAGS=-fsanitize=address,undefined -fsanitize=fuzzer-no-link" \
+	  "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined -fsanitize=fuzzer-no-link" \
+	  "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined"
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS)
+	scripts/run-fuzzers $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+# The full chaos run: 100 agent SIGKILLs and 100 client SIGKILLs (make test runs 5 + 30).
+CHAOS_AGENT_KILLS ?= 100
+CHAOS_CLIENT_KILLS ?= 100
+
+chaos: build
+	PYTHONPATH=$(BUILD)/python PBOXD=$(BUILD)/src/pbox/pboxd \
+	  CHAOS_CLIENT=$(BUILD)/tests/pbox/chaos_client \
+	  PBOX_CHAOS_AGENT_KILLS=$(CHAOS_AGENT_KILLS) PBOX_CHAOS_CLIENT_KILLS=$(CHAOS_CLIENT_KILLS) \
+	  $(PY) -m pytest -q -x -s -p no:cacheprovider tests/pbox/chaos
 
 fmt:
 	git ls-files '*.cc' '*.h' | xargs clang-format -i

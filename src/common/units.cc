@@ -41,6 +41,9 @@ Result<uint64_t> ParseSize(std::string_view text) {
     mult = 1024.0 * 1024 * 1024;
   } else if (unit == "T" || unit == "TB" || unit == "TIB") {
     mult = 1024.0 * 1024 * 1024 * 1024;
+  } else if (unit == "P" || unit == "PB" || unit == "PIB") {
+    // FormatSize prints PiB, so what it prints must parse.
+    mult = 1024.0 * 1024 * 1024 * 1024 * 1024;
   } else {
     return bad();
   }

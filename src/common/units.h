@@ -10,7 +10,8 @@
 
 namespace bragg {
 
-// "4096", "512K", "512M", "1G", "1.5GiB", "2T" (binary multiples; K/KB/KiB alike) -> bytes.
+// "4096", "512K", "512M", "1G", "1.5GiB", "2T", "1P" (binary multiples; K/KB/KiB alike)
+// -> bytes.
 // InvalidArgument for anything else, negative numbers and values past 2^63.
 Result<uint64_t> ParseSize(std::string_view text);
 

@@ -28,5 +28,21 @@ TEST(UnitsTest, Formats) {
   EXPECT_EQ(FormatSize(1ull << 30), "1GiB");
 }
 
+// Found by tests/fuzz/parsers_fuzz.cc: FormatSize prints PiB for sizes from 1 PiB up, which
+// ParseSize refused, so a size the agent printed could not be given back to it.
+TEST(UnitsTest, WhatFormatSizePrintsParses) {
+  EXPECT_EQ(*ParseSize("1P"), 1ull << 50);
+  EXPECT_EQ(*ParseSize("2PiB"), 2ull << 50);
+  for (uint64_t v : std::initializer_list<uint64_t>{0, 1536, 1ull << 30, 1ull << 50,
+                                                    999999ull << 40, (1ull << 62) + 12345}) {
+    std::string text = FormatSize(v);
+    auto back = ParseSize(text);
+    ASSERT_TRUE(back.ok()) << text << ": " << back.status();
+    EXPECT_NEAR(static_cast<double>(*back), static_cast<double>(v), 0.05 * static_cast<double>(v))
+        << text;
+  }
+  EXPECT_FALSE(ParseSize("9000P").ok());  // past 2^63
+}
+
 }  // namespace
 }  // namespace bragg

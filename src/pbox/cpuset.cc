@@ -52,10 +52,12 @@ Result<CpuSet> CpuSet::Parse(std::string_view text) {
   while (!text.empty() && IsSpace(text.back())) {
     text.remove_suffix(1);
   }
-  std::vector<int> cpus;
   if (text.empty()) {
     return CpuSet();
   }
+  // Items are kept as ranges and merged at the end: overlapping items ("0-65535,0-65535,...")
+  // cost one range each, so time and memory stay linear in the text plus the CPU number range.
+  std::vector<std::pair<int, int>> ranges;
   size_t start = 0;
   for (;;) {
     size_t comma = text.find(',', start);
@@ -68,7 +70,7 @@ Result<CpuSet> CpuSet::Parse(std::string_view text) {
     size_t dash = item.find('-');
     if (dash == std::string_view::npos) {
       BRAGG_ASSIGN_OR_RETURN(int cpu, ParseCpu(item, item));
-      cpus.push_back(cpu);
+      ranges.emplace_back(cpu, cpu);
     } else {
       BRAGG_ASSIGN_OR_RETURN(int lo, ParseCpu(item.substr(0, dash), item));
       BRAGG_ASSIGN_OR_RETURN(int hi, ParseCpu(item.substr(dash + 1), item));
@@ -76,14 +78,21 @@ Result<CpuSet> CpuSet::Parse(std::string_view text) {
         return absl::InvalidArgumentError(fmt::format(
             "invalid CPU list item '{}': reversed range (write {}-{})", std::string(item), hi, lo));
       }
-      for (int c = lo; c <= hi; ++c) {
-        cpus.push_back(c);
-      }
+      ranges.emplace_back(lo, hi);
     }
     if (comma == std::string_view::npos) {
       break;
     }
     start = comma + 1;
+  }
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<int> cpus;
+  int next = 0;  // the lowest CPU not yet emitted
+  for (const auto& [lo, hi] : ranges) {
+    for (int c = std::max(lo, next); c <= hi; ++c) {
+      cpus.push_back(c);
+    }
+    next = std::max(next, hi + 1);
   }
   return CpuSet(std::move(cpus));
 }

@@ -66,6 +66,23 @@ TEST(CpuSetTest, RejectsHostileInput) {
   EXPECT_NE(std::string(s.status().message()).find("65535"), std::string::npos);
 }
 
+// Found while fuzzing the parsers (tests/fuzz/parsers_fuzz.cc): every item was expanded
+// before deduplication, so 160 KB of repeated full ranges made Parse allocate 5 GB of ints.
+// Ranges are now merged before they are expanded (memory bounded by the CPU number range).
+TEST(CpuSetTest, RepeatedFullRangesStayBounded) {
+  std::string text = "0-65535";
+  for (int i = 0; i < 20000; ++i) {
+    text += ",0-65535";
+  }
+  auto s = CpuSet::Parse(text);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->size(), 65536u);
+  EXPECT_EQ(s->ToString(), "0-65535");
+  auto t = CpuSet::Parse("7,3-4,7,4");
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->ToString(), "3-4,7");
+}
+
 TEST(CpuSetTest, SetOperations) {
   CpuSet a({0, 1, 2, 3});
   CpuSet b({1, 3});

@@ -90,7 +90,8 @@ Status SandboxManager::Validate(const SandboxSettings& s) const {
         fmt::format("asked for {} CPUs, but the agent's sandbox CPU set {} has {}", s.cpus,
                     cpus_->pool().ToString(), cpus_->pool().size()));
   }
-  if (s.cpu_quota < 0 || s.cpu_quota > 4096) {
+  // Written so that NaN fails too (every comparison with NaN is false).
+  if (!(s.cpu_quota >= 0 && s.cpu_quota <= 4096)) {
     return absl::InvalidArgumentError(fmt::format("cpu_quota {} out of range", s.cpu_quota));
   }
   if (s.memory_bytes < (16ull << 20)) {

@@ -23,6 +23,20 @@ constexpr uint64_t kDefaultRunOutputCap = 1 << 20;
 // Both streams fit one response under the 16 MiB message limit; Exec streams anything larger.
 constexpr uint64_t kMaxRunOutputCap = 4 << 20;
 
+// Longest command timeout a client may ask for: beyond any real command, and far below the
+// ~292 years at which adding it to the steady clock's nanoseconds would overflow.
+constexpr uint64_t kMaxTimeoutMs = 30ull * 24 * 3600 * 1000;
+
+grpc::Status CheckTimeout(uint64_t timeout_ms) {
+  if (timeout_ms > kMaxTimeoutMs) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        fmt::format("timeout_ms {} is over the limit of {} (30 days); 0 means "
+                                    "no timeout",
+                                    timeout_ms, kMaxTimeoutMs));
+  }
+  return grpc::Status::OK;
+}
+
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -437,6 +451,9 @@ grpc::Status PboxService::Exec(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of an Exec must be ExecStart");
   }
+  if (auto s = CheckTimeout(first.start().timeout_ms()); !s.ok()) {
+    return s;
+  }
   std::shared_ptr<Sandbox> sb;
   if (auto s = Enter(ctx, first.start().sandbox_id(), &sb); !s.ok()) {
     return s;
@@ -500,6 +517,9 @@ grpc::Status PboxService::Run(grpc::ServerContext* ctx, const v1::RunRequest* re
                         fmt::format("max_output_bytes {} is over the limit of {}; use Exec to "
                                     "stream larger output",
                                     cap, kMaxRunOutputCap));
+  }
+  if (auto s = CheckTimeout(req->timeout_ms()); !s.ok()) {
+    return s;
   }
   std::shared_ptr<Sandbox> sb;
   if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {

@@ -1,0 +1,203 @@
+#!/usr/bin/python3
+"""Writes the seed corpora of the fuzz targets into tests/fuzz/corpus/<target>/.
+
+Seeds are valid inputs of every kind (each frame type, each RPC) plus a few known-bad ones, so
+that the fuzzers start deep in the code. Run after changing the wire format or the proto:
+
+    PYTHONPATH=build/python /usr/bin/python3 tests/fuzz/make_corpus.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "corpus")
+
+from pbox._proto import pbox_pb2 as pb  # noqa: E402
+
+
+def write(target: str, name: str, data: bytes) -> None:
+    d = os.path.join(OUT, target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+# ---- pbox-init wire format (src/pbox/init_protocol.h) ----
+
+def header(ftype: int, fid: int) -> bytes:
+    return b"PBI" + struct.pack("<BHHQ", 1, ftype, 0, fid)
+
+
+def s(text: bytes) -> bytes:
+    return struct.pack("<I", len(text)) + text
+
+
+def strlist(items: list) -> bytes:
+    body = b"".join(i + b"\0" for i in items)
+    return struct.pack("<II", len(items), len(body)) + body
+
+
+def spawn(fid: int, flags: int, cwd: bytes, argv: list, env: list) -> bytes:
+    return header(1, fid) + struct.pack("<I", flags) + s(cwd) + strlist(argv) + strlist(env)
+
+
+FRAMES = {
+    "spawn_3fds": (3, spawn(1, 0, b"/", [b"echo", b"hi"], [b"PATH=/bin"])),
+    "spawn_nullio": (0, spawn(2, 7, b"/tmp", [b"true"], [])),
+    "spawn_stdin_null": (2, spawn(3, 1, b"/", [b"cat"], [b"A=1", b"B="])),
+    "kill": (0, header(2, 4) + struct.pack("<iB", 9, 1)),
+    "spawned": (0, header(0x81, 5) + struct.pack("<i", 42)),
+    "spawn_failed": (0, header(0x82, 6) + struct.pack("<Iii", 2, 2, 43) + s(b"execvp: ENOENT")),
+    "exited": (0, header(0x83, 7) + struct.pack("<iiqqq", 0, 0, 10, 20, 3000)),
+    "exited_signal": (0, header(0x83, 8) + struct.pack("<iiqqq", -1, 9, 1, 1, 1)),
+    "error": (0, header(0x84, 9) + s(b"bad frame")),
+    # known bad: wrong fd count, truncated, huge length, bad magic
+    "bad_fd_count": (1, spawn(10, 0, b"/", [b"x"], [])),
+    "bad_truncated": (0, spawn(11, 7, b"/", [b"x"], [])[:-3]),
+    "bad_huge_len": (0, header(0x84, 12) + struct.pack("<I", 0xFFFFFFFF)),
+    "bad_strlist_count": (0, header(1, 13) + struct.pack("<I", 7) + s(b"/") +
+                          struct.pack("<II", 0xFFFFFFFF, 2) + b"a\0" + strlist([])),
+    "bad_magic": (0, b"XBI" + spawn(14, 7, b"/", [b"x"], [])[3:]),
+}
+
+
+def init_corpora() -> None:
+    for name, (fds, frame) in FRAMES.items():
+        write("pbox_init_protocol_fuzz", name, bytes([fds]) + frame)
+    # The agent's reader: sequences of init -> agent frames answering spawn id 1.
+    def rec(frame: bytes, flags: int = 0) -> bytes:
+        return bytes([flags]) + struct.pack("<H", len(frame)) + frame
+    spawned = header(0x81, 1) + struct.pack("<i", 42)
+    exited = header(0x83, 1) + struct.pack("<iiqqq", 3, 0, 1, 1, 1)
+    failed_exec = header(0x82, 1) + struct.pack("<Iii", 2, 2, 42) + s(b"no such file")
+    failed_setup = header(0x82, 1) + struct.pack("<Iii", 1, 11, 0) + s(b"fork: EAGAIN")
+    error = header(0x84, 1) + s(b"refused")
+    seqs = {
+        "spawned_exited": rec(spawned) + rec(exited),
+        "exited_first": rec(exited) + rec(spawned),
+        "failed_exec": rec(failed_exec),
+        "failed_setup": rec(failed_setup),
+        "error": rec(error),
+        "spawned_twice": rec(spawned) + rec(spawned) + rec(exited) + rec(exited),
+        "unknown_ids": rec(header(0x81, 99) + struct.pack("<i", 1)) + rec(spawned),
+        "with_fd": rec(spawned, 1) + rec(exited, 1),
+        "agent_frame_from_init": rec(spawn(1, 7, b"/", [b"x"], [])) + rec(spawned),
+        "garbage_then_exit": rec(b"PBI\x01garbage") + rec(spawned) + rec(exited),
+        "spawned_then_hangup": rec(spawned, 2),
+    }
+    for name, data in seqs.items():
+        write("pbox_init_channel_fuzz", name, data)
+
+
+# ---- parsers ----
+
+def parser_corpora() -> None:
+    seeds = {
+        "size_plain": b"\x004096", "size_m": b"\x00512M", "size_gib": b"\x001.5GiB",
+        "size_t": b"\x002T", "size_bad": b"\x00-1G", "size_huge": b"\x0099999999999T",
+        "cpu_list": b"\x010-3,8,10-11", "cpu_nl": b"\x01 1-2\n", "cpu_bad": b"\x013-1",
+        "cpu_max": b"\x010-65535", "cpu_many": b"\x01" + b",".join([b"0-65535"] * 64),
+        "image_ok": b"\x02debian=/srv/images/debian", "image_bad": b"\x02Bad=/x",
+        "image_rel": b"\x02x=rel", "listen_unix": b"\x03unix:///run/pbox/pbox.sock",
+        "listen_tcp": b"\x03tcp://127.0.0.1:0", "listen_bad": b"\x03http://x",
+    }
+    for name, data in seeds.items():
+        write("pbox_parsers_fuzz", name, data)
+
+
+# ---- the service: scripts of RPCs (tests/fuzz/service_fuzz.cc) ----
+
+OPS = {"Session": 0, "CreateSandbox": 1, "DestroySandbox": 2, "GetSandbox": 3,
+       "ListSandboxes": 4, "Exec": 5, "Run": 6, "WriteFile": 7, "ReadFile": 8, "ListDir": 9,
+       "Stat": 10, "MakeDir": 11, "Remove": 12, "Move": 13, "Info": 14, "Health": 15}
+
+
+def call(op: str, msg, noauth: bool = False) -> bytes:
+    data = msg.SerializeToString()
+    return bytes([OPS[op] | (0x80 if noauth else 0)]) + struct.pack("<H", len(data)) + data
+
+
+def stream(op: str, msgs: list) -> bytes:
+    body = b"".join(struct.pack("<H", len(m.SerializeToString())) + m.SerializeToString()
+                    for m in msgs)
+    return bytes([OPS[op]]) + struct.pack("<H", len(body)) + body
+
+
+def service_corpora() -> None:
+    sb = "SB"
+    wf_header = pb.WriteFileRequest(header=pb.WriteFileHeader(sandbox_id=sb, path="/tmp/a.txt",
+                                                              mode=0o644, make_parents=True))
+    seeds = {
+        "session": stream("Session", [pb.SessionRequest(open=pb.SessionOpen(client_name="f")),
+                                      pb.SessionRequest(ping=pb.Ping(nonce=7))]),
+        "session_no_open": stream("Session", [pb.SessionRequest(ping=pb.Ping(nonce=1))]),
+        "create": call("CreateSandbox", pb.CreateSandboxRequest(spec=pb.SandboxSpec(
+            memory_bytes=64 << 20, cpus=1, env={"A": "1"}, workdir="/work",
+            labels={"k": "v"}))),
+        "create_bad": call("CreateSandbox", pb.CreateSandboxRequest(spec=pb.SandboxSpec(
+            memory_bytes=1, cpus=100, cpu_quota=-1, workdir="rel", env={"A=B": "x"}))),
+        "create_session": call("CreateSandbox", pb.CreateSandboxRequest(session_id="ss-0")),
+        "destroy": call("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=sb)) +
+                   call("GetSandbox", pb.GetSandboxRequest(sandbox_id=sb)),
+        "get_list": call("GetSandbox", pb.GetSandboxRequest(sandbox_id=sb)) +
+                    call("ListSandboxes", pb.ListSandboxesRequest()),
+        "exec": stream("Exec", [pb.ExecRequest(start=pb.ExecStart(
+            sandbox_id=sb, argv=["echo", "hi"], env={"X": "y"}, cwd="/", stdin=True,
+            timeout_ms=5000)), pb.ExecRequest(stdin=b"data"), pb.ExecRequest(stdin_close=True),
+            pb.ExecRequest(signal=15)]),
+        "exec_no_start": stream("Exec", [pb.ExecRequest(stdin=b"x")]),
+        "exec_bad": stream("Exec", [pb.ExecRequest(start=pb.ExecStart(
+            sandbox_id=sb, argv=[""], cwd="relative", env={"": "x"}))]),
+        "run": call("Run", pb.RunRequest(sandbox_id=sb, argv=["cat"], stdin=b"in",
+                                         max_output_bytes=16)),
+        "run_cap": call("Run", pb.RunRequest(sandbox_id=sb, argv=["x"],
+                                             max_output_bytes=1 << 40)),
+        "write_read": stream("WriteFile", [wf_header, pb.WriteFileRequest(chunk=b"hello"),
+                                           pb.WriteFileRequest(chunk=b" world")]) +
+                      call("ReadFile", pb.ReadFileRequest(sandbox_id=sb, path="/tmp/a.txt",
+                                                          offset=2, length=5)) +
+                      call("Stat", pb.StatRequest(sandbox_id=sb, path="/tmp/a.txt")),
+        "write_two_headers": stream("WriteFile", [wf_header, wf_header]),
+        "write_escape": stream("WriteFile", [pb.WriteFileRequest(header=pb.WriteFileHeader(
+            sandbox_id=sb, path="../../../etc/x", mode=0o7777777))]),
+        "dirs": call("MakeDir", pb.MakeDirRequest(sandbox_id=sb, path="/a/b/c", parents=True)) +
+                call("ListDir", pb.ListDirRequest(sandbox_id=sb, path="/a")) +
+                call("Move", pb.MoveRequest(sandbox_id=sb, src="/a/b", dst="/d",
+                                            no_replace=True)) +
+                call("Remove", pb.RemoveRequest(sandbox_id=sb, path="/d", recursive=True)),
+        "paths": call("Stat", pb.StatRequest(sandbox_id=sb, path="/..//./proc/self")) +
+                 call("ListDir", pb.ListDirRequest(sandbox_id=sb, path="")) +
+                 call("ReadFile", pb.ReadFileRequest(sandbox_id=sb, path="/",
+                                                     offset=(1 << 63) + 5)),
+        # regressions: a timeout past the steady clock's range; a NaN cpu_quota
+        "regress_run_huge_timeout": call("Run", pb.RunRequest(sandbox_id=sb, argv=["true"],
+                                                              timeout_ms=10**16)),
+        "regress_exec_huge_timeout": stream("Exec", [pb.ExecRequest(start=pb.ExecStart(
+            sandbox_id=sb, argv=["true"], timeout_ms=(1 << 62)))]),
+        "regress_nan_quota": call("CreateSandbox", pb.CreateSandboxRequest(spec=pb.SandboxSpec(
+            cpu_quota=float("nan")))),
+        "info_health": call("Info", pb.InfoRequest()) + call("Health", pb.HealthRequest()),
+        "noauth": call("Info", pb.InfoRequest(), noauth=True) +
+                  call("GetSandbox", pb.GetSandboxRequest(sandbox_id=sb), noauth=True),
+    }
+    for name, data in seeds.items():
+        write("pbox_service_fuzz", name, data)
+
+
+def main() -> int:
+    for t in ("pbox_init_protocol_fuzz", "pbox_init_channel_fuzz", "pbox_parsers_fuzz",
+              "pbox_service_fuzz"):
+        shutil.rmtree(os.path.join(OUT, t), ignore_errors=True)
+    init_corpora()
+    parser_corpora()
+    service_corpora()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
