@@ -24,7 +24,7 @@ namespace {
 
 // Where pbox-init appears inside the sandbox (a read-only bind of the agent's binary; /dev is
 // the sentry's own tmpfs, so nothing shows up in the sandbox's root filesystem).
-constexpr char kInitInSandbox[] = "/dev/.pbox-init";
+constexpr char kInitInSandbox[] = "/dev/pbox-init";
 constexpr auto kReadyTimeout = std::chrono::seconds(60);
 
 Result<std::string> FindInPath(const std::string& name) {
@@ -95,10 +95,12 @@ std::string LogTail(const std::string& path) {
 
 class GvisorSandbox : public RuntimeSandbox {
  public:
-  GvisorSandbox(std::string bundle, ScopedMount layer, ScopedMount rootfs, Cgroup* cgroup)
+  GvisorSandbox(std::string bundle, ScopedMount layer, ScopedMount rootfs,
+                std::vector<ScopedMount> inner, Cgroup* cgroup)
       : bundle_(std::move(bundle)),
         layer_(std::move(layer)),
         rootfs_(std::move(rootfs)),
+        inner_(std::move(inner)),
         cgroup_(cgroup) {}
 
   ~GvisorSandbox() override { (void)Stop(); }
@@ -123,6 +125,9 @@ class GvisorSandbox : public RuntimeSandbox {
     }
     // init_ stays: commands still holding it get Unavailable from the dead stream. The
     // rootfs goes now (lazily: SandboxFs may still hold its root fd).
+    for (auto it = inner_.rbegin(); it != inner_.rend(); ++it) {
+      status.Update(it->Unmount());
+    }
     status.Update(rootfs_.Unmount());
     status.Update(layer_.Unmount());
     if (Status s = RemoveTree(bundle_); !s.ok()) {
@@ -134,6 +139,7 @@ class GvisorSandbox : public RuntimeSandbox {
   std::string bundle_;
   ScopedMount layer_;
   ScopedMount rootfs_;
+  std::vector<ScopedMount> inner_;  // binds and masks inside the rootfs, in mount order
   Cgroup* cgroup_;
   ChildProcess runsc_;
   pid_t runsc_pid_ = -1;
@@ -166,14 +172,8 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                     {"type", "bind"},
                     {"source", rootfs + "/tmp"},
                     {"options", {"rbind", "rw", "nosuid", "nodev"}}});
-  if (spec.image != nullptr) {
-    for (const BindMount& b : spec.image->binds) {
-      mounts.push_back({{"destination", b.target},
-                        {"type", "bind"},
-                        {"source", b.source},
-                        {"options", {"rbind", "ro", "nosuid", "nodev"}}});
-    }
-  }
+  // The image's binds (the "host" image's /usr) are mounted on the host inside the rootfs
+  // (GvisorRuntime::Start), where the gofer serves them like the rest of the tree.
   mounts.push_back({{"destination", kInitInSandbox},
                     {"type", "bind"},
                     {"source", init_path},
@@ -275,11 +275,36 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   if (::mkdir((rootfs + "/tmp").c_str(), 01777) != 0 && errno != EEXIST) {
     return ErrnoError("mkdir", rootfs + "/tmp");
   }
+  // On the host, inside the rootfs: the image's read-only binds (as on the native runtime),
+  // and an empty read-only tmpfs where gVisor mounts its own /proc, so that the agent's file
+  // API neither reads nor writes beneath it. (/dev cannot be masked the same way: runsc
+  // needs to create mount points there.)
+  std::vector<ScopedMount> inner;
+  for (const BindMount& b : spec.image->binds) {
+    const std::string target = rootfs + b.target;
+    BRAGG_RETURN_IF_ERROR(MakeDirs(target, 0755));
+    BRAGG_ASSIGN_OR_RETURN(ScopedMount m,
+                           ScopedMount::Mount(b.source, target, "", MS_BIND | MS_REC));
+    inner.push_back(std::move(m));
+    if (::mount(nullptr, target.c_str(), nullptr,
+                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
+      return ErrnoError("mount", "read-only remount of " + target);
+    }
+  }
+  {
+    const std::string target = rootfs + "/proc";
+    BRAGG_RETURN_IF_ERROR(MakeDirs(target, 0755));
+    BRAGG_ASSIGN_OR_RETURN(ScopedMount m,
+                           ScopedMount::Mount("pbox-mask", target, "tmpfs",
+                                              MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                              "size=4k,nr_inodes=1,mode=0555"));
+    inner.push_back(std::move(m));
+  }
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(bundle + "/config.json",
                                           GvisorBundleConfig(spec, options_.init_path, rootfs)));
 
-  auto sandbox =
-      std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root), spec.cgroup);
+  auto sandbox = std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root),
+                                                 std::move(inner), spec.cgroup);
   guard.armed = false;  // the sandbox owns the bundle now; its Stop() removes it
 
   // Everything the forked child needs, prepared before fork (the agent is multithreaded).
