@@ -71,8 +71,12 @@ class Sandbox:
             [args.runsc, "--root", self.dir + "/runsc-root", "--platform", args.platform,
              "--network=none", "--file-access=shared", "--ignore-cgroups", "run",
              "--bundle", self.dir, name],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        typ = self.read()
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(self.dir + "/runsc.log", "w"))
+        try:
+            typ = self.read()
+        except struct.error:
+            raise RuntimeError("runsc failed: " + open(self.dir + "/runsc.log").read()[-2000:])
         assert typ == 0x86, f"expected Ready, got {typ:#x}"
         self.create_ms = (time.monotonic() - t) * 1000
         self.next_id = 1
@@ -112,6 +116,8 @@ def main():
     ap.add_argument("--sandboxes", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    args.init = os.path.abspath(args.init)
+    args.skeleton = os.path.abspath(args.skeleton)
     root = tempfile.mkdtemp(prefix="runsc-by-hand-")
     boxes = []
     try:
