@@ -581,6 +581,37 @@ TEST(AgentLifecycleTest, AdmissionRefusesAtOnceOverCapacity) {
   EXPECT_THAT(std::string(c->Create(spec).status().message()), HasSubstr("--max-sandboxes"));
 }
 
+TEST(AgentLifecycleTest, RuntimeChoiceIsCheckedClearly) {
+  if (geteuid() != 0) {
+    GTEST_SKIP() << "needs root";
+  }
+  // A node without runsc still serves native sandboxes; asking for gVisor there is a
+  // precondition failure that names the problem, an unknown runtime an invalid argument.
+  auto agent = TestAgent::Start({.extra_flags = {"--runsc", "/nonexistent/runsc"}});
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto c = (*agent)->NewClient();
+  auto info = c->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  if (info->default_runtime() == "gvisor") {
+    GTEST_SKIP() << "PBOX_TEST_RUNTIME=gvisor: this agent needs a working runsc";
+  }
+  EXPECT_THAT(info->runtimes(), ::testing::ElementsAre("native"));
+  v1::SandboxSpec spec;
+  spec.set_memory_bytes(64 << 20);
+  spec.set_runtime("gvisor");
+  auto r = c->Create(spec);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("runsc"));
+  spec.set_runtime("kata");
+  EXPECT_EQ(c->Create(spec).status().code(), absl::StatusCode::kInvalidArgument);
+  spec.set_runtime("native");
+  EXPECT_TRUE(c->Create(spec).ok());
+  // --runtime gvisor without runsc refuses to start (its log says why).
+  auto bad =
+      TestAgent::Start({.extra_flags = {"--runsc", "/nonexistent/runsc", "--runtime", "gvisor"}});
+  EXPECT_FALSE(bad.ok());
+}
+
 TEST(AgentLifecycleTest, DetachedSandboxesExpireWhenIdle) {
   if (geteuid() != 0) {
     GTEST_SKIP() << "needs root";
