@@ -13,6 +13,7 @@
 #include "fmt/format.h"
 #include "pbox/cgroup.h"
 #include "pbox/cpuset.h"
+#include "pbox/gvisor_runtime.h"
 #include "pbox/image_store.h"
 #include "pbox/metrics.h"
 #include "pbox/native_runtime.h"
@@ -145,18 +146,39 @@ Status RunAgent(const AgentConfig& config) {
   NativeRuntimeOptions rt_opts;
   rt_opts.state_dir = config.state_dir;
   rt_opts.init_path = config.init_path.empty() ? SelfDir() + "/pbox-init" : config.init_path;
-  if (config.runtime != "native") {
+  if (config.runtime != "native" && config.runtime != "gvisor") {
     return absl::InvalidArgumentError(
-        fmt::format("--runtime {}: this agent has the native runtime only", config.runtime));
+        fmt::format("--runtime {}: expected native or gvisor", config.runtime));
   }
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<NativeRuntime> native, NativeRuntime::Create(rt_opts));
+  // gVisor: offered when runsc is installed; required when it is the default.
+  std::unique_ptr<Runtime> gvisor;
+  {
+    GvisorRuntimeOptions gv;
+    gv.state_dir = config.state_dir;
+    gv.init_path = rt_opts.init_path;
+    gv.runsc = config.runsc;
+    gv.platform = config.gvisor_platform;
+    auto created = GvisorRuntime::Create(gv);
+    if (created.ok()) {
+      gvisor = std::move(*created);
+    } else if (config.runtime == "gvisor" ||
+               created.status().code() != absl::StatusCode::kFailedPrecondition) {
+      return Annotate(created.status(), "gVisor runtime");
+    } else {
+      spdlog::warn("gVisor runtime unavailable: {}", std::string(created.status().message()));
+      gvisor = std::make_unique<UnavailableRuntime>("gvisor", created.status());
+    }
+  }
+  const bool gvisor_ok = dynamic_cast<UnavailableRuntime*>(gvisor.get()) == nullptr;
   CpuAllocator allocator(sandbox_cpus);
 
   Registry registry;
   AgentMetrics metrics = AgentMetrics::Register(&registry);
 
-  SandboxManager manager({{"native", native.get()}}, "native", images.get(), cgroups.get(),
-                         &allocator, config.defaults, config.max_sandboxes);
+  SandboxManager manager({{"native", native.get()}, {"gvisor", gvisor.get()}}, config.runtime,
+                         images.get(), cgroups.get(), &allocator, config.defaults,
+                         config.max_sandboxes);
   manager.set_layers_dir(layers_dir);
   registry.AddCallbackGauge("pbox_sandboxes_live", "Sandboxes alive now.",
                             [&manager] { return static_cast<double>(manager.live()); });
@@ -168,8 +190,9 @@ Status RunAgent(const AgentConfig& config) {
   char hostname[256] = {};
   ::gethostname(hostname, sizeof(hostname) - 1);
   ServiceInfo info{.version = kVersion,
-                   .default_runtime = "native",
-                   .runtimes = {"native"},
+                   .default_runtime = config.runtime,
+                   .runtimes = gvisor_ok ? std::vector<std::string>{"native", "gvisor"}
+                                         : std::vector<std::string>{"native"},
                    .cpuset = sandbox_cpus.ToString(),
                    .images = images->Names(),
                    .hostname = hostname,

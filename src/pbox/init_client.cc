@@ -1,7 +1,11 @@
 #include "pbox/init_client.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <utility>
@@ -26,6 +30,29 @@ void SetBuffer(int fd, int force_opt, int opt, int bytes) {
     // which still holds one kMaxFrameBytes frame on default sysctls.
     (void)::setsockopt(fd, SOL_SOCKET, opt, &bytes, sizeof(bytes));
   }
+}
+
+// Writes all of `data`; send(MSG_NOSIGNAL) on sockets so that a closed peer is EPIPE, not
+// SIGPIPE (pipes rely on the process ignoring SIGPIPE, as pboxd does).
+bool WriteFully(int fd, std::string_view data, int* err) {
+  bool socket = true;
+  while (!data.empty()) {
+    ssize_t n = socket ? ::send(fd, data.data(), data.size(), MSG_NOSIGNAL)
+                       : ::write(fd, data.data(), data.size());
+    if (n < 0 && socket && errno == ENOTSOCK) {
+      socket = false;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      *err = n < 0 ? errno : EIO;
+      return false;
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
 }
 
 }  // namespace
@@ -95,17 +122,88 @@ Result<std::unique_ptr<InitClient>> InitClient::Create(UniqueFd channel) {
   return client;
 }
 
+Result<std::unique_ptr<InitClient>> InitClient::CreateStream(UniqueFd to_init, UniqueFd from_init) {
+  for (const UniqueFd* fd : {&to_init, &from_init}) {
+    struct stat st;
+    if (!fd->valid() || ::fstat(fd->get(), &st) != 0) {
+      return absl::InvalidArgumentError("InitClient::CreateStream needs two open fds");
+    }
+    if (!S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode)) {
+      return absl::InvalidArgumentError("the pbox-init stream must be pipes or sockets");
+    }
+  }
+  int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (efd < 0) {
+    return ErrnoError("eventfd", "stream stop");
+  }
+  std::unique_ptr<InitClient> client(new InitClient(std::move(to_init), std::move(from_init)));
+  client->stop_fd_.Reset(efd);
+  client->reader_ = std::thread(&InitClient::ReaderLoop, client.get());
+  return client;
+}
+
 InitClient::InitClient(UniqueFd channel) : channel_(std::move(channel)) {}
 
+InitClient::InitClient(UniqueFd to_init, UniqueFd from_init)
+    : channel_(std::move(from_init)), to_init_(std::move(to_init)), stream_(true) {}
+
 InitClient::~InitClient() {
-  // Wakes the reader (recvmsg returns 0) and tells init that the agent is gone.
-  (void)::shutdown(channel_.get(), SHUT_RDWR);
+  if (stream_) {
+    // Stops the reader and the stdin pumps; closing the stream tells init the agent is gone.
+    uint64_t one = 1;
+    (void)!::write(stop_fd_.get(), &one, sizeof(one));
+    {
+      std::lock_guard<std::mutex> lock(send_mu_);
+      to_init_.Reset();
+    }
+  } else {
+    // Wakes the reader (recvmsg returns 0) and tells init that the agent is gone.
+    (void)::shutdown(channel_.get(), SHUT_RDWR);
+  }
   if (reader_.joinable()) {
     reader_.join();
   }
+  std::vector<std::thread> pumps;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pumps.swap(pumps_);
+  }
+  for (std::thread& t : pumps) {
+    t.join();
+  }
+}
+
+Status InitClient::WaitReady(std::chrono::milliseconds timeout) {
+  if (!stream_) {
+    return absl::OkStatus();
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!ready_cv_.wait_for(lock, timeout, [this] { return ready_ || !alive_.load(); })) {
+    return absl::DeadlineExceededError(
+        fmt::format("pbox-init did not report ready within {} ms", timeout.count()));
+  }
+  if (!ready_) {
+    return absl::UnavailableError("pbox-init exited before it was ready");
+  }
+  return absl::OkStatus();
 }
 
 Status InitClient::SendFrame(const std::string& bytes, const std::vector<int>& fds) {
+  if (stream_) {
+    std::string framed = proto::StreamPrefix(bytes.size()) + bytes;
+    std::lock_guard<std::mutex> lock(send_mu_);
+    if (!to_init_.valid()) {
+      return ChannelClosed();
+    }
+    int err = 0;
+    if (!WriteFully(to_init_.get(), framed, &err)) {
+      if (err == EPIPE || err == ECONNRESET) {
+        return ChannelClosed();
+      }
+      return ErrnoError("write", "pbox-init stream", err);
+    }
+    return absl::OkStatus();
+  }
   iovec iov = {const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg = {};
   msg.msg_iov = &iov;
@@ -157,12 +255,23 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   std::vector<int> fds;
   const int stdio[3] = {request.stdin_fd, request.stdout_fd, request.stderr_fd};
   const uint32_t null_bits[3] = {proto::kStdinNull, proto::kStdoutNull, proto::kStderrNull};
+  // Stream transport: our own duplicates of the caller's fds, relayed by this client.
+  UniqueFd relay[3];
   for (int i = 0; i < 3; ++i) {
     if (stdio[i] < 0) {
       frame.flags |= null_bits[i];
+    } else if (stream_) {
+      int fd = ::fcntl(stdio[i], F_DUPFD_CLOEXEC, 3);
+      if (fd < 0) {
+        return ErrnoError("fcntl", "F_DUPFD_CLOEXEC of a stdio fd");
+      }
+      relay[i].Reset(fd);
     } else {
       fds.push_back(stdio[i]);
     }
+  }
+  if (stream_) {
+    frame.flags |= proto::kStreamStdio;
   }
   int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (efd < 0) {
@@ -178,10 +287,14 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
     }
     frame.id = next_id_++;
     pending_[frame.id] = &pending;
+    if (stream_ && (relay[1].valid() || relay[2].valid())) {
+      outputs_[frame.id] = {std::move(relay[1]), std::move(relay[2])};
+    }
   }
   auto forget = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     pending_.erase(frame.id);
+    outputs_.erase(frame.id);
   };
   std::string wire;
   std::string error;
@@ -193,10 +306,119 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   std::unique_lock<std::mutex> lock(mu_);
   if (!sent.ok() && !pending.done) {
     pending_.erase(frame.id);
+    outputs_.erase(frame.id);
     return Annotate(sent, fmt::format("spawn {}", request.argv[0]));
   }
   pending.cv.wait(lock, [&] { return pending.done; });
+  if (!pending.result.ok()) {
+    outputs_.erase(frame.id);  // init made no pipes: no EOF will come
+  } else if (relay[0].valid() && alive_.load()) {
+    pumps_.emplace_back(&InitClient::StdinPump, this, frame.id, std::move(relay[0]));
+  }
   return std::move(pending.result);
+}
+
+void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd) {
+  std::string chunk(proto::kMaxDataBytes, '\0');
+  std::string wire;
+  std::string error;
+  while (true) {
+    pollfd fds[2] = {{stdin_fd.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
+    int n = ::poll(fds, 2, -1);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0 || fds[1].revents != 0) {
+      return;
+    }
+    ssize_t got = ::read(stdin_fd.get(), chunk.data(), chunk.size());
+    if (got < 0 && (errno == EINTR || errno == EAGAIN)) {
+      continue;
+    }
+    proto::StdinFrame frame{id, got > 0 ? chunk.substr(0, static_cast<size_t>(got)) : ""};
+    if (!proto::EncodeFrame(frame, &wire, &error) || !SendFrame(wire, {}).ok() || got <= 0) {
+      return;  // EOF sent (or the channel is gone)
+    }
+  }
+}
+
+void InitClient::HandleOutput(const proto::OutputFrame& frame) {
+  int fd = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = outputs_.find(frame.id);
+    if (it == outputs_.end()) {
+      return;
+    }
+    const size_t index = frame.stream == proto::OutputStream::kStdout ? 0 : 1;
+    if (frame.data.empty()) {
+      it->second[index].Reset();  // EOF: the caller's read end sees it once it holds no copy
+      if (!it->second[0].valid() && !it->second[1].valid()) {
+        outputs_.erase(it);
+      }
+      return;
+    }
+    fd = it->second[index].get();
+  }
+  if (fd < 0) {
+    return;
+  }
+  // Only this thread closes these fds, so `fd` stays valid without the lock. A blocking
+  // write: a caller that stops reading holds up this sandbox's other output (as a full pipe
+  // would hold up the command itself on the native runtime).
+  int err = 0;
+  if (!WriteFully(fd, frame.data, &err)) {
+    // The reader went away (EPIPE): drop the rest of this stream.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = outputs_.find(frame.id); it != outputs_.end()) {
+      it->second[frame.stream == proto::OutputStream::kStdout ? 0 : 1].Reset();
+    }
+  }
+}
+
+bool InitClient::ReadStreamFrame(std::string* frame) {
+  // Reads exactly `want` bytes into `out`, waking up for stop_fd_.
+  auto read_exact = [this](size_t want, std::string* out) -> bool {
+    out->resize(want);
+    size_t got = 0;
+    while (got < want) {
+      pollfd fds[2] = {{channel_.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
+      int n = ::poll(fds, 2, -1);
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n < 0 || fds[1].revents != 0) {
+        return false;
+      }
+      ssize_t r = ::read(channel_.get(), out->data() + got, want - got);
+      if (r < 0 && (errno == EINTR || errno == EAGAIN)) {
+        continue;
+      }
+      if (r < 0) {
+        spdlog::warn("pbox-init stream: read: {}", strerror(errno));
+        return false;
+      }
+      if (r == 0) {
+        if (got != 0) {
+          spdlog::warn("pbox-init stream: EOF inside a frame");
+        }
+        return false;
+      }
+      got += static_cast<size_t>(r);
+    }
+    return true;
+  };
+  std::string prefix;
+  if (!read_exact(proto::kStreamPrefixBytes, &prefix)) {
+    return false;
+  }
+  size_t len = 0;
+  std::string error;
+  if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
+    spdlog::warn("pbox-init stream: {}; closing it", error);
+    return false;
+  }
+  return read_exact(len, frame);
 }
 
 Status InitClient::Kill(uint64_t process_id, int signal, bool whole_tree) {
@@ -221,6 +443,19 @@ Status InitClient::Kill(uint64_t process_id, int signal, bool whole_tree) {
 }
 
 void InitClient::ReaderLoop() {
+  if (stream_) {
+    std::string bytes;
+    while (ReadStreamFrame(&bytes)) {
+      proto::DecodeResult decoded = proto::DecodeFrame(bytes, 0);
+      if (!decoded.frame.has_value()) {
+        spdlog::warn("pbox-init stream: bad frame: {}", decoded.error);
+        continue;
+      }
+      HandleFrame(std::move(*decoded.frame));
+    }
+    ChannelDied();
+    return;
+  }
   std::vector<char> buffer(proto::kMaxFrameBytes);
   while (true) {
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
@@ -263,87 +498,98 @@ void InitClient::ReaderLoop() {
       spdlog::warn("pbox-init channel: bad frame: {}", decoded.error);
       continue;
     }
-    std::shared_ptr<ProcessHandle> to_complete;
-    Result<ProcessExit> exit = absl::UnknownError("");
-    std::unique_lock<std::mutex> lock(mu_);
-    auto finish_pending = [&](uint64_t id, Result<std::shared_ptr<ProcessHandle>> result) {
-      auto it = pending_.find(id);
-      PendingSpawn* p = it->second;
-      pending_.erase(it);
-      p->result = std::move(result);
-      p->done = true;
-      p->cv.notify_all();
-    };
-    if (auto* f = std::get_if<proto::SpawnedFrame>(&*decoded.frame)) {
-      auto it = pending_.find(f->id);
-      if (it == pending_.end()) {
-        spdlog::warn("pbox-init channel: Spawned for unknown id {}", f->id);
-        continue;
-      }
-      std::shared_ptr<ProcessHandle> handle(
-          new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
-      if (it->second->early_exit.has_value()) {
-        to_complete = handle;
-        exit = *it->second->early_exit;
-      } else {
-        live_[f->id] = handle;
-      }
-      finish_pending(f->id, handle);
-    } else if (auto* f = std::get_if<proto::SpawnFailedFrame>(&*decoded.frame)) {
-      auto it = pending_.find(f->id);
-      if (it == pending_.end()) {
-        spdlog::warn("pbox-init channel: SpawnFailed for unknown id {}", f->id);
-        continue;
-      }
-      if (f->stage == proto::SpawnStage::kExec) {
-        std::shared_ptr<ProcessHandle> handle(
-            new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
-        ProcessExit e;
-        e.exit_code = 127;
-        e.spawn_errno = f->err != 0 ? f->err : EIO;
-        e.error = f->message;
-        to_complete = handle;
-        exit = e;
-        finish_pending(f->id, handle);
-      } else {
-        finish_pending(
-            f->id, Status(ErrnoToCode(f->err) == absl::StatusCode::kOk ? absl::StatusCode::kInternal
-                                                                       : ErrnoToCode(f->err),
-                          fmt::format("pbox-init could not start {}: {}", it->second->program,
-                                      f->message)));
-      }
-    } else if (auto* f = std::get_if<proto::ExitedFrame>(&*decoded.frame)) {
-      ProcessExit e;
-      e.exit_code = f->signal != 0 ? -1 : f->exit_code;
-      e.signal = f->signal;
-      e.user_us = f->user_us;
-      e.system_us = f->system_us;
-      e.max_rss_kb = f->max_rss_kb;
-      if (auto it = live_.find(f->id); it != live_.end()) {
-        to_complete = std::move(it->second);
-        live_.erase(it);
-        exit = e;
-      } else if (auto pit = pending_.find(f->id); pit != pending_.end()) {
-        pit->second->early_exit = e;
-      } else {
-        spdlog::warn("pbox-init channel: Exited for unknown id {}", f->id);
-      }
-    } else if (auto* f = std::get_if<proto::ErrorFrame>(&*decoded.frame)) {
-      if (pending_.count(f->id) != 0) {
-        finish_pending(
-            f->id, absl::InternalError(fmt::format("pbox-init refused the spawn: {}", f->message)));
-      } else {
-        spdlog::warn("pbox-init reported an error for id {}: {}", f->id, f->message);
-      }
-    } else {
-      spdlog::warn("pbox-init channel: unexpected frame from init");
-    }
-    lock.unlock();
-    if (to_complete != nullptr) {
-      to_complete->Complete(std::move(exit));
-    }
+    HandleFrame(std::move(*decoded.frame));
   }
   ChannelDied();
+}
+
+void InitClient::HandleFrame(proto::Frame frame) {
+  std::shared_ptr<ProcessHandle> to_complete;
+  Result<ProcessExit> exit = absl::UnknownError("");
+  std::unique_lock<std::mutex> lock(mu_);
+  auto finish_pending = [&](uint64_t id, Result<std::shared_ptr<ProcessHandle>> result) {
+    auto it = pending_.find(id);
+    PendingSpawn* p = it->second;
+    pending_.erase(it);
+    p->result = std::move(result);
+    p->done = true;
+    p->cv.notify_all();
+  };
+  if (auto* f = std::get_if<proto::SpawnedFrame>(&frame)) {
+    auto it = pending_.find(f->id);
+    if (it == pending_.end()) {
+      spdlog::warn("pbox-init channel: Spawned for unknown id {}", f->id);
+      return;
+    }
+    std::shared_ptr<ProcessHandle> handle(
+        new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
+    if (it->second->early_exit.has_value()) {
+      to_complete = handle;
+      exit = *it->second->early_exit;
+    } else {
+      live_[f->id] = handle;
+    }
+    finish_pending(f->id, handle);
+  } else if (auto* f = std::get_if<proto::SpawnFailedFrame>(&frame)) {
+    auto it = pending_.find(f->id);
+    if (it == pending_.end()) {
+      spdlog::warn("pbox-init channel: SpawnFailed for unknown id {}", f->id);
+      return;
+    }
+    if (f->stage == proto::SpawnStage::kExec) {
+      std::shared_ptr<ProcessHandle> handle(
+          new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
+      ProcessExit e;
+      e.exit_code = 127;
+      e.spawn_errno = f->err != 0 ? f->err : EIO;
+      e.error = f->message;
+      to_complete = handle;
+      exit = e;
+      finish_pending(f->id, handle);
+    } else {
+      finish_pending(
+          f->id,
+          Status(ErrnoToCode(f->err) == absl::StatusCode::kOk ? absl::StatusCode::kInternal
+                                                              : ErrnoToCode(f->err),
+                 fmt::format("pbox-init could not start {}: {}", it->second->program, f->message)));
+    }
+  } else if (auto* f = std::get_if<proto::ExitedFrame>(&frame)) {
+    ProcessExit e;
+    e.exit_code = f->signal != 0 ? -1 : f->exit_code;
+    e.signal = f->signal;
+    e.user_us = f->user_us;
+    e.system_us = f->system_us;
+    e.max_rss_kb = f->max_rss_kb;
+    if (auto it = live_.find(f->id); it != live_.end()) {
+      to_complete = std::move(it->second);
+      live_.erase(it);
+      exit = e;
+    } else if (auto pit = pending_.find(f->id); pit != pending_.end()) {
+      pit->second->early_exit = e;
+    } else {
+      spdlog::warn("pbox-init channel: Exited for unknown id {}", f->id);
+    }
+  } else if (auto* f = std::get_if<proto::ErrorFrame>(&frame)) {
+    if (pending_.count(f->id) != 0) {
+      finish_pending(
+          f->id, absl::InternalError(fmt::format("pbox-init refused the spawn: {}", f->message)));
+    } else {
+      spdlog::warn("pbox-init reported an error for id {}: {}", f->id, f->message);
+    }
+  } else if (auto* f = std::get_if<proto::OutputFrame>(&frame); f != nullptr && stream_) {
+    lock.unlock();
+    HandleOutput(*f);
+    return;
+  } else if (std::holds_alternative<proto::ReadyFrame>(frame) && stream_) {
+    ready_ = true;
+    ready_cv_.notify_all();
+  } else {
+    spdlog::warn("pbox-init channel: unexpected frame from init");
+  }
+  lock.unlock();
+  if (to_complete != nullptr) {
+    to_complete->Complete(std::move(exit));
+  }
 }
 
 void InitClient::ChannelDied() {
@@ -358,6 +604,12 @@ void InitClient::ChannelDied() {
     }
     pending_.clear();
     live.swap(live_);
+    outputs_.clear();  // the callers' readers see EOF
+    ready_cv_.notify_all();
+  }
+  if (stream_) {
+    uint64_t one = 1;
+    (void)!::write(stop_fd_.get(), &one, sizeof(one));
   }
   for (auto& [id, handle] : live) {
     handle->Complete(ChannelClosed());

@@ -1,16 +1,23 @@
 #pragma once
 
-// The agent's end of the control channel to pbox-init, PID 1 of every native sandbox.
+// The agent's end of the control channel to pbox-init, PID 1 of every sandbox.
 //
-// The channel is a SOCK_SEQPACKET socketpair: one message per frame (init_protocol.h), with
-// the command's stdin/stdout/stderr passed as file descriptors (SCM_RIGHTS) so that output
-// flows from the command to the agent directly, never copied through init.
+// Two transports, one API (init_protocol.h):
+// - seqpacket (native runtime, Create): one message per frame, with the command's
+//   stdin/stdout/stderr passed as file descriptors (SCM_RIGHTS) so that output flows from the
+//   command to the agent directly, never copied through init.
+// - stream (gVisor runtime, CreateStream; fds cannot cross into gVisor): length-prefixed
+//   frames over two byte streams. The client relays the caller's stdio fds itself: a thread
+//   per command with stdin sends what it reads as Stdin frames, and the reader thread writes
+//   Output frames into the caller's stdout/stderr fds (its own duplicates, closed at the
+//   stream's EOF). Callers see the same fds, handles and exits on both.
 //
 // If the channel closes (the agent died), pbox-init exits and the kernel kills every process
 // of the sandbox's pid namespace with it.
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -25,6 +32,7 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "pbox/init_protocol.h"
 
 namespace bragg::pbox {
 
@@ -78,7 +86,15 @@ class InitClient {
  public:
   // Takes the agent's end of the socketpair and starts a reader thread.
   static Result<std::unique_ptr<InitClient>> Create(UniqueFd channel);
+  // The stream transport: frames go to `to_init` and come from `from_init` (pipes or stream
+  // sockets). Starts the reader thread.
+  static Result<std::unique_ptr<InitClient>> CreateStream(UniqueFd to_init, UniqueFd from_init);
   ~InitClient();
+
+  // Stream transport: blocks until pbox-init said Ready. Unavailable if the channel closed
+  // first (init or its runtime failed), DeadlineExceeded after `timeout`. OK at once on the
+  // seqpacket transport.
+  Status WaitReady(std::chrono::milliseconds timeout);
 
   // Starts a process. Returns once init has forked it (the pid is known) or failed to.
   // A program that cannot be executed still yields a handle, whose exit has spawn_errno set.
@@ -97,13 +113,32 @@ class InitClient {
 
  private:
   explicit InitClient(UniqueFd channel);
+  InitClient(UniqueFd to_init, UniqueFd from_init);
   void ReaderLoop();
+  // Stream transport: reads one whole frame (prefix stripped) into `frame`; false at EOF or
+  // on an error (logged).
+  bool ReadStreamFrame(std::string* frame);
+  void HandleFrame(init_protocol::Frame frame);
+  // Stream transport: writes one Output frame's data into the caller's fd.
+  void HandleOutput(const init_protocol::OutputFrame& frame);
+  // Stream transport: relays `stdin_fd` (owned) to process `id` until EOF or shutdown.
+  void StdinPump(uint64_t id, UniqueFd stdin_fd);
   // Completes every pending Spawn and live handle with Unavailable; marks the client dead.
   void ChannelDied();
   // One sendmsg of a whole frame, with `fds` as SCM_RIGHTS.
   Status SendFrame(const std::string& bytes, const std::vector<int>& fds);
 
-  UniqueFd channel_;
+  UniqueFd channel_;  // seqpacket: both ways; stream: from init
+  UniqueFd to_init_;  // stream transport only
+  const bool stream_ = false;
+  std::mutex send_mu_;              // stream transport: one frame at a time on the byte stream
+  UniqueFd stop_fd_;                // stream transport: eventfd that stops the stdin pumps
+  std::vector<std::thread> pumps_;  // guarded by mu_
+  // Stream transport: the caller's stdout/stderr (duplicates) per process, until EOF. Only
+  // the reader thread erases.
+  std::map<uint64_t, std::array<UniqueFd, 2>> outputs_;
+  bool ready_ = false;
+  std::condition_variable ready_cv_;
   std::atomic<bool> alive_{true};
   std::mutex mu_;
   uint64_t next_id_ = 1;

@@ -144,7 +144,7 @@ bool EncodeOne(const SpawnFrame& f, Writer& w, std::string* error) {
   if (f.argv.empty()) {
     return Fail(error, "argv is empty");
   }
-  if ((f.flags & ~kAllNullFlags) != 0) {
+  if ((f.flags & ~kAllSpawnFlags) != 0) {
     return Fail(error, "unknown spawn flags");
   }
   if (f.cwd.size() > kMaxPathBytes) {
@@ -232,6 +232,61 @@ bool EncodeOne(const ErrorFrame& f, Writer& w, std::string* error) {
   return true;
 }
 
+bool CheckData(const std::string& data, std::string* error) {
+  if (data.size() > kMaxDataBytes) {
+    return Fail(error, "data of " + std::to_string(data.size()) + " bytes, more than the " +
+                           std::to_string(kMaxDataBytes) + " a frame carries");
+  }
+  return true;
+}
+
+bool EncodeOne(const StdinFrame& f, Writer& w, std::string* error) {
+  if (!CheckData(f.data, error)) {
+    return false;
+  }
+  Header(w, FrameType::kStdin, f.id);
+  w.Str(f.data);
+  return true;
+}
+
+bool EncodeOne(const OutputFrame& f, Writer& w, std::string* error) {
+  if (f.stream != OutputStream::kStdout && f.stream != OutputStream::kStderr) {
+    return Fail(error, "unknown output stream");
+  }
+  if (!CheckData(f.data, error)) {
+    return false;
+  }
+  Header(w, FrameType::kOutput, f.id);
+  w.U8(static_cast<uint8_t>(f.stream));
+  w.Str(f.data);
+  return true;
+}
+
+bool EncodeOne(const ReadyFrame& f, Writer& w, std::string* error) {
+  if (f.id != 0) {
+    return Fail(error, "ready frame id must be 0");
+  }
+  Header(w, FrameType::kReady, 0);
+  return true;
+}
+
+// Reads a bytes field (any byte values) of at most kMaxDataBytes.
+bool ReadData(Reader& r, std::string* out, std::string* error) {
+  uint32_t len;
+  std::string_view bytes;
+  if (!r.U32(&len)) {
+    return Fail(error, "truncated data length");
+  }
+  if (len > kMaxDataBytes) {
+    return Fail(error, "data longer than " + std::to_string(kMaxDataBytes) + " bytes");
+  }
+  if (!r.Bytes(len, &bytes)) {
+    return Fail(error, "data length past the end of the frame");
+  }
+  out->assign(bytes.data(), bytes.size());
+  return true;
+}
+
 // Reads a str field of at most `max` bytes without NULs.
 bool ReadStr(Reader& r, size_t max, std::string* out, std::string* error, const char* what) {
   uint32_t len;
@@ -301,7 +356,7 @@ bool DecodePayload(FrameType type, uint64_t id, Reader& r, size_t num_fds, Frame
       if (!r.U32(&f.flags)) {
         return Fail(error, "truncated spawn flags");
       }
-      if ((f.flags & ~kAllNullFlags) != 0) {
+      if ((f.flags & ~kAllSpawnFlags) != 0) {
         return Fail(error, "unknown spawn flags");
       }
       size_t argv_bytes = 0;
@@ -390,6 +445,40 @@ bool DecodePayload(FrameType type, uint64_t id, Reader& r, size_t num_fds, Frame
       *frame = std::move(f);
       break;
     }
+    case FrameType::kStdin: {
+      StdinFrame f;
+      f.id = id;
+      if (!ReadData(r, &f.data, error)) {
+        return false;
+      }
+      *frame = std::move(f);
+      break;
+    }
+    case FrameType::kOutput: {
+      OutputFrame f;
+      f.id = id;
+      uint8_t stream = 0;
+      if (!r.U8(&stream)) {
+        return Fail(error, "truncated output frame");
+      }
+      if (stream != static_cast<uint8_t>(OutputStream::kStdout) &&
+          stream != static_cast<uint8_t>(OutputStream::kStderr)) {
+        return Fail(error, "unknown output stream " + std::to_string(stream));
+      }
+      f.stream = static_cast<OutputStream>(stream);
+      if (!ReadData(r, &f.data, error)) {
+        return false;
+      }
+      *frame = std::move(f);
+      break;
+    }
+    case FrameType::kReady: {
+      if (id != 0) {
+        return Fail(error, "ready frame id must be 0");
+      }
+      *frame = ReadyFrame{};
+      break;
+    }
     default:
       return Fail(error, "unknown frame type " + std::to_string(static_cast<unsigned>(type)));
   }
@@ -402,6 +491,9 @@ bool DecodePayload(FrameType type, uint64_t id, Reader& r, size_t num_fds, Frame
 }  // namespace
 
 size_t SpawnFdCount(uint32_t flags) {
+  if ((flags & kStreamStdio) != 0) {
+    return 0;
+  }
   size_t n = 0;
   for (uint32_t bit : {kStdinNull, kStdoutNull, kStderrNull}) {
     n += (flags & bit) ? 0 : 1;
@@ -479,6 +571,26 @@ DecodeResult DecodeFrame(std::string_view bytes, size_t num_fds) {
   return result;
 }
 
+std::string StreamPrefix(size_t frame_bytes) {
+  std::string out;
+  Writer(&out).U32(static_cast<uint32_t>(frame_bytes));
+  return out;
+}
+
+bool ParseStreamPrefix(std::string_view prefix, size_t* frame_bytes, std::string* error) {
+  Reader r(prefix);
+  uint32_t len = 0;
+  if (prefix.size() != kStreamPrefixBytes || !r.U32(&len)) {
+    return Fail(error, "stream prefix must be " + std::to_string(kStreamPrefixBytes) + " bytes");
+  }
+  if (len < kHeaderBytes || len > kMaxFrameBytes) {
+    return Fail(error, "stream frame length " + std::to_string(len) + " outside " +
+                           std::to_string(kHeaderBytes) + ".." + std::to_string(kMaxFrameBytes));
+  }
+  *frame_bytes = len;
+  return true;
+}
+
 const char* FrameTypeName(FrameType type) {
   switch (type) {
     case FrameType::kSpawn:
@@ -493,6 +605,12 @@ const char* FrameTypeName(FrameType type) {
       return "Exited";
     case FrameType::kError:
       return "Error";
+    case FrameType::kStdin:
+      return "Stdin";
+    case FrameType::kOutput:
+      return "Output";
+    case FrameType::kReady:
+      return "Ready";
   }
   return "unknown";
 }

@@ -5,7 +5,13 @@
 // Pure encode/decode functions: no I/O, no allocation larger than the frame being decoded, and
 // only the C++ standard library (pbox-init links this statically, and fuzzers can drive it).
 //
-// Transport: an AF_UNIX SOCK_SEQPACKET socketpair; one message carries exactly one frame.
+// Transports:
+//   seqpacket (native runtime): an AF_UNIX SOCK_SEQPACKET socketpair; one message carries
+//     exactly one frame, and Spawn passes the command's stdio as SCM_RIGHTS fds.
+//   stream (gVisor runtime, where fds cannot cross into the sandbox): a byte stream in each
+//     direction (pbox-init's stdin and stdout); every frame is preceded by its length as a
+//     u32 (kStreamPrefixBytes), and the command's stdio travels as Stdin/Output frames
+//     (Spawn flag kStreamStdio). pbox-init sends Ready once when it serves.
 // Every integer is little-endian.
 //
 // Header (16 bytes):
@@ -25,10 +31,13 @@
 //   agent -> init
 //     Spawn (1)        u32 flags, str cwd, strlist argv (count >= 1), strlist env.
 //                      flags bit 0/1/2: stdin/stdout/stderr is /dev/null (opened by init);
-//                      other bits must be 0. The message carries one SCM_RIGHTS fd for each
-//                      stream whose bit is clear, in the order stdin, stdout, stderr.
+//                      bit 3 (kStreamStdio): the streams whose bit is clear are pipes that
+//                      init relays as Stdin/Output frames (stream transport); other bits
+//                      must be 0. Without bit 3 the message carries one SCM_RIGHTS fd for
+//                      each stream whose bit is clear, in the order stdin, stdout, stderr.
 //                      argv bytes + env bytes <= kMaxArgEnvBytes; cwd <= kMaxPathBytes.
 //     Kill (2)         i32 signal (0..kMaxSignal), u8 whole_tree (0 or 1).
+//     Stdin (3)        bytes data (<= kMaxDataBytes): for the command's stdin; empty: close it.
 //   init -> agent
 //     Spawned (0x81)     i32 pid (> 0): the program was exec'd.
 //     SpawnFailed (0x82) u32 stage, i32 errno, i32 pid, str message (<= kMaxMessageBytes).
@@ -39,6 +48,12 @@
 //                        i64 user_us, i64 system_us, i64 max_rss_kb (wait4 rusage).
 //     Error (0x84)       str message: a frame with this id was refused (malformed, duplicate
 //                        id, ...).
+//     Output (0x85)      u8 stream (1 stdout, 2 stderr), bytes data (<= kMaxDataBytes): what
+//                        the command wrote; empty: that stream reached EOF. All output a
+//                        process wrote before it exited precedes its Exited frame.
+//     Ready (0x86)       empty payload, id 0: init serves (stream transport only).
+//
+// `bytes` is a u32 length and that many bytes of any value (NULs allowed).
 //
 // Frames larger than kMaxFrameBytes are refused by both sides.
 
@@ -59,6 +74,10 @@ inline constexpr size_t kMaxArgEnvBytes = 256 * 1024;
 inline constexpr size_t kMaxPathBytes = 4096;
 inline constexpr size_t kMaxMessageBytes = 4096;
 inline constexpr int kMaxSignal = 64;
+// Largest Stdin/Output payload.
+inline constexpr size_t kMaxDataBytes = 64 * 1024;
+// Length prefix of every frame on the stream transport.
+inline constexpr size_t kStreamPrefixBytes = 4;
 // Largest frame either side sends or accepts: a Spawn at its limits.
 inline constexpr size_t kMaxFrameBytes =
     kHeaderBytes + 4 + (4 + kMaxPathBytes) + 2 * 8 + kMaxArgEnvBytes;
@@ -68,16 +87,21 @@ inline constexpr size_t kMaxFds = 3;
 enum class FrameType : uint16_t {
   kSpawn = 1,
   kKill = 2,
+  kStdin = 3,
   kSpawned = 0x81,
   kSpawnFailed = 0x82,
   kExited = 0x83,
   kError = 0x84,
+  kOutput = 0x85,
+  kReady = 0x86,
 };
 
 inline constexpr uint32_t kStdinNull = 1u << 0;
 inline constexpr uint32_t kStdoutNull = 1u << 1;
 inline constexpr uint32_t kStderrNull = 1u << 2;
 inline constexpr uint32_t kAllNullFlags = kStdinNull | kStdoutNull | kStderrNull;
+inline constexpr uint32_t kStreamStdio = 1u << 3;
+inline constexpr uint32_t kAllSpawnFlags = kAllNullFlags | kStreamStdio;
 
 enum class SpawnStage : uint32_t {
   kSetup = 1,
@@ -125,10 +149,31 @@ struct ErrorFrame {
   std::string message;
 };
 
-using Frame =
-    std::variant<SpawnFrame, KillFrame, SpawnedFrame, SpawnFailedFrame, ExitedFrame, ErrorFrame>;
+struct StdinFrame {
+  uint64_t id = 0;
+  std::string data;  // empty: EOF
+};
 
-// Number of fds a Spawn frame with `flags` must carry (one per stream that is not /dev/null).
+enum class OutputStream : uint8_t {
+  kStdout = 1,
+  kStderr = 2,
+};
+
+struct OutputFrame {
+  uint64_t id = 0;
+  OutputStream stream = OutputStream::kStdout;
+  std::string data;  // empty: EOF
+};
+
+struct ReadyFrame {
+  uint64_t id = 0;
+};
+
+using Frame = std::variant<SpawnFrame, KillFrame, SpawnedFrame, SpawnFailedFrame, ExitedFrame,
+                           ErrorFrame, StdinFrame, OutputFrame, ReadyFrame>;
+
+// Number of fds a Spawn frame with `flags` must carry (one per stream that is not /dev/null;
+// none with kStreamStdio).
 size_t SpawnFdCount(uint32_t flags);
 
 // Bytes that argv and env occupy on the wire (each string plus its NUL), compared against
@@ -154,6 +199,14 @@ struct DecodeResult {
 // crashes on any input and never allocates more than bytes.size() plus small constants.
 // Thread-compatible.
 DecodeResult DecodeFrame(std::string_view bytes, size_t num_fds);
+
+// Stream transport: the 4-byte length prefix of a frame of `frame_bytes` bytes.
+std::string StreamPrefix(size_t frame_bytes);
+// Stream transport: parses a length prefix (exactly kStreamPrefixBytes bytes). Returns false
+// and sets `*error` when the length is 0 or over kMaxFrameBytes: the stream cannot be trusted
+// after that and must be closed.
+[[nodiscard]] bool ParseStreamPrefix(std::string_view prefix, size_t* frame_bytes,
+                                     std::string* error);
 
 // "Spawn", "Kill", ...; "unknown" for anything else.
 const char* FrameTypeName(FrameType type);

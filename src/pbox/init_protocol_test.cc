@@ -38,6 +38,12 @@ std::vector<Frame> SampleFrames() {
       ExitedFrame{12, -1, 9, 1234567, 89, 51200},
       ExitedFrame{13, 255, 0, 0, 0, 0},
       ErrorFrame{14, "bad frame: whatever"},
+      SpawnFrame{15, kStreamStdio | kStderrNull, "/", {"cat"}, {}},
+      StdinFrame{16, std::string("a\0b", 3)},
+      StdinFrame{17, ""},
+      OutputFrame{18, OutputStream::kStderr, std::string(kMaxDataBytes, 'x')},
+      OutputFrame{19, OutputStream::kStdout, ""},
+      ReadyFrame{},
   };
 }
 
@@ -57,6 +63,48 @@ TEST(InitProtocolTest, RoundTripsEveryFrameType) {
     // Re-encoding the decoded frame must give the same bytes (all fields survived).
     EXPECT_EQ(MustEncode(*r.frame), bytes);
   }
+}
+
+TEST(InitProtocolTest, StreamFramesCarryNoFdsAndKeepTheirData) {
+  // A streamed spawn relays its stdio: an fd beside it is refused.
+  SpawnFrame streamed{1, kStreamStdio, "/", {"cat"}, {}};
+  EXPECT_EQ(SpawnFdCount(streamed.flags), 0u);
+  std::string bytes = MustEncode(streamed);
+  EXPECT_FALSE(DecodeFrame(bytes, 1).frame.has_value());
+  ASSERT_TRUE(DecodeFrame(bytes, 0).frame.has_value());
+
+  OutputFrame out{5, OutputStream::kStdout, std::string("\0\xff\n", 3)};
+  DecodeResult r = DecodeFrame(MustEncode(out), 0);
+  ASSERT_TRUE(r.frame.has_value()) << r.error;
+  EXPECT_EQ(std::get<OutputFrame>(*r.frame).data, out.data);
+  EXPECT_EQ(std::get<OutputFrame>(*r.frame).stream, OutputStream::kStdout);
+
+  std::string wire;
+  std::string error;
+  EXPECT_FALSE(EncodeFrame(StdinFrame{1, std::string(kMaxDataBytes + 1, 'a')}, &wire, &error));
+  EXPECT_FALSE(EncodeFrame(OutputFrame{1, static_cast<OutputStream>(3), "x"}, &wire, &error));
+  EXPECT_FALSE(EncodeFrame(ReadyFrame{4}, &wire, &error));
+  // A stream number out of range on the wire is refused, as is a Ready with an id.
+  std::string bad = MustEncode(OutputFrame{1, OutputStream::kStderr, "x"});
+  bad[kHeaderBytes] = 7;
+  EXPECT_FALSE(DecodeFrame(bad, 0).frame.has_value());
+  std::string ready = MustEncode(ReadyFrame{});
+  ready[8] = 1;
+  EXPECT_FALSE(DecodeFrame(ready, 0).frame.has_value());
+}
+
+TEST(InitProtocolTest, StreamPrefixBoundsTheFrame) {
+  size_t n = 0;
+  std::string error;
+  ASSERT_TRUE(ParseStreamPrefix(StreamPrefix(kMaxFrameBytes), &n, &error)) << error;
+  EXPECT_EQ(n, kMaxFrameBytes);
+  ASSERT_TRUE(ParseStreamPrefix(StreamPrefix(kHeaderBytes), &n, &error)) << error;
+  EXPECT_EQ(n, kHeaderBytes);
+  EXPECT_FALSE(ParseStreamPrefix(StreamPrefix(kMaxFrameBytes + 1), &n, &error));
+  EXPECT_FALSE(ParseStreamPrefix(StreamPrefix(0), &n, &error));
+  EXPECT_FALSE(ParseStreamPrefix(StreamPrefix(kHeaderBytes - 1), &n, &error));
+  EXPECT_FALSE(ParseStreamPrefix(std::string("\xff\xff\xff\xff"), &n, &error));
+  EXPECT_FALSE(ParseStreamPrefix(std::string("\x10\0\0"), &n, &error));
 }
 
 TEST(InitProtocolTest, SpawnFieldsSurvive) {
@@ -91,7 +139,7 @@ TEST(InitProtocolTest, EncodeRefusesBadFrames) {
   EXPECT_NE(error.find("argv"), std::string::npos);
   EXPECT_FALSE(EncodeFrame(SpawnFrame{1, 0, "/", {std::string("a\0b", 3)}, {}}, &out, &error));
   EXPECT_FALSE(EncodeFrame(SpawnFrame{1, 0, std::string("/\0", 2), {"a"}, {}}, &out, &error));
-  EXPECT_FALSE(EncodeFrame(SpawnFrame{1, 8, "/", {"a"}, {}}, &out, &error));
+  EXPECT_FALSE(EncodeFrame(SpawnFrame{1, 16, "/", {"a"}, {}}, &out, &error));
   EXPECT_FALSE(
       EncodeFrame(SpawnFrame{1, 0, std::string(kMaxPathBytes + 1, 'a'), {"a"}, {}}, &out, &error));
   EXPECT_FALSE(EncodeFrame(KillFrame{1, -1, false}, &out, &error));

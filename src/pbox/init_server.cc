@@ -111,11 +111,57 @@ ExecPlan MakePlan(proto::SpawnFrame& frame, const std::string& default_path) {
   _exit(127);
 }
 
+bool ParseInt(const char* s, int* out);
+
 void CloseFrom(int first) {
   if (syscall(SYS_close_range, first, ~0U, 0) == 0) {
     return;
   }
-  // Kernels without close_range (and gVisor versions without it).
+  // Kernels without close_range (and gVisor versions without it): close what
+  // /proc/self/fd lists (read with getdents64, no allocation), which costs a system call per
+  // open fd instead of one per possible fd (a million under a high RLIMIT_NOFILE, seconds
+  // under gVisor's ptrace platform). Closing while listing is safe: entries are only
+  // removed behind the cursor, and a second pass catches anything missed.
+  for (int pass = 0; pass < 2; ++pass) {
+    int dir = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) {
+      break;
+    }
+    alignas(8) char buf[4096];
+    bool ok = true;
+    while (true) {
+      long n = syscall(SYS_getdents64, dir, buf, sizeof(buf));
+      if (n < 0) {
+        ok = false;
+        break;
+      }
+      if (n == 0) {
+        break;
+      }
+      for (long off = 0; off < n;) {
+        struct Dirent64 {
+          uint64_t ino;
+          int64_t off;
+          unsigned short reclen;
+          unsigned char type;
+          char name[1];
+        };
+        auto* d = reinterpret_cast<Dirent64*>(buf + off);
+        off += d->reclen;
+        int fd = 0;
+        if (ParseInt(d->name, &fd) && fd >= first && fd != dir) {
+          close(fd);
+        }
+      }
+    }
+    close(dir);
+    if (!ok) {
+      break;
+    }
+    if (pass == 1) {
+      return;
+    }
+  }
   long max = sysconf(_SC_OPEN_MAX);
   if (max < 0 || max > 65536) {
     max = 65536;
@@ -235,8 +281,11 @@ void SetBuffer(int fd, int force_opt, int opt, int bytes) {
 
 }  // namespace
 
-bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error) {
+bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error, bool* stream) {
   *channel_fd = 3;
+  if (stream != nullptr) {
+    *stream = false;
+  }
   for (int i = 1; i < argc; ++i) {
     const char* arg = argv[i];
     constexpr const char kFlag[] = "--channel-fd=";
@@ -245,12 +294,47 @@ bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error) 
         *error = std::string("bad --channel-fd value: ") + arg;
         return false;
       }
+    } else if (stream != nullptr && strcmp(arg, "--stream") == 0) {
+      *stream = true;
     } else {
-      *error = std::string("unknown flag: ") + arg + " (usage: pbox-init [--channel-fd=N])";
+      *error =
+          std::string("unknown flag: ") + arg + " (usage: pbox-init [--channel-fd=N] [--stream])";
       return false;
     }
   }
   return true;
+}
+
+UniqueFd InitServer::PrepareProcess(std::string* error) {
+  // Received fds take the lowest free numbers; keep 0-2 occupied so they never land there.
+  for (int fd = 0; fd < 3; ++fd) {
+    if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      int null_fd = open("/dev/null", O_RDWR);
+      if (null_fd >= 0 && null_fd != fd) {
+        close(null_fd);
+      }
+    }
+  }
+
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGCHLD);
+  if (sigprocmask(SIG_BLOCK, &mask, nullptr) != 0) {
+    *error = ErrnoText("sigprocmask", "SIGCHLD", errno);
+    return UniqueFd();
+  }
+  int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) {
+    *error = ErrnoText("signalfd", "SIGCHLD", errno);
+    return UniqueFd();
+  }
+  UniqueFd signal_fd(sfd);
+  if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0) {
+    *error = ErrnoText("prctl", "PR_SET_CHILD_SUBREAPER", errno);
+    return UniqueFd();
+  }
+  return signal_fd;
 }
 
 std::unique_ptr<InitServer> InitServer::Create(UniqueFd channel, InitServerOptions options,
@@ -276,61 +360,104 @@ std::unique_ptr<InitServer> InitServer::Create(UniqueFd channel, InitServerOptio
   }
   SetBuffer(channel.get(), SO_SNDBUFFORCE, SO_SNDBUF, 2 * proto::kMaxFrameBytes);
   SetBuffer(channel.get(), SO_RCVBUFFORCE, SO_RCVBUF, 2 * proto::kMaxFrameBytes);
-
-  // Received fds take the lowest free numbers; keep 0-2 occupied so they never land there.
-  for (int fd = 0; fd < 3; ++fd) {
-    if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
-      int null_fd = open("/dev/null", O_RDWR);
-      if (null_fd >= 0 && null_fd != fd) {
-        close(null_fd);
-      }
-    }
-  }
-
-  signal(SIGPIPE, SIG_IGN);
-  sigset_t mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGCHLD);
-  if (sigprocmask(SIG_BLOCK, &mask, nullptr) != 0) {
-    *error = ErrnoText("sigprocmask", "SIGCHLD", errno);
+  UniqueFd signal_fd = PrepareProcess(error);
+  if (!signal_fd.valid()) {
     return nullptr;
   }
-  int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-  if (sfd < 0) {
-    *error = ErrnoText("signalfd", "SIGCHLD", errno);
-    return nullptr;
-  }
-  UniqueFd signal_fd(sfd);
-  bool pid1 = getpid() == 1;
-  if (!pid1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0) {
-    *error = ErrnoText("prctl", "PR_SET_CHILD_SUBREAPER", errno);
-    return nullptr;
-  }
-  return std::unique_ptr<InitServer>(
-      new InitServer(std::move(channel), std::move(signal_fd), std::move(options), pid1));
+  return std::unique_ptr<InitServer>(new InitServer(std::move(channel), UniqueFd(),
+                                                    std::move(signal_fd), std::move(options),
+                                                    getpid() == 1, /*stream=*/false));
 }
 
-InitServer::InitServer(UniqueFd channel, UniqueFd signal_fd, InitServerOptions options, bool pid1)
+std::unique_ptr<InitServer> InitServer::CreateStream(UniqueFd in, UniqueFd out,
+                                                     InitServerOptions options,
+                                                     std::string* error) {
+  // The channel usually arrives on fds 0 and 1: move it above 2 (close-on-exec, so commands
+  // never inherit it) and let PrepareProcess put /dev/null there.
+  UniqueFd fds[2];
+  UniqueFd* given[2] = {&in, &out};
+  for (int i = 0; i < 2; ++i) {
+    struct stat st;
+    if (fstat(given[i]->get(), &st) != 0) {
+      *error = ErrnoText("fstat", "stream fd " + std::to_string(given[i]->get()), errno);
+      return nullptr;
+    }
+    if (!S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode)) {
+      *error = "stream fd " + std::to_string(given[i]->get()) + " is not a pipe or a socket";
+      return nullptr;
+    }
+    int fd = fcntl(given[i]->get(), F_DUPFD_CLOEXEC, 3);
+    if (fd < 0) {
+      *error = ErrnoText("fcntl", "F_DUPFD_CLOEXEC", errno);
+      return nullptr;
+    }
+    fds[i].Reset(fd);
+  }
+  in.Reset();
+  out.Reset();
+  if (fcntl(fds[0].get(), F_SETFL, O_NONBLOCK) != 0) {
+    *error = ErrnoText("fcntl", "O_NONBLOCK", errno);
+    return nullptr;
+  }
+  UniqueFd signal_fd = PrepareProcess(error);
+  if (!signal_fd.valid()) {
+    return nullptr;
+  }
+  std::unique_ptr<InitServer> server(new InitServer(std::move(fds[0]), std::move(fds[1]),
+                                                    std::move(signal_fd), std::move(options),
+                                                    getpid() == 1, /*stream=*/true));
+  server->Send(proto::ReadyFrame{});
+  if (server->channel_failed_) {
+    *error = "cannot send Ready on the stream";
+    return nullptr;
+  }
+  return server;
+}
+
+InitServer::InitServer(UniqueFd channel, UniqueFd out, UniqueFd signal_fd,
+                       InitServerOptions options, bool pid1, bool stream)
     : channel_(std::move(channel)),
+      out_(std::move(out)),
       signal_fd_(std::move(signal_fd)),
       options_(std::move(options)),
       pid1_(pid1),
+      stream_(stream),
       buffer_(proto::kMaxFrameBytes) {}
 
 InitServer::~InitServer() = default;
 
 int InitServer::Run() {
+  // What each polled fd is: the channel, the signalfd, a child's error pipe, or (stream
+  // transport) a command's stdin (kind 3) or stdout/stderr (kinds 4, 5).
+  struct Polled {
+    int kind;
+    uint64_t id;
+  };
   std::vector<pollfd> fds;
-  std::vector<uint64_t> pipe_ids;
+  std::vector<Polled> what;
   while (!channel_closed_) {
     fds.clear();
-    pipe_ids.clear();
+    what.clear();
     fds.push_back({channel_.get(), POLLIN, 0});
+    what.push_back({0, 0});
     fds.push_back({signal_fd_.get(), POLLIN, 0});
+    what.push_back({1, 0});
     for (const auto& [id, child] : children_) {
       if (child.err_pipe.valid()) {
         fds.push_back({child.err_pipe.get(), POLLIN, 0});
-        pipe_ids.push_back(id);
+        what.push_back({2, id});
+      }
+    }
+    for (const auto& [id, st] : streams_) {
+      if (st.stdin_write.valid() && (!st.stdin_pending.empty() || st.stdin_eof)) {
+        fds.push_back({st.stdin_write.get(), POLLOUT, 0});
+        what.push_back({3, id});
+      }
+      for (int i = 0; i < 2; ++i) {
+        if (st.out[i].valid()) {
+          fds.push_back({st.out[i].get(), POLLIN, 0});
+          what.push_back({4 + i, id});
+        }
       }
     }
     int n = poll(fds.data(), fds.size(), -1);
@@ -342,25 +469,86 @@ int InitServer::Run() {
       channel_failed_ = true;
       break;
     }
+    // Output before reaping, so that what a command wrote goes out before its Exited frame.
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) {
+        continue;
+      }
+      switch (what[i].kind) {
+        case 3:
+          FlushStdin(what[i].id);
+          break;
+        case 4:
+        case 5:
+          PumpOutput(what[i].id, what[i].kind - 4, /*drain=*/false);
+          break;
+        default:
+          break;
+      }
+    }
     if (fds[1].revents != 0) {
       signalfd_siginfo info;
       while (read(signal_fd_.get(), &info, sizeof(info)) == sizeof(info)) {
       }
       ReapChildren();
     }
-    for (size_t i = 0; i < pipe_ids.size(); ++i) {
-      if (fds[i + 2].revents != 0) {
-        HandleErrorPipe(pipe_ids[i]);
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents != 0 && what[i].kind == 2) {
+        HandleErrorPipe(what[i].id);
       }
     }
     if (fds[0].revents != 0) {
-      if (!ReadChannel()) {
+      if (!(stream_ ? ReadStream() : ReadChannel())) {
         break;
       }
     }
   }
   KillEverything();
   return channel_failed_ ? 1 : 0;
+}
+
+bool InitServer::ReadStream() {
+  char chunk[64 * 1024];
+  ssize_t n = read(channel_.get(), chunk, sizeof(chunk));
+  if (n < 0) {
+    if (errno == EINTR || errno == EAGAIN) {
+      return true;
+    }
+    Log("read on the stream: %s; shutting down", strerror(errno));
+    channel_failed_ = true;
+    channel_closed_ = true;
+    return false;
+  }
+  if (n == 0) {
+    channel_closed_ = true;
+    return false;
+  }
+  stream_in_.append(chunk, static_cast<size_t>(n));
+  size_t pos = 0;
+  while (stream_in_.size() - pos >= proto::kStreamPrefixBytes) {
+    size_t len = 0;
+    std::string error;
+    if (!proto::ParseStreamPrefix(
+            std::string_view(stream_in_).substr(pos, proto::kStreamPrefixBytes), &len, &error)) {
+      // Frame boundaries are lost: nothing after this can be trusted.
+      Log("bad stream frame: %s; shutting down", error.c_str());
+      channel_failed_ = true;
+      channel_closed_ = true;
+      return false;
+    }
+    if (stream_in_.size() - pos - proto::kStreamPrefixBytes < len) {
+      break;
+    }
+    Dispatch(proto::DecodeFrame(
+                 std::string_view(stream_in_).substr(pos + proto::kStreamPrefixBytes, len), 0),
+             {});
+    pos += proto::kStreamPrefixBytes + len;
+    if (channel_closed_) {
+      return false;
+    }
+  }
+  stream_in_.erase(0, pos);
+  return true;
 }
 
 bool InitServer::ReadChannel() {
@@ -406,23 +594,30 @@ bool InitServer::ReadChannel() {
   }
   proto::DecodeResult decoded =
       proto::DecodeFrame(std::string_view(buffer_.data(), static_cast<size_t>(n)), fds.size());
+  Dispatch(std::move(decoded), std::move(fds));
+  return !channel_closed_;
+}
+
+void InitServer::Dispatch(proto::DecodeResult decoded, std::vector<UniqueFd> fds) {
   if (!decoded.frame.has_value()) {
     Log("bad frame: %s", decoded.error.c_str());
     if (decoded.id.has_value()) {
       SendError(*decoded.id, "bad frame: " + decoded.error);
     }
-    return !channel_closed_;
+    return;
   }
   if (auto* spawn = std::get_if<proto::SpawnFrame>(&*decoded.frame)) {
     HandleSpawn(std::move(*spawn), std::move(fds));
   } else if (auto* kill_frame = std::get_if<proto::KillFrame>(&*decoded.frame)) {
     HandleKill(*kill_frame);
+  } else if (auto* stdin_frame = std::get_if<proto::StdinFrame>(&*decoded.frame);
+             stdin_frame != nullptr && stream_) {
+    HandleStdin(std::move(*stdin_frame));
   } else {
     const uint64_t id = std::visit([](const auto& f) { return f.id; }, *decoded.frame);
     Log("unexpected frame for id %llu from the agent", static_cast<unsigned long long>(id));
     SendError(id, "frame type not accepted by pbox-init");
   }
-  return !channel_closed_;
 }
 
 void InitServer::HandleSpawn(proto::SpawnFrame frame, std::vector<UniqueFd> fds) {
@@ -439,11 +634,35 @@ void InitServer::HandleSpawn(proto::SpawnFrame frame, std::vector<UniqueFd> fds)
     f.message = std::move(message);
     Send(f);
   };
+  const bool streamed = (frame.flags & proto::kStreamStdio) != 0;
+  if (streamed != stream_) {
+    SendError(id, streamed ? "streamed stdio needs the stream transport"
+                           : "the stream transport relays stdio: set kStreamStdio");
+    return;
+  }
   UniqueFd null_fd;
   int stdio[3];
   size_t next = 0;
   const uint32_t null_bits[3] = {proto::kStdinNull, proto::kStdoutNull, proto::kStderrNull};
+  // Streamed: init's ends of the command's stdio pipes, and the command's ends (closed in
+  // init once forked).
+  Streams streams;
+  UniqueFd child_ends[3];
   for (int i = 0; i < 3; ++i) {
+    if ((frame.flags & null_bits[i]) == 0 && streamed) {
+      int p[2];
+      if (pipe2(p, O_CLOEXEC) != 0) {
+        fail_setup(errno, ErrnoText("pipe2", "stdio", errno));
+        return;
+      }
+      UniqueFd read_end(p[0]), write_end(p[1]);
+      UniqueFd& mine = i == 0 ? streams.stdin_write : streams.out[i - 1];
+      mine = std::move(i == 0 ? write_end : read_end);
+      child_ends[i] = std::move(i == 0 ? read_end : write_end);
+      (void)fcntl(mine.get(), F_SETFL, O_NONBLOCK);
+      stdio[i] = child_ends[i].get();
+      continue;
+    }
     if ((frame.flags & null_bits[i]) == 0) {
       stdio[i] = fds[next++].get();
       continue;
@@ -474,6 +693,12 @@ void InitServer::HandleSpawn(proto::SpawnFrame frame, std::vector<UniqueFd> fds)
     ChildMain(plan, stdio, err_write.get());
   }
   err_write.Reset();
+  for (UniqueFd& end : child_ends) {
+    end.Reset();
+  }
+  if (streamed) {
+    streams_[id] = std::move(streams);
+  }
   (void)fcntl(err_read.get(), F_SETFL, O_NONBLOCK);
   Child child;
   child.id = id;
@@ -501,6 +726,8 @@ void InitServer::HandleErrorPipe(uint64_t id) {
     child.state = State::kRunning;
     Send(proto::SpawnedFrame{id, child.pid});
     if (child.early_exit.has_value()) {
+      PumpOutput(id, 0, /*drain=*/true);
+      PumpOutput(id, 1, /*drain=*/true);
       Send(*child.early_exit);
       Forget(id);
     }
@@ -575,6 +802,9 @@ void InitServer::ReapChildren() {
         child.early_exit = f;
         break;
       case State::kRunning:
+        // Everything the process wrote is in its pipes now: send it ahead of the exit.
+        PumpOutput(id, 0, /*drain=*/true);
+        PumpOutput(id, 1, /*drain=*/true);
         Send(f);
         Forget(id);
         break;
@@ -592,6 +822,96 @@ void InitServer::Forget(uint64_t id) {
   }
   ids_by_pid_.erase(it->second.pid);
   children_.erase(it);
+  // Nobody reads the command's stdin any more (a background child that still could is not
+  // worth holding data for); its output pipes stay until EOF.
+  if (auto st = streams_.find(id); st != streams_.end()) {
+    st->second.stdin_write.Reset();
+    st->second.stdin_pending.clear();
+    MaybeForgetStreams(id);
+  }
+}
+
+void InitServer::HandleStdin(proto::StdinFrame frame) {
+  auto it = streams_.find(frame.id);
+  if (it == streams_.end() || !it->second.stdin_write.valid()) {
+    return;  // exited, or stdin closed or never requested: the data has nowhere to go
+  }
+  if (frame.data.empty()) {
+    it->second.stdin_eof = true;
+  } else {
+    it->second.stdin_pending += frame.data;
+  }
+  FlushStdin(frame.id);
+}
+
+void InitServer::FlushStdin(uint64_t id) {
+  auto it = streams_.find(id);
+  if (it == streams_.end() || !it->second.stdin_write.valid()) {
+    return;
+  }
+  Streams& st = it->second;
+  while (!st.stdin_pending.empty()) {
+    ssize_t n = write(st.stdin_write.get(), st.stdin_pending.data(), st.stdin_pending.size());
+    if (n > 0) {
+      st.stdin_pending.erase(0, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0 && errno == EAGAIN) {
+      return;  // polled for POLLOUT
+    }
+    // EPIPE: the command closed its stdin; drop what it will never read.
+    st.stdin_pending.clear();
+    st.stdin_write.Reset();
+    return;
+  }
+  if (st.stdin_eof) {
+    st.stdin_write.Reset();
+  }
+}
+
+void InitServer::PumpOutput(uint64_t id, int stream, bool drain) {
+  auto it = streams_.find(id);
+  if (it == streams_.end() || !it->second.out[stream].valid()) {
+    return;
+  }
+  UniqueFd& fd = it->second.out[stream];
+  proto::OutputFrame f;
+  f.id = id;
+  f.stream = stream == 0 ? proto::OutputStream::kStdout : proto::OutputStream::kStderr;
+  std::string chunk(proto::kMaxDataBytes, '\0');
+  // Without `drain`, one read per wakeup keeps one chatty command from starving the others.
+  for (int reads = 0; drain || reads < 1; ++reads) {
+    ssize_t n = read(fd.get(), chunk.data(), chunk.size());
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0 && errno == EAGAIN) {
+      return;
+    }
+    if (n <= 0) {
+      f.data.clear();
+      Send(f);  // EOF (or a read error, which ends the stream the same way)
+      fd.Reset();
+      MaybeForgetStreams(id);
+      return;
+    }
+    f.data.assign(chunk.data(), static_cast<size_t>(n));
+    Send(f);
+    if (channel_closed_) {
+      return;
+    }
+  }
+}
+
+void InitServer::MaybeForgetStreams(uint64_t id) {
+  auto it = streams_.find(id);
+  if (it != streams_.end() && !it->second.stdin_write.valid() && !it->second.out[0].valid() &&
+      !it->second.out[1].valid() && children_.count(id) == 0) {
+    streams_.erase(it);
+  }
 }
 
 void InitServer::Send(const proto::Frame& frame) {
@@ -602,6 +922,14 @@ void InitServer::Send(const proto::Frame& frame) {
   std::string error;
   if (!proto::EncodeFrame(frame, &bytes, &error)) {
     Log("cannot encode a reply: %s", error.c_str());
+    return;
+  }
+  if (stream_) {
+    if (!WriteChannel(proto::StreamPrefix(bytes.size()) + bytes)) {
+      Log("write on the stream: %s; shutting down", strerror(errno));
+      channel_failed_ = true;
+      channel_closed_ = true;
+    }
     return;
   }
   while (true) {
@@ -617,6 +945,23 @@ void InitServer::Send(const proto::Frame& frame) {
     channel_closed_ = true;
     return;
   }
+}
+
+bool InitServer::WriteChannel(const std::string& bytes) {
+  // Blocking: the agent reads the stream all the time, so this waits only while the agent
+  // hands earlier output on.
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = write(out_.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
 }
 
 void InitServer::SendError(uint64_t id, const std::string& message) {

@@ -38,6 +38,12 @@ class InitServer {
   // those fails (not a socket, signalfd or prctl refused).
   static std::unique_ptr<InitServer> Create(UniqueFd channel, InitServerOptions options,
                                             std::string* error);
+  // The stream transport (init_protocol.h; the gVisor runtime): frames arrive on `in` and
+  // leave on `out` (pipes or stream sockets, pbox-init's stdin and stdout), each with a length
+  // prefix; commands' stdio is relayed as Stdin/Output frames. Sends Ready first. Otherwise
+  // as Create().
+  static std::unique_ptr<InitServer> CreateStream(UniqueFd in, UniqueFd out,
+                                                  InitServerOptions options, std::string* error);
   ~InitServer();
   InitServer(const InitServer&) = delete;
   InitServer& operator=(const InitServer&) = delete;
@@ -63,10 +69,32 @@ class InitServer {
     std::optional<init_protocol::ExitedFrame> early_exit;  // reaped while still kStarting
   };
 
-  InitServer(UniqueFd channel, UniqueFd signal_fd, InitServerOptions options, bool pid1);
+  // A streamed command's stdio as init holds it (stream transport). Lives until both output
+  // pipes reached EOF, which may be after the process exited (a background child keeps them).
+  struct Streams {
+    UniqueFd stdin_write;  // non-blocking
+    std::string stdin_pending;
+    bool stdin_eof = false;  // close stdin once stdin_pending is written
+    UniqueFd out[2];         // stdout, stderr read ends, non-blocking
+  };
+
+  InitServer(UniqueFd channel, UniqueFd out, UniqueFd signal_fd, InitServerOptions options,
+             bool pid1, bool stream);
+  // Sets up signals and fds 0-2 for Create and CreateStream.
+  static UniqueFd PrepareProcess(std::string* error);
 
   // Returns false when the channel is gone (EOF or error).
   bool ReadChannel();
+  bool ReadStream();
+  void Dispatch(init_protocol::DecodeResult decoded, std::vector<UniqueFd> fds);
+  void HandleStdin(init_protocol::StdinFrame frame);
+  // Writes pending stdin; closes it after EOF or when the command stopped reading.
+  void FlushStdin(uint64_t id);
+  // Reads what the command wrote into `stream` (0 stdout, 1 stderr) and sends it; with
+  // `drain`, until the pipe is empty. Sends EOF and closes the pipe at its end.
+  void PumpOutput(uint64_t id, int stream, bool drain);
+  void MaybeForgetStreams(uint64_t id);
+  bool WriteChannel(const std::string& bytes);
   void HandleSpawn(init_protocol::SpawnFrame frame, std::vector<UniqueFd> fds);
   void HandleKill(const init_protocol::KillFrame& frame);
   void HandleErrorPipe(uint64_t id);
@@ -80,9 +108,13 @@ class InitServer {
   void KillEverything();
 
   UniqueFd channel_;
+  UniqueFd out_;  // stream transport: where frames go (channel_ is then the read side)
   UniqueFd signal_fd_;
   InitServerOptions options_;
   const bool pid1_;
+  const bool stream_;
+  std::string stream_in_;  // stream transport: bytes read but not yet a whole frame
+  std::map<uint64_t, Streams> streams_;
   bool channel_failed_ = false;
   bool channel_closed_ = false;
   std::vector<char> buffer_;
@@ -90,7 +122,9 @@ class InitServer {
   std::map<pid_t, uint64_t> ids_by_pid_;
 };
 
-// Parses argv ("--channel-fd=N"; default 3). Returns false and sets `*error` on bad flags.
-bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error);
+// Parses argv ("--channel-fd=N"; default 3; "--stream": the stream transport on fds 0 and 1).
+// Returns false and sets `*error` on bad flags.
+bool ParseInitFlags(int argc, char** argv, int* channel_fd, std::string* error,
+                    bool* stream = nullptr);
 
 }  // namespace bragg::pbox

@@ -1,4 +1,5 @@
-// Drives the real static pbox-init binary over a socketpair through InitClient.
+// Drives the real static pbox-init binary through InitClient, on both transports: a
+// SOCK_SEQPACKET socketpair (fds passed) and the stream transport over pipes (stdio relayed).
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -77,6 +78,42 @@ Result<RunningInit> StartInit(bool new_pid_ns = false) {
   }
   BRAGG_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Adopt(pid));
   return RunningInit{std::move(child), std::move(agent)};
+}
+
+// Starts `pbox-init --stream` with pipes on its stdin and stdout, as the gVisor runtime does.
+Result<std::pair<RunningInit, UniqueFd>> StartStreamInit() {
+  BRAGG_ASSIGN_OR_RETURN(Pipe to_init, MakePipe());
+  BRAGG_ASSIGN_OR_RETURN(Pipe from_init, MakePipe());
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    return ErrnoError("fork", "");
+  }
+  if (pid == 0) {
+    if (::dup2(to_init.read.get(), 0) < 0 || ::dup2(from_init.write.get(), 1) < 0) {
+      _exit(120);
+    }
+    ::execl(kInitPath, "pbox-init", "--stream", nullptr);
+    _exit(127);
+  }
+  BRAGG_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Adopt(pid));
+  return std::pair{RunningInit{std::move(child), std::move(from_init.read)},
+                   std::move(to_init.write)};
+}
+
+// Reads exactly `n` bytes (the stream tests' frame reader).
+Status ReadFull(int fd, char* buf, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::read(fd, buf + got, n - got);
+    if (r < 0 && errno == EINTR) {
+      continue;
+    }
+    if (r <= 0) {
+      return absl::UnavailableError("short read");
+    }
+    got += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
 }
 
 bool ProcessGone(pid_t pid) {
@@ -161,15 +198,29 @@ struct Captured {
   std::string err;
 };
 
-class InitTest : public ::testing::Test {
+// GetParam(): the stream transport.
+class InitTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
-    auto init = StartInit();
-    ASSERT_TRUE(init.ok()) << init.status();
-    init_ = std::move(init->process);
-    auto client = InitClient::Create(std::move(init->channel));
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = std::move(*client);
+    // The stream client writes into pipes; pboxd ignores SIGPIPE, and so does this test.
+    ::signal(SIGPIPE, SIG_IGN);
+    if (GetParam()) {
+      auto init = StartStreamInit();
+      ASSERT_TRUE(init.ok()) << init.status();
+      init_ = std::move(init->first.process);
+      auto client =
+          InitClient::CreateStream(std::move(init->second), std::move(init->first.channel));
+      ASSERT_TRUE(client.ok()) << client.status();
+      client_ = std::move(*client);
+      ASSERT_TRUE(client_->WaitReady(milliseconds(10000)).ok());
+    } else {
+      auto init = StartInit();
+      ASSERT_TRUE(init.ok()) << init.status();
+      init_ = std::move(init->process);
+      auto client = InitClient::Create(std::move(init->channel));
+      ASSERT_TRUE(client.ok()) << client.status();
+      client_ = std::move(*client);
+    }
     auto dir = TempDir::Create("/tmp", "pbox-init-test-");
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = std::move(*dir);
@@ -244,7 +295,7 @@ class InitTest : public ::testing::Test {
   bool expect_clean_init_exit_ = true;
 };
 
-TEST_F(InitTest, ReportsExitCodes) {
+TEST_P(InitTest, ReportsExitCodes) {
   EXPECT_EQ(Run({"true"}).exit.exit_code, 0);
   Captured c = Run({"sh", "-c", "exit 3"});
   EXPECT_EQ(c.exit.exit_code, 3);
@@ -253,14 +304,14 @@ TEST_F(InitTest, ReportsExitCodes) {
   EXPECT_EQ(Run({"sh", "-c", "exit 255"}).exit.exit_code, 255);
 }
 
-TEST_F(InitTest, StdoutAndStderrGoThroughPipes) {
+TEST_P(InitTest, StdoutAndStderrGoThroughPipes) {
   Captured c = Run({"sh", "-c", "echo out; echo err >&2; echo more"});
   EXPECT_EQ(c.out, "out\nmore\n");
   EXPECT_EQ(c.err, "err\n");
   EXPECT_EQ(c.exit.exit_code, 0);
 }
 
-TEST_F(InitTest, StdinComesFromThePipe) {
+TEST_P(InitTest, StdinComesFromThePipe) {
   std::string input;
   for (int i = 0; i < 10000; ++i) {
     input += fmt::format("line {}\n", i);
@@ -270,7 +321,7 @@ TEST_F(InitTest, StdinComesFromThePipe) {
   EXPECT_EQ(c.exit.exit_code, 0);
 }
 
-TEST_F(InitTest, MinusOneMeansDevNull) {
+TEST_P(InitTest, MinusOneMeansDevNull) {
   auto out = MakePipe();
   ASSERT_TRUE(out.ok());
   // stdin is /dev/null, so cat sees EOF at once; stderr is /dev/null as well.
@@ -285,20 +336,20 @@ TEST_F(InitTest, MinusOneMeansDevNull) {
   EXPECT_EQ(exit->exit_code, 0);
 }
 
-TEST_F(InitTest, EnvIsExactlyWhatWasGiven) {
+TEST_P(InitTest, EnvIsExactlyWhatWasGiven) {
   // No PATH in env: the default PATH finds `env`.
   Captured c = Run({"env"}, {"A=1", "B=two words"});
   EXPECT_EQ(c.out, "A=1\nB=two words\n");
   EXPECT_EQ(c.exit.exit_code, 0);
 }
 
-TEST_F(InitTest, CwdIsHonoured) {
+TEST_P(InitTest, CwdIsHonoured) {
   Captured c = Run({"sh", "-c", "pwd; echo $FOO"}, {"FOO=bar"}, dir_.path());
   EXPECT_EQ(c.out, dir_.path() + "\nbar\n");
   EXPECT_EQ(Run({"pwd"}).out, "/\n");  // "" means "/"
 }
 
-TEST_F(InitTest, LooksUpArgv0InThePathFromEnv) {
+TEST_P(InitTest, LooksUpArgv0InThePathFromEnv) {
   ASSERT_TRUE(MakeDirs(dir_.path() + "/bin").ok());
   ASSERT_TRUE(MakeDirs(dir_.path() + "/noexec").ok());
   WriteScript("bin/mytool", "#!/bin/sh\necho mytool \"$@\"\n", 0755);
@@ -323,7 +374,7 @@ TEST_F(InitTest, LooksUpArgv0InThePathFromEnv) {
   EXPECT_EQ(Run({"plain"}, {"PATH=" + dir_.path() + "/bin"}).out, "plain script\n");
 }
 
-TEST_F(InitTest, MissingProgramYieldsEnoentAnd127) {
+TEST_P(InitTest, MissingProgramYieldsEnoentAnd127) {
   for (const std::string program : {"/nonexistent/program", "no-such-program-pbox"}) {
     SpawnRequest req;
     req.argv = {program, "arg"};
@@ -346,7 +397,7 @@ TEST_F(InitTest, MissingProgramYieldsEnoentAnd127) {
   EXPECT_EQ((*handle)->Wait()->spawn_errno, EACCES);
 }
 
-TEST_F(InitTest, BadCwdIsReportedLikeAnExecFailure) {
+TEST_P(InitTest, BadCwdIsReportedLikeAnExecFailure) {
   Captured c = Run({"true"}, {}, "/nonexistent-cwd");
   EXPECT_EQ(c.exit.spawn_errno, ENOENT);
   EXPECT_EQ(c.exit.exit_code, 127);
@@ -355,21 +406,21 @@ TEST_F(InitTest, BadCwdIsReportedLikeAnExecFailure) {
   EXPECT_EQ(Run({"true"}, {}, file).exit.spawn_errno, ENOTDIR);
 }
 
-TEST_F(InitTest, DeathBySignalIsReported) {
+TEST_P(InitTest, DeathBySignalIsReported) {
   Captured c = Run({"sh", "-c", "kill -TERM $$"});
   EXPECT_EQ(c.exit.signal, SIGTERM);
   EXPECT_EQ(c.exit.exit_code, -1);
   EXPECT_EQ(Run({"sh", "-c", "kill -KILL $$"}).exit.signal, SIGKILL);
 }
 
-TEST_F(InitTest, SignalsAreNotInheritedBlockedOrIgnored) {
+TEST_P(InitTest, SignalsAreNotInheritedBlockedOrIgnored) {
   // init ignores SIGPIPE and blocks SIGCHLD; the command must see defaults.
   Captured c = Run({"sh", "-c", "grep -E '^(SigBlk|SigIgn)' /proc/self/status"});
   EXPECT_NE(c.out.find("SigBlk:\t0000000000000000"), std::string::npos) << c.out;
   EXPECT_NE(c.out.find("SigIgn:\t0000000000000000"), std::string::npos) << c.out;
 }
 
-TEST_F(InitTest, CommandLeadsItsOwnSessionWithNoStrayFds) {
+TEST_P(InitTest, CommandLeadsItsOwnSessionWithNoStrayFds) {
   Captured c = Run({"sh", "-c", "ls /proc/self/fd"});
   // 0, 1, 2 and the fd ls opens for the directory; nothing of init's.
   EXPECT_EQ(c.out, "0\n1\n2\n3\n") << c.out;
@@ -385,7 +436,7 @@ TEST_F(InitTest, CommandLeadsItsOwnSessionWithNoStrayFds) {
   EXPECT_EQ(h->Wait(milliseconds(10000))->signal, SIGKILL);
 }
 
-TEST_F(InitTest, KillSignalsTheProcessGroup) {
+TEST_P(InitTest, KillSignalsTheProcessGroup) {
   auto out = MakePipe();
   ASSERT_TRUE(out.ok());
   auto h = SpawnOk({"sh", "-c", "sleep 100 & echo $!; wait"}, out->write.get());
@@ -402,7 +453,7 @@ TEST_F(InitTest, KillSignalsTheProcessGroup) {
   EXPECT_EQ(client_->Kill(h->id(), SIGTERM, false).code(), absl::StatusCode::kNotFound);
 }
 
-TEST_F(InitTest, KillWholeTreeReachesAProcessThatLeftTheGroup) {
+TEST_P(InitTest, KillWholeTreeReachesAProcessThatLeftTheGroup) {
   const std::string script = R"(perl -e '$|=1; setpgrp(0,0); print "$$\n"; sleep 100' & wait)";
   auto out_a = MakePipe();
   auto out_b = MakePipe();
@@ -434,7 +485,7 @@ TEST_F(InitTest, KillWholeTreeReachesAProcessThatLeftTheGroup) {
   EXPECT_TRUE(WaitGone(perl_a, milliseconds(5000)));
 }
 
-TEST_F(InitTest, ReportsRusage) {
+TEST_P(InitTest, ReportsRusage) {
   Captured busy = Run({"perl", "-e", "my $x = 0; $x += $_ for 1..5000000; print $x > 0"});
   EXPECT_EQ(busy.out, "1");
   EXPECT_GT(busy.exit.user_us, 0);
@@ -447,7 +498,7 @@ TEST_F(InitTest, ReportsRusage) {
   EXPECT_LT(Run({"true"}).exit.max_rss_kb, 50 * 1024);
 }
 
-TEST_F(InitTest, ManyConcurrentSpawnsAllComplete) {
+TEST_P(InitTest, ManyConcurrentSpawnsAllComplete) {
   constexpr int kThreads = 8;
   constexpr int kPerThread = 25;
   std::atomic<int> ok{0};
@@ -483,7 +534,7 @@ TEST_F(InitTest, ManyConcurrentSpawnsAllComplete) {
   EXPECT_EQ(ok.load(), kThreads * kPerThread);
 }
 
-TEST_F(InitTest, DoneFdBecomesReadableAndWaitTimesOut) {
+TEST_P(InitTest, DoneFdBecomesReadableAndWaitTimesOut) {
   auto h = SpawnOk({"sleep", "0.3"});
   ASSERT_NE(h, nullptr);
   EXPECT_GT(h->pid(), 0);
@@ -498,7 +549,7 @@ TEST_F(InitTest, DoneFdBecomesReadableAndWaitTimesOut) {
   EXPECT_EQ(h->Wait()->exit_code, 0);  // repeatable
 }
 
-TEST_F(InitTest, OrphansAreReaped) {
+TEST_P(InitTest, OrphansAreReaped) {
   // Five grandchildren are orphaned at once; init (a subreaper here) must reap them.
   Captured c = Run({"sh", "-c", "for i in 1 2 3 4 5; do (sleep 0.2 &); done; exit 0"});
   EXPECT_EQ(c.exit.exit_code, 0);
@@ -523,7 +574,7 @@ TEST_F(InitTest, OrphansAreReaped) {
   EXPECT_EQ(zombies_or_children(), 0);
 }
 
-TEST_F(InitTest, ClosingTheChannelKillsEverything) {
+TEST_P(InitTest, ClosingTheChannelKillsEverything) {
   auto out = MakePipe();
   ASSERT_TRUE(out.ok());
   // `setsid` escapes the session; the subreaper shutdown must still find it.
@@ -542,7 +593,7 @@ TEST_F(InitTest, ClosingTheChannelKillsEverything) {
   EXPECT_EQ(exit.status().code(), absl::StatusCode::kUnavailable);
 }
 
-TEST_F(InitTest, RefusesBadRequestsWithoutSending) {
+TEST_P(InitTest, RefusesBadRequestsWithoutSending) {
   SpawnRequest big;
   big.argv = {"echo", std::string(InitClient::kMaxSpawnBytes, 'x')};
   auto r = client_->Spawn(big);
@@ -585,7 +636,7 @@ TEST_F(InitTest, RefusesBadRequestsWithoutSending) {
   EXPECT_EQ((*h)->Wait()->exit_code, 0);
 }
 
-TEST_F(InitTest, InitDeathFailsEverythingPending) {
+TEST_P(InitTest, InitDeathFailsEverythingPending) {
   expect_clean_init_exit_ = false;
   auto h = SpawnOk({"sleep", "1000"});
   ASSERT_NE(h, nullptr);
@@ -603,6 +654,76 @@ TEST_F(InitTest, InitDeathFailsEverythingPending) {
   // The orphaned sleep is not init's business any more; clean it up.
   ::kill(h->pid(), SIGKILL);
 }
+
+TEST_P(InitTest, LargeBinaryStdinAndOutputRoundTrip) {
+  // 1 MiB of every byte value (NULs included) through cat, and a second copy to stderr: both
+  // must arrive whole, in order, before the exit is known.
+  std::string input;
+  for (size_t i = 0; i < (1u << 20); ++i) {
+    input.push_back(static_cast<char>((i * 131 + i / 251) & 0xff));
+  }
+  auto in = MakePipe();
+  auto out = MakePipe();
+  auto err = MakePipe();
+  ASSERT_TRUE(in.ok() && out.ok() && err.ok());
+  SpawnRequest req;
+  req.argv = {"sh", "-c", "tee /dev/stderr"};
+  req.stdin_fd = in->read.get();
+  req.stdout_fd = out->write.get();
+  req.stderr_fd = err->write.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  in->read.Reset();
+  out->write.Reset();
+  err->write.Reset();
+  std::thread writer([&] {
+    EXPECT_TRUE(WriteAll(in->write.get(), input).ok());
+    in->write.Reset();
+  });
+  std::string got_err;
+  std::thread err_reader([&] { EXPECT_TRUE(ReadToEof(err->read.get(), &got_err)); });
+  std::string got_out;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got_out, milliseconds(30000)));
+  writer.join();
+  err_reader.join();
+  EXPECT_EQ(got_out.size(), input.size());
+  EXPECT_TRUE(got_out == input);
+  EXPECT_TRUE(got_err == input);
+  EXPECT_EQ((*h)->Wait(milliseconds(30000))->exit_code, 0);
+}
+
+TEST_P(InitTest, OutputWrittenJustBeforeExitIsNotLost) {
+  for (int i = 0; i < 20; ++i) {
+    Captured c = Run({"sh", "-c", "head -c 200000 /dev/zero; echo end >&2; exit 7"});
+    EXPECT_EQ(c.exit.exit_code, 7);
+    EXPECT_EQ(c.out.size(), 200000u);
+    EXPECT_EQ(c.err, "end\n");
+  }
+}
+
+TEST_P(InitTest, ACommandThatClosesStdinEarlyDoesNotStallOthers) {
+  // `true` never reads its stdin; the data sent for it must be dropped, not block init.
+  auto in = MakePipe();
+  ASSERT_TRUE(in.ok());
+  SpawnRequest req;
+  req.argv = {"true"};
+  req.stdin_fd = in->read.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  in->read.Reset();
+  EXPECT_EQ((*h)->Wait(milliseconds(10000))->exit_code, 0);
+  std::thread writer([&] {
+    (void)WriteAll(in->write.get(), std::string(256 * 1024, 'x'));  // EPIPE is fine
+    in->write.Reset();
+  });
+  EXPECT_EQ(Run({"echo", "still here"}).out, "still here\n");
+  writer.join();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, InitTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Stream" : "SeqPacket";
+                         });
 
 // Talks to pbox-init directly with hand-made frames.
 class RawInitTest : public ::testing::Test {
@@ -762,6 +883,86 @@ TEST(InitPid1Test, ClosingTheChannelKillsThePidNamespace) {
   auto exit = init->process.Wait(milliseconds(5000));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(exit->exit_code, 0);
+}
+
+// The stream transport against hostile bytes: a bad frame inside a well-formed prefix is
+// answered with an Error frame and the stream goes on; a prefix that loses the frame boundary
+// ends pbox-init (exit 1), killing what it ran.
+TEST(StreamInitTest, SurvivesBadFramesAndStopsOnABrokenStream) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto init = StartStreamInit();
+  ASSERT_TRUE(init.ok()) << init.status();
+  ChildProcess process = std::move(init->first.process);
+  UniqueFd from_init = std::move(init->first.channel);
+  UniqueFd to_init = std::move(init->second);
+  auto read_frame = [&]() -> std::optional<proto::Frame> {
+    std::string prefix(proto::kStreamPrefixBytes, '\0');
+    if (!ReadFull(from_init.get(), prefix.data(), prefix.size()).ok()) {
+      return std::nullopt;
+    }
+    size_t len = 0;
+    std::string error;
+    if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
+      return std::nullopt;
+    }
+    std::string body(len, '\0');
+    if (!ReadFull(from_init.get(), body.data(), len).ok()) {
+      return std::nullopt;
+    }
+    return proto::DecodeFrame(body, 0).frame;
+  };
+  auto ready = read_frame();
+  ASSERT_TRUE(ready.has_value());
+  EXPECT_TRUE(std::holds_alternative<proto::ReadyFrame>(*ready));
+
+  // A header with id 42 and garbage behind it, correctly framed: Error for id 42.
+  std::string bad;
+  std::string error;
+  ASSERT_TRUE(proto::EncodeFrame(proto::KillFrame{42, 9, false}, &bad, &error));
+  bad += "trailing";
+  ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(bad.size()) + bad).ok());
+  auto answer = read_frame();
+  ASSERT_TRUE(answer.has_value());
+  auto* e = std::get_if<proto::ErrorFrame>(&*answer);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->id, 42u);
+
+  // A Spawn without kStreamStdio asks for fds the stream cannot carry: refused.
+  std::string spawn;
+  ASSERT_TRUE(proto::EncodeFrame(proto::SpawnFrame{7, 0, "/", {"true"}, {}}, &spawn, &error));
+  ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(spawn.size()) + spawn).ok());
+  answer = read_frame();
+  ASSERT_TRUE(answer.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::ErrorFrame>(*answer));
+
+  // A streamed Spawn works, with its output relayed.
+  ASSERT_TRUE(proto::EncodeFrame(
+      proto::SpawnFrame{
+          8, proto::kStreamStdio | proto::kStdinNull | proto::kStderrNull, "/", {"echo", "hi"}, {}},
+      &spawn, &error));
+  ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(spawn.size()) + spawn).ok());
+  std::string out;
+  bool exited = false;
+  bool eof = false;
+  while (!exited || !eof) {
+    answer = read_frame();
+    ASSERT_TRUE(answer.has_value());
+    if (auto* o = std::get_if<proto::OutputFrame>(&*answer)) {
+      ASSERT_FALSE(exited) << "output after the exit";
+      out += o->data;
+      eof = o->data.empty();
+    } else if (auto* x = std::get_if<proto::ExitedFrame>(&*answer)) {
+      EXPECT_EQ(x->exit_code, 0);
+      exited = true;
+    }
+  }
+  EXPECT_EQ(out, "hi\n");
+
+  // A length of 4 GiB - 1: the frame boundary is lost, init gives up with exit 1.
+  ASSERT_TRUE(WriteAll(to_init.get(), std::string("\xff\xff\xff\xff", 4)).ok());
+  auto exit = process.Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 1);
 }
 
 }  // namespace

@@ -40,7 +40,13 @@ int main(int argc, char** argv) {
                  "idle TTL in seconds of sandboxes created outside a session")
       ->capture_default_str();
   app.add_option("--metrics-listen", config.metrics_listen, "HOST:PORT for /metrics");
-  app.add_option("--runtime", config.runtime, "default runtime")->capture_default_str();
+  app.add_option("--runtime", config.runtime, "default runtime: native or gvisor")
+      ->capture_default_str();
+  app.add_option("--gvisor-platform", config.gvisor_platform,
+                 "runsc platform for gVisor sandboxes: ptrace, systrap or kvm")
+      ->capture_default_str();
+  app.add_option("--runsc", config.runsc, "runsc binary for the gVisor runtime")
+      ->capture_default_str();
   app.add_option("--image", images, "NAME=DIR: a directory image; repeatable");
   app.add_option("--max-image-bytes", max_image,
                  "largest image `pbox image import` accepts (the archive, and its unpacked files)")

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -28,6 +29,10 @@ Result<std::unique_ptr<TestAgent>> TestAgent::Start(const AgentOptions& options)
     ::chmod(token_file.c_str(), 0600);
     a->flags_.insert(a->flags_.end(),
                      {"--listen", "tcp://127.0.0.1:0", "--token-file", token_file});
+  }
+  // PBOX_TEST_RUNTIME=gvisor runs the same tests on the gVisor runtime (the agent's default).
+  if (const char* runtime = ::getenv("PBOX_TEST_RUNTIME"); runtime != nullptr && *runtime) {
+    a->flags_.insert(a->flags_.end(), {"--runtime", runtime});
   }
   a->flags_.insert(a->flags_.end(), options.extra_flags.begin(), options.extra_flags.end());
   BRAGG_RETURN_IF_ERROR(a->Launch());

@@ -27,7 +27,10 @@ check() {  # check NAME EXPECTED ACTUAL
   fi
 }
 
-check "info shows the runtime" "runtime:        native (available: native)" \
+# gVisor is listed where runsc is installed.
+runtimes="native"
+if command -v runsc > /dev/null || [ -x /usr/sbin/runsc ]; then runtimes="native, gvisor"; fi
+check "info shows the runtime" "runtime:        native (available: $runtimes)" \
   "$("$PBOX" info | grep '^runtime')"
 id=$("$PBOX" create --memory 128M --disk 64M --env GREETING=hello --label job=ci)
 check "create prints an id" "sb-" "${id:0:3}"

@@ -63,6 +63,9 @@ class Agent:
         self.ready_file = root / "ready.json"
         self.log_path = root / "pboxd.log"
         self.extra = list(extra or [])
+        # --runtime / $PBOX_TEST_RUNTIME: the agent's default runtime (native or gvisor).
+        if TEST_RUNTIME:
+            self.extra = ["--runtime", TEST_RUNTIME] + self.extra
         self.token_file: Optional[Path] = None
         if tcp_token is not None:
             self.token_file = root / "token"
@@ -144,6 +147,27 @@ class Agent:
             self.proc.wait()
 
 
+# The runtime the suite's agents default to: `pytest --runtime gvisor` or
+# PBOX_TEST_RUNTIME=gvisor; empty: the agent's own default (native).
+TEST_RUNTIME = os.environ.get("PBOX_TEST_RUNTIME", "")
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--runtime", default=None,
+                     help="default runtime of the agents under test: native or gvisor")
+
+
+def pytest_configure(config) -> None:
+    global TEST_RUNTIME
+    if config.getoption("--runtime"):
+        TEST_RUNTIME = config.getoption("--runtime")
+
+
+def on_gvisor() -> bool:
+    """For tests that cannot hold under gVisor (skip them with the reason)."""
+    return TEST_RUNTIME == "gvisor"
+
+
 def _require_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("pboxd needs root (namespaces, mounts, cgroups)")
@@ -155,6 +179,8 @@ def pboxd_binary() -> str:
     binary = _find_pboxd()
     if binary is None or not os.access(binary, os.X_OK):
         pytest.skip("pboxd binary not found: build it or set $PBOXD")
+    if on_gvisor() and shutil.which("runsc") is None and not os.access("/usr/sbin/runsc", os.X_OK):
+        pytest.skip("runsc is not installed (Debian package runsc): no gVisor runtime here")
     return binary
 
 

@@ -1,0 +1,380 @@
+#include "pbox/gvisor_runtime.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "common/fs.h"
+#include "common/process.h"
+#include "fmt/format.h"
+#include "nlohmann/json.hpp"
+#include "spdlog/spdlog.h"
+
+namespace bragg::pbox {
+namespace {
+
+// Where pbox-init appears inside the sandbox (a read-only bind of the agent's binary; /dev is
+// the sentry's own tmpfs, so nothing shows up in the sandbox's root filesystem).
+constexpr char kInitInSandbox[] = "/dev/pbox-init";
+constexpr auto kReadyTimeout = std::chrono::seconds(60);
+
+Result<std::string> FindInPath(const std::string& name) {
+  if (name.find('/') != std::string::npos) {
+    if (::access(name.c_str(), X_OK) != 0) {
+      return absl::FailedPreconditionError(fmt::format(
+          "runsc not found at {}: install the Debian package runsc or pass --runsc", name));
+    }
+    return name;
+  }
+  const char* path = ::getenv("PATH");
+  std::stringstream dirs(path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+  }
+  for (const char* dir2 : {"/usr/sbin", "/usr/bin", "/usr/local/bin"}) {
+    std::string candidate = std::string(dir2) + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+  }
+  return absl::FailedPreconditionError(fmt::format(
+      "{} not found in PATH: the gVisor runtime needs runsc (Debian package runsc) or --runsc",
+      name));
+}
+
+// Mount points at or below `dir`, deepest first.
+std::vector<std::string> MountsUnder(const std::string& dir) {
+  std::vector<std::string> out;
+  auto info = ReadFileToString("/proc/self/mountinfo");
+  if (!info.ok()) {
+    return out;
+  }
+  std::istringstream lines(*info);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, devno, root, mount_point;
+    fields >> id >> parent >> devno >> root >> mount_point;
+    // mountinfo escapes spaces and the like as \ooo; our paths have none.
+    if (mount_point == dir || mount_point.rfind(dir + "/", 0) == 0) {
+      out.push_back(mount_point);
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  return out;
+}
+
+std::string LogTail(const std::string& path) {
+  auto text = ReadFileToString(path);
+  if (!text.ok() || text->empty()) {
+    return "no output from runsc";
+  }
+  std::string t = *text;
+  if (t.size() > 2000) {
+    t = "..." + t.substr(t.size() - 2000);
+  }
+  while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) {
+    t.pop_back();
+  }
+  return t;
+}
+
+class GvisorSandbox : public RuntimeSandbox {
+ public:
+  GvisorSandbox(std::string bundle, ScopedMount layer, ScopedMount rootfs,
+                std::vector<ScopedMount> inner, Cgroup* cgroup)
+      : bundle_(std::move(bundle)),
+        layer_(std::move(layer)),
+        rootfs_(std::move(rootfs)),
+        inner_(std::move(inner)),
+        cgroup_(cgroup) {}
+
+  ~GvisorSandbox() override { (void)Stop(); }
+
+  InitClient* init() override { return init_.get(); }
+  const SandboxFs& fs() const override { return *fs_; }
+  pid_t init_pid() const override { return runsc_pid_; }
+
+  Status Stop() override {
+    if (stopped_) {
+      return absl::OkStatus();
+    }
+    stopped_ = true;
+    // runsc, the sentry, the gofer and (inside the sentry) every sandboxed process.
+    Status status = cgroup_->KillAll();
+    if (runsc_.running()) {
+      (void)runsc_.Signal(SIGKILL);
+      auto exit = runsc_.Wait(std::chrono::milliseconds(10000));
+      if (!exit.ok()) {
+        status.Update(Annotate(exit.status(), "waiting for runsc"));
+      }
+    }
+    // init_ stays: commands still holding it get Unavailable from the dead stream. The
+    // rootfs goes now (lazily: SandboxFs may still hold its root fd).
+    for (auto it = inner_.rbegin(); it != inner_.rend(); ++it) {
+      status.Update(it->Unmount());
+    }
+    status.Update(rootfs_.Unmount());
+    status.Update(layer_.Unmount());
+    if (Status s = RemoveTree(bundle_); !s.ok()) {
+      status.Update(s);
+    }
+    return status;
+  }
+
+  std::string bundle_;
+  ScopedMount layer_;
+  ScopedMount rootfs_;
+  std::vector<ScopedMount> inner_;  // binds and masks inside the rootfs, in mount order
+  Cgroup* cgroup_;
+  ChildProcess runsc_;
+  pid_t runsc_pid_ = -1;
+  std::unique_ptr<InitClient> init_;
+  std::optional<SandboxFs> fs_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
+                               const std::string& rootfs) {
+  using nlohmann::json;
+  json mounts = json::array();
+  mounts.push_back({{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}});
+  mounts.push_back({{"destination", "/dev"},
+                    {"type", "tmpfs"},
+                    {"source", "tmpfs"},
+                    {"options", {"nosuid", "strictatime", "mode=755", "size=65536k"}}});
+  mounts.push_back(
+      {{"destination", "/dev/shm"},
+       {"type", "tmpfs"},
+       {"source", "shm"},
+       {"options",
+        {"nosuid", "noexec", "nodev", "mode=1777", fmt::format("size={}", spec.shm_bytes)}}});
+  // runsc mounts its own tmpfs on /tmp unless the spec mounts something there: bind the
+  // rootfs's /tmp onto itself so that /tmp is the sandbox's disk like everywhere else (the
+  // agent's file API sees it, and it counts against the writable layer's size).
+  mounts.push_back({{"destination", "/tmp"},
+                    {"type", "bind"},
+                    {"source", rootfs + "/tmp"},
+                    {"options", {"rbind", "rw", "nosuid", "nodev"}}});
+  // The image's binds (the "host" image's /usr) are mounted on the host inside the rootfs
+  // (GvisorRuntime::Start), where the gofer serves them like the rest of the tree.
+  mounts.push_back({{"destination", kInitInSandbox},
+                    {"type", "bind"},
+                    {"source", init_path},
+                    {"options", {"bind", "ro"}}});
+  json no_caps = json::array();
+  json config = {{"ociVersion", "1.0.0"},
+                 {"process",
+                  {{"terminal", false},
+                   {"user", {{"uid", 0}, {"gid", 0}}},
+                   {"args", {kInitInSandbox, "--stream"}},
+                   {"env", {"PATH=/usr/local/bin:/usr/bin:/bin"}},
+                   {"cwd", "/"},
+                   // No capabilities and no_new_privs, as on the native runtime.
+                   {"capabilities",
+                    {{"bounding", no_caps},
+                     {"effective", no_caps},
+                     {"inheritable", no_caps},
+                     {"permitted", no_caps},
+                     {"ambient", no_caps}}},
+                   {"noNewPrivileges", true}}},
+                 {"root", {{"path", "rootfs"}, {"readonly", false}}},
+                 {"hostname", spec.hostname.empty() ? "pbox" : spec.hostname},
+                 {"mounts", mounts},
+                 {"linux",
+                  {{"namespaces",
+                    {{{"type", "pid"}},
+                     {{"type", "network"}},
+                     {{"type", "ipc"}},
+                     {{"type", "uts"}},
+                     {{"type", "mount"}}}}}}};
+  return config.dump(1) + "\n";
+}
+
+Status GvisorRuntime::RemoveStale(const std::string& dir) {
+  std::vector<std::string> mounts = MountsUnder(dir);
+  for (const std::string& m : mounts) {
+    if (::umount2(m.c_str(), MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT) {
+      return ErrnoError("umount2", m);
+    }
+  }
+  if (!mounts.empty()) {
+    spdlog::warn("removed {} mounts of gVisor sandboxes left by a previous agent", mounts.size());
+  }
+  return RemoveTree(dir);
+}
+
+Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntimeOptions& options) {
+  if (options.platform != "ptrace" && options.platform != "systrap" && options.platform != "kvm") {
+    return absl::InvalidArgumentError(
+        fmt::format("--gvisor-platform {}: expected ptrace, systrap or kvm", options.platform));
+  }
+  BRAGG_ASSIGN_OR_RETURN(std::string runsc, FindInPath(options.runsc));
+  if (::access(options.init_path.c_str(), R_OK) != 0) {
+    return Annotate(ErrnoError("access", options.init_path),
+                    "pbox-init not found: pass --init-path or install it beside pboxd");
+  }
+  std::unique_ptr<GvisorRuntime> rt(new GvisorRuntime(options, runsc));
+  rt->dir_ = options.state_dir + "/gvisor";
+  BRAGG_RETURN_IF_ERROR(RemoveStale(rt->dir_));
+  BRAGG_RETURN_IF_ERROR(MakeDirs(rt->dir_, 0700));
+  return rt;
+}
+
+Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& spec) {
+  if (spec.image == nullptr || spec.cgroup == nullptr) {
+    return absl::InvalidArgumentError("GvisorRuntime::Start: image and cgroup are required");
+  }
+  const std::string bundle = fmt::format("{}/{}", dir_, spec.id);
+  const std::string layer_dir = bundle + "/layer";
+  const std::string rootfs = bundle + "/rootfs";
+  const std::string log_path = bundle + "/runsc.log";
+  BRAGG_RETURN_IF_ERROR(MakeDirs(layer_dir, 0700));
+  BRAGG_RETURN_IF_ERROR(MakeDirs(rootfs, 0755));
+  // Everything made from here on goes with the bundle if a later step fails.
+  struct BundleGuard {
+    std::string dir;
+    bool armed = true;
+    ~BundleGuard() {
+      if (armed) {
+        (void)GvisorRuntime::RemoveStale(dir);
+      }
+    }
+  } guard{bundle};
+
+  BRAGG_ASSIGN_OR_RETURN(ScopedMount layer,
+                         ScopedMount::Mount("pbox", layer_dir, "tmpfs", MS_NOSUID | MS_NODEV,
+                                            fmt::format("size={},mode=0755", spec.disk_bytes)));
+  BRAGG_RETURN_IF_ERROR(MakeDirs(layer_dir + "/upper", 0755));
+  BRAGG_RETURN_IF_ERROR(MakeDirs(layer_dir + "/work", 0755));
+  std::string lower;
+  for (const std::string& dir : spec.image->lower_dirs) {
+    lower += (lower.empty() ? "" : ":") + dir;
+  }
+  BRAGG_ASSIGN_OR_RETURN(
+      ScopedMount root,
+      ScopedMount::Mount("overlay", rootfs, "overlay", MS_NOSUID | MS_NODEV,
+                         fmt::format("lowerdir={},upperdir={}/upper,workdir={}/work", lower,
+                                     layer_dir, layer_dir)));
+  if (::mkdir((rootfs + "/tmp").c_str(), 01777) != 0 && errno != EEXIST) {
+    return ErrnoError("mkdir", rootfs + "/tmp");
+  }
+  // On the host, inside the rootfs: the image's read-only binds (as on the native runtime),
+  // and an empty read-only tmpfs where gVisor mounts its own /proc, so that the agent's file
+  // API neither reads nor writes beneath it. (/dev cannot be masked the same way: runsc
+  // needs to create mount points there.)
+  std::vector<ScopedMount> inner;
+  for (const BindMount& b : spec.image->binds) {
+    const std::string target = rootfs + b.target;
+    BRAGG_RETURN_IF_ERROR(MakeDirs(target, 0755));
+    BRAGG_ASSIGN_OR_RETURN(ScopedMount m,
+                           ScopedMount::Mount(b.source, target, "", MS_BIND | MS_REC));
+    inner.push_back(std::move(m));
+    if (::mount(nullptr, target.c_str(), nullptr,
+                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
+      return ErrnoError("mount", "read-only remount of " + target);
+    }
+  }
+  {
+    const std::string target = rootfs + "/proc";
+    BRAGG_RETURN_IF_ERROR(MakeDirs(target, 0755));
+    BRAGG_ASSIGN_OR_RETURN(ScopedMount m,
+                           ScopedMount::Mount("pbox-mask", target, "tmpfs",
+                                              MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                              "size=4k,nr_inodes=1,mode=0555"));
+    inner.push_back(std::move(m));
+  }
+  BRAGG_RETURN_IF_ERROR(WriteStringToFile(bundle + "/config.json",
+                                          GvisorBundleConfig(spec, options_.init_path, rootfs)));
+
+  auto sandbox = std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root),
+                                                 std::move(inner), spec.cgroup);
+  guard.armed = false;  // the sandbox owns the bundle now; its Stop() removes it
+
+  // Everything the forked child needs, prepared before fork (the agent is multithreaded).
+  std::vector<std::string> args = {runsc_path_,
+                                   "--root=" + bundle + "/runsc-root",
+                                   "--platform=" + options_.platform,
+                                   "--network=none",
+                                   "--file-access=shared",
+                                   "--ignore-cgroups",
+                                   "run",
+                                   "--bundle=" + bundle,
+                                   spec.id};
+  std::vector<char*> argv;
+  for (std::string& a : args) {
+    argv.push_back(a.data());
+  }
+  argv.push_back(nullptr);
+  std::vector<std::string> procs = spec.cgroup->ProcsFiles();
+  BRAGG_ASSIGN_OR_RETURN(Pipe to_init, MakePipe());
+  BRAGG_ASSIGN_OR_RETURN(Pipe from_init, MakePipe());
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd log, OpenFile(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600));
+  const char* envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                        nullptr};
+
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    return ErrnoError("fork", "runsc");
+  }
+  if (pid == 0) {
+    // Into the sandbox's cgroups first: runsc, the sentry and the gofer it starts all count
+    // against the sandbox's limits (runsc runs with --ignore-cgroups and leaves them there).
+    for (const std::string& p : procs) {
+      int fd = ::open(p.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd < 0 || ::write(fd, "0", 1) != 1) {
+        _exit(126);
+      }
+      ::close(fd);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::setsid();  // out of the agent's process group (terminal signals)
+    if (::dup2(to_init.read.get(), 0) != 0 || ::dup2(from_init.write.get(), 1) != 1 ||
+        ::dup2(log.get(), 2) != 2) {
+      _exit(126);
+    }
+    ::syscall(SYS_close_range, 3, ~0U, 0);
+    ::execve(argv[0], argv.data(), const_cast<char**>(envp));
+    _exit(127);
+  }
+  auto child = ChildProcess::Adopt(pid);
+  if (!child.ok()) {
+    return child.status();
+  }
+  sandbox->runsc_ = std::move(*child);
+  sandbox->runsc_pid_ = pid;
+  to_init.read.Reset();
+  from_init.write.Reset();
+  log.Reset();
+  BRAGG_ASSIGN_OR_RETURN(sandbox->init_, InitClient::CreateStream(std::move(to_init.write),
+                                                                  std::move(from_init.read)));
+  if (Status ready = sandbox->init_->WaitReady(kReadyTimeout); !ready.ok()) {
+    std::string why = LogTail(log_path);
+    (void)sandbox->Stop();
+    return absl::InternalError(fmt::format("gVisor sandbox {} did not start: {}: {}", spec.id,
+                                           std::string(ready.message()), why));
+  }
+  BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(rootfs));
+  sandbox->fs_.emplace(std::move(fs));
+  return std::unique_ptr<RuntimeSandbox>(std::move(sandbox));
+}
+
+}  // namespace bragg::pbox

@@ -1,0 +1,80 @@
+#pragma once
+
+// The gVisor runtime: each sandbox is a `runsc run` of an OCI bundle the agent writes under
+// <state_dir>/gvisor/<id>. The application kernel (the sentry) and its file proxy (the gofer)
+// run as host processes in the sandbox's cgroup, so the cgroup limits (memory included) cover
+// them; PID 1 inside is pbox-init in its stream mode (--stream), talking to the agent over
+// runsc's stdin and stdout, since fds cannot be passed into gVisor.
+//
+// Root filesystem: the agent mounts it on the host (an OverlayFS of the image's lower layers
+// over a private writable layer on a size-limited tmpfs) at <bundle>/rootfs and gives it to
+// runsc as the bundle root with --file-access=shared, so that the agent's file operations
+// (SandboxFs on that path) and the sandbox see each other's writes. The image's read-only
+// binds (the "host" image's /usr) and pbox-init itself are OCI bind mounts. Network "none":
+// --network=none (loopback only).
+//
+// Cleanup: Stop() kills the cgroup (runsc, sentry, gofer and every sandboxed process), then
+// unmounts the rootfs and removes the bundle. If the agent dies, pbox-init reads EOF and
+// exits, which ends the container; what a SIGKILLed agent leaves (processes in the cgroups,
+// mounts under <state_dir>/gvisor) is removed by the next agent at start (RemoveStale).
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "fmt/format.h"
+#include "pbox/runtime.h"
+
+namespace bragg::pbox {
+
+struct GvisorRuntimeOptions {
+  std::string state_dir;            // bundles live in <state_dir>/gvisor
+  std::string init_path;            // the static pbox-init binary
+  std::string runsc = "runsc";      // path, or a name looked up in PATH
+  std::string platform = "ptrace";  // ptrace, systrap or kvm
+};
+
+class GvisorRuntime : public Runtime {
+ public:
+  // Checks runsc and pbox-init exist, the platform is known, and removes what a killed agent
+  // left under <state_dir>/gvisor. FailedPrecondition when runsc is missing.
+  static Result<std::unique_ptr<GvisorRuntime>> Create(const GvisorRuntimeOptions& options);
+
+  std::string name() const override { return "gvisor"; }
+  Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) override;
+
+  // Unmounts every mount under `dir` (deepest first) and removes it. Used at start.
+  static Status RemoveStale(const std::string& dir);
+
+ private:
+  GvisorRuntime(GvisorRuntimeOptions options, std::string runsc_path)
+      : options_(std::move(options)), runsc_path_(std::move(runsc_path)) {}
+
+  GvisorRuntimeOptions options_;
+  std::string runsc_path_;  // resolved
+  std::string dir_;         // <state_dir>/gvisor
+};
+
+// A runtime the agent knows but cannot run here (runsc missing): every Start fails with the
+// reason, so that asking for it is FailedPrecondition rather than "unknown runtime".
+class UnavailableRuntime : public Runtime {
+ public:
+  UnavailableRuntime(std::string name, Status why) : name_(std::move(name)), why_(std::move(why)) {}
+  std::string name() const override { return name_; }
+  Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec&) override {
+    return absl::FailedPreconditionError(fmt::format("runtime {} is not available on this node: {}",
+                                                     name_, std::string(why_.message())));
+  }
+
+ private:
+  std::string name_;
+  Status why_;
+};
+
+// The OCI runtime config (config.json) for one sandbox, as the runtime writes it. Exposed for
+// tests and the benchmark's hand-run `runsc run`.
+// `rootfs`: the host path of the sandbox's root (the bundle's rootfs mount).
+std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
+                               const std::string& rootfs);
+
+}  // namespace bragg::pbox
