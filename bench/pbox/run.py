@@ -4,8 +4,8 @@ in bench/peers/ (podman with runc; runsc when bench/peers/runsc_peer.py exists) 
 run, repeats each configuration, and writes the pbox part of docs/benchmarks.md (between the
 pbox-bench markers; the other sections are kept) with charts in docs/img/.
 
-    bench/pbox/run.py --build build [--sandboxes 100] [--repeat 4] [--rounds 3]
-                      [--peer-sandboxes 10] [--tool-samples 5] [--budget-s 600]
+    bench/pbox/run.py --build build [--sandboxes 100] [--repeat 4] [--rounds 2]
+                      [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 600]
 
 Per metric: min / median / max over the runs of each run's p50, the median p99, and the ratio
 of each system's median p50 to pbox's; the floor (the host without isolation, loopback TCP) is
@@ -423,8 +423,8 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--sandboxes", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tool-samples", type=int, default=5,
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tool-samples", type=int, default=4,
                     help="executions of each tool per run and system")
     ap.add_argument("--runtimes", default="native,gvisor",
                     help="pbox runtimes to measure; one the agent does not offer is skipped")

@@ -211,6 +211,11 @@ def main():
         if ids:
             podman("rm", "-f", "-t", "0", *ids, check=False)
         podman("system", "reset", "-f", check=False)
+        # The overlay driver's own mount of its directory may outlive the reset.
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[1].startswith(work + "/")]
+        for m in sorted(mounts, key=len, reverse=True):
+            subprocess.run(["umount", "-l", m], check=False)
         shutil.rmtree(work, ignore_errors=True)
 
 

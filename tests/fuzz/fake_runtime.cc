@@ -131,6 +131,7 @@ class FakeCgroup : public Cgroup {
   Status AddProcess(pid_t) override { return absl::OkStatus(); }
   Result<CgroupStats> Stats() const override { return CgroupStats{}; }
   Status KillAll() override { return absl::OkStatus(); }
+  Status Freeze(bool) override { return absl::OkStatus(); }
   Status Destroy() override {
     if (!destroyed_.exchange(true)) {
       --g_live_cgroups;
