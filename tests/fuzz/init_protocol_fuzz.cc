@@ -45,7 +45,14 @@ bool SameFrame(const proto::Frame& a, const proto::Frame& b) {
           return x.id == y.id && x.exit_code == y.exit_code && x.signal == y.signal &&
                  x.user_us == y.user_us && x.system_us == y.system_us &&
                  x.max_rss_kb == y.max_rss_kb;
+        } else if constexpr (std::is_same_v<T, proto::StdinFrame>) {
+          return x.id == y.id && x.data == y.data;
+        } else if constexpr (std::is_same_v<T, proto::OutputFrame>) {
+          return x.id == y.id && x.stream == y.stream && x.data == y.data;
+        } else if constexpr (std::is_same_v<T, proto::ReadyFrame>) {
+          return x.id == y.id;
         } else {
+          static_assert(std::is_same_v<T, proto::ErrorFrame>);
           return x.id == y.id && x.message == y.message;
         }
       },

@@ -103,7 +103,7 @@ void Init() {
   if (!images.ok()) {
     Die("image store: " + images.status().ToString());
   }
-  world->images = std::make_unique<pb::ImageStore>(std::move(*images));
+  world->images = std::move(*images);
   world->cpus = std::make_unique<pb::CpuAllocator>(pb::CpuSet({0, 1}));
   world->metrics = pb::AgentMetrics::Register(&world->registry);
   pb::SandboxDefaults defaults;
@@ -112,8 +112,8 @@ void Init() {
       std::map<std::string, pb::Runtime*>{{"native", &world->runtime}}, "native",
       world->images.get(), &world->cgroups, world->cpus.get(), defaults, /*max_sandboxes=*/8);
   pb::ServiceInfo info{.version = "fuzz", .default_runtime = "native", .runtimes = {"native"}};
-  world->service =
-      std::make_unique<pb::PboxService>(world->manager.get(), &world->metrics, info, kToken);
+  world->service = std::make_unique<pb::PboxService>(world->manager.get(), &world->metrics, info,
+                                                     kToken, world->images.get());
   grpc::ServerBuilder builder;
   builder.RegisterService(world->service.get());
   builder.SetMaxReceiveMessageSize(16 << 20);
