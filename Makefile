@@ -46,9 +46,9 @@ fuzz: deps
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS)
 	scripts/run-fuzzers $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
-# The full chaos run: 100 agent SIGKILLs and 100 client SIGKILLs (make test runs 5 + 30).
-CHAOS_AGENT_KILLS ?= 100
-CHAOS_CLIENT_KILLS ?= 100
+# The long chaos run: 500 agent SIGKILLs and 500 client SIGKILLs (make test runs 100 + 100).
+CHAOS_AGENT_KILLS ?= 500
+CHAOS_CLIENT_KILLS ?= 500
 
 chaos: build
 	PYTHONPATH=$(BUILD)/python PBOXD=$(BUILD)/src/pbox/pboxd \

@@ -3,8 +3,9 @@ the same state dir, and check that every sandbox of the dead agent was reaped an
 then SIGKILL session clients mid-operation and check that their sandboxes go and the agent
 stays healthy.
 
-Kill counts: PBOX_CHAOS_AGENT_KILLS (default 5) and PBOX_CHAOS_CLIENT_KILLS (default 30), sized
-for `make test`; the full run is `make chaos` (100 + 100, see docs/robustness.md).
+Kill counts: PBOX_CHAOS_AGENT_KILLS (default 100: about 400 operations in flight at the kills)
+and PBOX_CHAOS_CLIENT_KILLS (default 100), as `make test` runs them; `make chaos` runs
+500 + 500 (see docs/robustness.md).
 PBOX_CHAOS_SEED fixes the random delays.
 
 What "nothing leaked" means here, checked after every kill:
@@ -30,8 +31,8 @@ import pytest
 
 import pbox
 
-AGENT_KILLS = int(os.environ.get("PBOX_CHAOS_AGENT_KILLS", "5"))
-CLIENT_KILLS = int(os.environ.get("PBOX_CHAOS_CLIENT_KILLS", "30"))
+AGENT_KILLS = int(os.environ.get("PBOX_CHAOS_AGENT_KILLS", "100"))
+CLIENT_KILLS = int(os.environ.get("PBOX_CHAOS_CLIENT_KILLS", "100"))
 SEED = int(os.environ.get("PBOX_CHAOS_SEED", str(int(time.time()))))
 CHAOS_CLIENT = os.environ.get("CHAOS_CLIENT", "")
 DEADLINE_S = 30.0
