@@ -87,11 +87,12 @@ int main(int argc, char** argv) {
 
   // create
   auto* create = app.add_subcommand("create", "create a detached sandbox; prints its id");
-  std::string image, memory = "0", disk = "0", workdir;
+  std::string image, runtime, memory = "0", disk = "0", workdir;
   uint32_t cpus = 0, pids = 0, ttl = 0;
   double cpu_quota = 0;
   std::vector<std::string> create_env, labels;
   create->add_option("--image", image, "image name (default host)");
+  create->add_option("--runtime", runtime, "native or gvisor (default: the agent's)");
   create->add_option("--cpus", cpus, "CPUs of the agent's sandbox set");
   create->add_option("--cpu-quota", cpu_quota, "CPU time limit in CPUs, e.g. 0.5");
   create->add_option("--memory", memory, "memory limit, e.g. 512M (default: agent's)");
@@ -156,6 +157,7 @@ int main(int argc, char** argv) {
   if (*create) {
     v1::SandboxSpec spec;
     spec.set_image(image);
+    spec.set_runtime(runtime);
     spec.set_cpus(cpus);
     spec.set_cpu_quota(cpu_quota);
     for (auto [text, setter] : {std::pair<std::string*, void (v1::SandboxSpec::*)(uint64_t)>{
