@@ -82,7 +82,7 @@ check "no-agent hint" "1" "$(grep -c 'is pboxd running' "$dir/err")"
 "$PBOX" create --memory 12Q 2>"$dir/err"
 check "bad size is a usage error" "2" "$?"
 "$PBOX" create --runtime bogus 2>"$dir/err"
-check "unknown runtime refused" "1" "$?"
+check "unknown runtime refused (usage error)" "2" "$?"
 check "unknown runtime named" "1" "$(grep -c 'unknown runtime' "$dir/err")"
 rt=$("$PBOX" create --runtime native --memory 128M --disk 16M)
 check "--runtime native creates" "sb-" "${rt:0:3}"
