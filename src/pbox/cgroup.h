@@ -45,8 +45,9 @@ class Cgroup {
   virtual Status Destroy() = 0;
   // Freezes (true) every process of the cgroup and waits (bounded, ~1 s) until the kernel
   // says all are stopped; DeadlineExceeded (after thawing again) if they never are. Thawing
-  // (false) does not wait: the tasks resume as the scheduler gets to them. v2: cgroup.freeze and the "frozen" key of cgroup.events; v1: freezer.state
-  // (FailedPrecondition without a freezer hierarchy). FailedPrecondition once destroyed.
+  // (false) does not wait: the tasks resume as the scheduler gets to them. v2: cgroup.freeze and
+  // the "frozen" key of cgroup.events; v1: freezer.state (FailedPrecondition without a freezer
+  // hierarchy). FailedPrecondition once destroyed.
   virtual Status Freeze(bool frozen) = 0;
   // v2: an O_DIRECTORY fd of the cgroup for clone3(CLONE_INTO_CGROUP); -1 on v1.
   virtual int dir_fd() const = 0;
