@@ -473,18 +473,7 @@ void InitClient::ReaderLoop() {
       spdlog::warn("pbox-init channel: recvmsg: {}", strerror(errno));
       break;
     }
-    size_t num_fds = 0;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count; ++i) {
-          int fd;
-          memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          UniqueFd unwanted(fd);  // init never sends fds
-          ++num_fds;
-        }
-      }
-    }
+    const size_t num_fds = proto::TakeReceivedFds(msg).size();  // init never sends fds: closed
     if (n == 0 && num_fds == 0) {
       break;
     }

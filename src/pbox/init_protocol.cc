@@ -490,6 +490,21 @@ bool DecodePayload(FrameType type, uint64_t id, Reader& r, size_t num_fds, Frame
 
 }  // namespace
 
+std::vector<UniqueFd> TakeReceivedFds(msghdr& msg) {
+  std::vector<UniqueFd> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(fd);
+      }
+    }
+  }
+  return fds;
+}
+
 size_t SpawnFdCount(uint32_t flags) {
   if ((flags & kStreamStdio) != 0) {
     return 0;

@@ -57,6 +57,8 @@
 //
 // Frames larger than kMaxFrameBytes are refused by both sides.
 
+#include <sys/socket.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -64,6 +66,8 @@
 #include <string_view>
 #include <variant>
 #include <vector>
+
+#include "common/unique_fd.h"
 
 namespace bragg::pbox::init_protocol {
 
@@ -175,6 +179,10 @@ using Frame = std::variant<SpawnFrame, KillFrame, SpawnedFrame, SpawnFailedFrame
 // Number of fds a Spawn frame with `flags` must carry (one per stream that is not /dev/null;
 // none with kStreamStdio).
 size_t SpawnFdCount(uint32_t flags);
+
+// Every fd the SCM_RIGHTS control messages of a received `msg` carry, each owned, so that
+// none leaks whatever the caller then makes of the frame.
+std::vector<UniqueFd> TakeReceivedFds(msghdr& msg);
 
 // Bytes that argv and env occupy on the wire (each string plus its NUL), compared against
 // kMaxArgEnvBytes.

@@ -42,17 +42,7 @@ void FakeInitLoop(int sock) {
     if (n < 0 && errno == EINTR) {
       continue;
     }
-    std::vector<UniqueFd> fds;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count; ++i) {
-          int fd;
-          memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          fds.emplace_back(fd);
-        }
-      }
-    }
+    std::vector<UniqueFd> fds = proto::TakeReceivedFds(msg);
     if (n <= 0) {
       return;
     }
