@@ -32,7 +32,7 @@ void AddRuns(const SourceTensor& src, const SourceChunk& chunk, const TensorMapp
     int64_t a = 0;
     int64_t b = src.shape[d];
     if (d < rdim) {
-      a = d == 0 ? m.layer : m.expert;
+      a = m.FixedIndex(d);
       b = a + 1;
     } else if (d == rdim) {
       a = seg.start;
@@ -100,9 +100,10 @@ Status CheckShapes(const SourceTensor& src, const TensorMapping& m, const ModelC
     return bad(fmt::format("stacked layer axis is {} but num_hidden_layers is {}", src.shape[0],
                            cfg.num_layers));
   }
-  if (m.expert >= 0 && src.shape[1] != cfg.num_experts) {
-    return bad(fmt::format("expert axis is {} but the config has {} experts", src.shape[1],
-                           cfg.num_experts));
+  const size_t expert_axis = m.layer >= 0 ? 1 : 0;
+  if (m.expert >= 0 && src.shape[expert_axis] != cfg.num_experts) {
+    return bad(fmt::format("expert axis is {} but the config has {} experts",
+                           src.shape[expert_axis], cfg.num_experts));
   }
   if (src.shape.size() - rdim != m.hf_shape.size()) {
     return bad(fmt::format("rank differs from the expected [{}]", fmt::join(m.hf_shape, ",")));
@@ -143,6 +144,19 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
       return absl::InvalidArgumentError(fmt::format("duplicate output tensor '{}'", m.hf_name));
     }
     auto it = index.tensors.find(m.src_key);
+    if (it == index.tensors.end() && m.layer >= 0) {
+      // Megatron's per-layer keys (MoE and mixed dense/MoE models): no stacked layer axis.
+      std::string per_layer = PerLayerKey(m.src_key, m.layer);
+      it = index.tensors.find(per_layer);
+      if (it == index.tensors.end()) {
+        return absl::InvalidArgumentError(
+            fmt::format("checkpoint has neither '{}' nor '{}' (needed for '{}'); does --model "
+                        "match the checkpoint?",
+                        m.src_key, per_layer, m.hf_name));
+      }
+      m.src_key = std::move(per_layer);
+      m.layer = -1;
+    }
     if (it == index.tensors.end()) {
       return absl::InvalidArgumentError(fmt::format(
           "checkpoint has no '{}' (needed for '{}'); does --model match the checkpoint?", m.src_key,

@@ -1,7 +1,9 @@
 #include "reshard/plan.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -215,7 +217,9 @@ TEST(PlanTest, RejectsMismatchedCheckpoints) {
 TEST(PlanTest, ConfigValidation) {
   EXPECT_EQ(ParseModelConfig("gpt2", "{}").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseModelConfig("deepseek_v3", "{}").status().code(),
-            absl::StatusCode::kUnimplemented);
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(ParseModelConfig("kimi", "{}").status().message()).find("deepseek_v3"),
+            std::string::npos);
   EXPECT_FALSE(ParseModelConfig("qwen3_moe", R"({"hidden_size": 8, "num_hidden_layers": 1,
       "num_attention_heads": 4, "intermediate_size": 4, "vocab_size": 4})")
                    .ok());
@@ -234,6 +238,215 @@ TEST(PlanTest, ConfigValidation) {
       "num_attention_heads": 4, "num_key_value_heads": 3, "intermediate_size": 1,
       "vocab_size": 1})")
                    .ok());
+}
+
+std::string DeepseekJson(const std::string& extra = "") {
+  return R"({"hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,
+    "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
+    "v_head_dim": 3, "intermediate_size": 6, "moe_intermediate_size": 2, "n_routed_experts": 4,
+    "n_shared_experts": 2, "first_k_dense_replace": 1, "vocab_size": 10)" +
+         extra + "}";
+}
+
+// A deepseek_v3-shaped index as Megatron writes MoE models: per-layer keys, TP=2 on the
+// column/row-parallel dims, EP=2 on the expert axis; `stacked` uses layer-stacked keys instead
+// (valid only when every layer is MoE).
+CheckpointIndex DeepseekIndex(const ModelConfig& c, bool stacked) {
+  CheckpointIndex idx;
+  const int64_t h = c.hidden_size, n = c.num_heads, f = c.moe_intermediate_size;
+  auto add = [&](SourceTensor t) { idx.tensors[t.key] = std::move(t); };
+  add(Chunked("embedding.word_embeddings.weight", {12, h}, {2, 1}));
+  add(Chunked("output_layer.weight", {12, h}, {2, 1}));
+  add(Chunked("decoder.final_layernorm.weight", {h}, {1}));
+  auto layer = [&](int64_t i, const std::string& suffix, std::vector<int64_t> shape,
+                   std::vector<int> splits) {
+    if (stacked) {
+      shape.insert(shape.begin(), c.num_layers);
+      splits.insert(splits.begin(), 1);
+      if (i == 0) {
+        add(Chunked("decoder.layers." + suffix, shape, splits));
+      }
+      return;
+    }
+    add(Chunked(fmt::format("decoder.layers.{}.{}", i, suffix), shape, splits));
+  };
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string sa = "self_attention.";
+    layer(i, "input_layernorm.weight", {h}, {1});
+    if (c.q_lora_rank > 0) {
+      layer(i, sa + "linear_q_down_proj.weight", {c.q_lora_rank, h}, {1, 1});
+      layer(i, sa + "linear_q_up_proj.layer_norm_weight", {c.q_lora_rank}, {1});
+      layer(i, sa + "linear_q_up_proj.weight",
+            {n * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank}, {2, 1});
+    } else {
+      layer(i, sa + "linear_q_proj.weight", {n * (c.qk_nope_head_dim + c.qk_rope_head_dim), h},
+            {2, 1});
+    }
+    layer(i, sa + "linear_kv_down_proj.weight", {c.kv_lora_rank + c.qk_rope_head_dim, h}, {1, 1});
+    layer(i, sa + "linear_kv_up_proj.layer_norm_weight", {c.kv_lora_rank}, {1});
+    layer(i, sa + "linear_kv_up_proj.weight",
+          {n * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, {2, 1});
+    layer(i, sa + "linear_proj.weight", {h, n * c.v_head_dim}, {1, 1});
+    if (!c.IsMoeLayer(i)) {
+      layer(i, "mlp.linear_fc1.layer_norm_weight", {h}, {1});
+      layer(i, "mlp.linear_fc1.weight", {2 * c.intermediate_size, h}, {2, 1});
+      layer(i, "mlp.linear_fc2.weight", {h, c.intermediate_size}, {1, 2});
+      continue;
+    }
+    layer(i, "pre_mlp_layernorm.weight", {h}, {1});
+    layer(i, "mlp.router.weight", {c.num_experts, h}, {1, 1});
+    layer(i, "mlp.router.expert_bias", {c.num_experts}, {1});
+    layer(i, "mlp.experts.experts.linear_fc1.weight", {c.num_experts, 2 * f, h}, {2, 1, 1});
+    layer(i, "mlp.experts.experts.linear_fc2.weight", {c.num_experts, h, f}, {2, 1, 1});
+    const int64_t sf = f * c.num_shared_experts;
+    layer(i, "mlp.shared_experts.linear_fc1.weight", {2 * sf, h}, {2, 1});
+    layer(i, "mlp.shared_experts.linear_fc2.weight", {h, sf}, {1, 2});
+  }
+  return idx;
+}
+
+// Executes the plan in memory and checks that every output element comes from the source element
+// its mapping selects (fixed leading indices, row segments in order, trailing dims whole) and is
+// written exactly once. Returns the output tensor names.
+std::vector<std::string> ExecuteAndCheck(const CheckpointIndex& idx, const ModelConfig& c,
+                                         uint64_t max_shard) {
+  std::vector<std::string> names;
+  auto plan = BuildPlan(idx, c, max_shard);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  if (!plan.ok()) {
+    return names;
+  }
+  std::vector<std::string> files;
+  for (const PlannedShard& s : plan->shards) {
+    files.push_back(std::string(s.size, '\xAA'));
+  }
+  std::map<std::pair<size_t, uint64_t>, int> writes;
+  for (const WorkItem& w : plan->items) {
+    std::vector<uint32_t> data = ChunkData(*w.tensor, w.tensor->chunks[w.chunk]);
+    for (const CopyRun& r : w.runs) {
+      EXPECT_LE(r.src + r.bytes, data.size() * 4);
+      EXPECT_LE(r.dst + r.bytes, files[w.shard].size());
+      std::memcpy(files[w.shard].data() + r.dst, reinterpret_cast<char*>(data.data()) + r.src,
+                  r.bytes);
+      for (uint64_t b = 0; b < r.bytes; b += 4) {
+        ++writes[{w.shard, r.dst + b}];
+      }
+    }
+  }
+  for (size_t s = 0; s < plan->shards.size(); ++s) {
+    for (const PlannedTensor& t : plan->shards[s].tensors) {
+      names.push_back(t.map.hf_name);
+      const SourceTensor& src = idx.tensors.at(t.map.src_key);
+      const size_t rdim = t.map.FixedAxes();
+      const int64_t rows = t.map.hf_shape[0];
+      const uint64_t inner = NumElements(t.map.hf_shape) / rows;
+      uint64_t lead = 0;
+      for (size_t d = 0; d < rdim; ++d) {
+        lead = lead * src.shape[d] + t.map.FixedIndex(d);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t sr = r;
+        int64_t base = 0;
+        for (const RowSegment& seg : t.map.segments) {
+          if (r < base + seg.count) {
+            sr = seg.start + r - base;
+            break;
+          }
+          base += seg.count;
+        }
+        for (uint64_t i = 0; i < inner; ++i) {
+          const uint64_t want = (lead * src.shape[rdim] + sr) * inner + i;
+          const uint64_t at = t.offset + (r * inner + i) * 4;
+          uint32_t got;
+          std::memcpy(&got, files[s].data() + at, 4);
+          EXPECT_EQ(got, want) << t.map.hf_name << " row " << r << " col " << i;
+          EXPECT_EQ((writes[{s, at}]), 1) << t.map.hf_name << " written more than once";
+          if (got != want) {
+            return names;
+          }
+        }
+      }
+    }
+  }
+  return names;
+}
+
+bool Has(const std::vector<std::string>& names, const std::string& n) {
+  return std::find(names.begin(), names.end(), n) != names.end();
+}
+
+TEST(PlanTest, DeepseekV3MlaDenseThenMoe) {
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->first_k_dense_replace, 1);
+  auto names = ExecuteAndCheck(DeepseekIndex(*c, false), *c, 900);
+  // embed, norm, head; per layer 8 attention; dense layer 4; MoE layers: norm, router, bias,
+  // 3 x 4 experts, 3 shared.
+  EXPECT_EQ(names.size(), 3u + 3 * 8 + 4 + 2 * (3 + 12 + 3));
+  EXPECT_TRUE(Has(names, "model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_FALSE(Has(names, "model.layers.0.mlp.gate.weight"));
+  EXPECT_TRUE(Has(names, "model.layers.1.self_attn.q_a_layernorm.weight"));
+  EXPECT_TRUE(Has(names, "model.layers.1.self_attn.kv_b_proj.weight"));
+  EXPECT_TRUE(Has(names, "model.layers.2.mlp.gate.e_score_correction_bias"));
+  EXPECT_TRUE(Has(names, "model.layers.2.mlp.experts.3.up_proj.weight"));
+  EXPECT_TRUE(Has(names, "model.layers.2.mlp.shared_experts.down_proj.weight"));
+}
+
+TEST(PlanTest, DeepseekV3WithoutQueryLoraAndFused) {
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "q_lora_rank": null)"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->q_lora_rank, 0);
+  c->fused_gate_up = true;
+  auto names = ExecuteAndCheck(DeepseekIndex(*c, false), *c, 5ull << 30);
+  EXPECT_TRUE(Has(names, "model.layers.1.self_attn.q_proj.weight"));
+  EXPECT_FALSE(Has(names, "model.layers.1.self_attn.q_a_proj.weight"));
+  EXPECT_TRUE(Has(names, "model.layers.1.mlp.experts.gate_up_proj"));
+  EXPECT_TRUE(Has(names, "model.layers.2.mlp.experts.down_proj"));
+  EXPECT_FALSE(Has(names, "model.layers.2.mlp.experts.0.gate_proj.weight"));
+  EXPECT_TRUE(Has(names, "model.layers.2.mlp.shared_experts.gate_proj.weight"));
+}
+
+TEST(PlanTest, DeepseekV3LayerStackedKeys) {
+  // All layers MoE (first_k_dense_replace 0): newer Megatron stacks the layers on dim 0.
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "first_k_dense_replace": 0)"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (bool fused : {false, true}) {
+    c->fused_gate_up = fused;
+    auto names = ExecuteAndCheck(DeepseekIndex(*c, true), *c, 700);
+    EXPECT_EQ(names.size(), 3u + 3 * (8 + 3 + (fused ? 2 : 12) + 3));
+  }
+}
+
+TEST(PlanTest, DeepseekV3Mismatches) {
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson());
+  ASSERT_TRUE(c.ok()) << c.status();
+  CheckpointIndex idx = DeepseekIndex(*c, false);
+  auto missing = idx;
+  missing.tensors.erase("decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight");
+  auto r = BuildPlan(missing, *c, 1 << 30);
+  EXPECT_NE(std::string(r.status().message())
+                .find("'decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight'"),
+            std::string::npos)
+      << r.status();
+  ModelConfig wrong = *c;
+  wrong.kv_lora_rank = 5;
+  r = BuildPlan(idx, wrong, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("kv_a_proj_with_mqa"), std::string::npos)
+      << r.status();
+  wrong = *c;
+  wrong.num_experts = 8;
+  r = BuildPlan(idx, wrong, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("model.layers.1.mlp.gate.weight"),
+            std::string::npos)
+      << r.status();
+  wrong = *c;
+  wrong.first_k_dense_replace = 2;  // layer 1 is MoE in the checkpoint
+  r = BuildPlan(idx, wrong, 1 << 30);
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(
+      ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "moe_layer_freq": 2)")).status().code(),
+      absl::StatusCode::kUnimplemented);
+  EXPECT_FALSE(ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "q_lora_rank": -1)")).ok());
 }
 
 TEST(ChunkValidationTest, GapsOverlapsAndBounds) {

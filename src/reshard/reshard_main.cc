@@ -61,6 +61,7 @@ struct ConvertArgs {
   int world_size = -1;
   bool verify = false;
   bool dry_run = false;
+  bool fused_gate_up = false;
 };
 
 Status Convert(ConvertArgs a) {
@@ -94,6 +95,11 @@ Status Convert(ConvertArgs a) {
   BRAGG_ASSIGN_OR_RETURN(std::string cfg_text,
                          bragg::ReadFileToString(a.hf_config_dir + "/config.json"));
   BRAGG_ASSIGN_OR_RETURN(rs::ModelConfig cfg, rs::ParseModelConfig(a.model, cfg_text));
+  if (a.fused_gate_up && cfg.num_experts == 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--fused-gate-up applies to MoE families (qwen3_moe, deepseek_v3), not {}", a.model));
+  }
+  cfg.fused_gate_up = a.fused_gate_up;
   BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, ReadIndex(a.src));
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
@@ -146,7 +152,10 @@ int main(int argc, char** argv) {
   auto* convert = app.add_subcommand("convert", "write Hugging Face safetensors shards");
   convert->add_option("--src", ca.src, "Megatron torch_dist checkpoint directory")->required();
   convert->add_option("--dst", ca.dst, "output directory")->required();
-  convert->add_option("--model", ca.model, "llama, qwen2, qwen3")->required();
+  convert
+      ->add_option("--model", ca.model,
+                   "llama, qwen2, qwen3, qwen3_moe, deepseek_v3 (also Kimi-K2)")
+      ->required();
   convert->add_option("--hf-config-dir", ca.hf_config_dir, "config.json and tokenizer files");
   convert->add_option("--threads", ca.threads, "worker threads (default: all cores)");
   convert->add_option("--mem-budget", ca.mem_budget, "bound on buffer memory (default 2GiB)");
@@ -155,6 +164,9 @@ int main(int argc, char** argv) {
   convert->add_option("--world-size", ca.world_size, "processes (default: SLURM_NTASKS or 1)");
   convert->add_flag("--verify", ca.verify, "re-read the output and compare with the source");
   convert->add_flag("--dry-run-plan", ca.dry_run, "print the plan and write nothing");
+  convert->add_flag("--fused-gate-up", ca.fused_gate_up,
+                    "MoE experts as stacked mlp.experts.gate_up_proj [E, 2F, H] and "
+                    "mlp.experts.down_proj [E, H, F] per layer (transformers' fused layout)");
   CLI11_PARSE(app, argc, argv);
   if (Status s = bragg::InitLogging("bragg-reshard", level); !s.ok()) {
     std::cerr << "bragg-reshard: " << s.message() << "\n";

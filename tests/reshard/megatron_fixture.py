@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -70,7 +71,38 @@ import torch  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # The model: global Megatron tensors, deterministic.
 
-def make_config(family):
+def family_of(name):
+    """'deepseek_v3-qproj' -> 'deepseek_v3': a fixture name is the family plus a variant."""
+    return name.split("-")[0]
+
+
+def make_config(name):
+    family = family_of(name)
+    if family == "deepseek_v3":
+        # DeepSeek-V3 / Kimi-K2 shaped: MLA, the first layer dense, then MoE with shared experts.
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None if name.endswith("-qproj") else 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 8,
+            "intermediate_size": 48,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 4,
+            "n_shared_experts": 2,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "vocab_size": 50,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": family,
@@ -91,7 +123,45 @@ def make_config(family):
     return cfg
 
 
-def global_tensors(family, cfg):
+def deepseek_tensors(cfg, r):
+    """Megatron's per-layer keys (MoE models are saved with non-homogeneous layers)."""
+    L, h, nh = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    qlr, kvlr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    E, f = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    sf = f * cfg["n_shared_experts"]
+    t = {}
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        a = p + "self_attention."
+        t[p + "input_layernorm.weight"] = r(h)
+        if qlr:
+            t[a + "linear_q_down_proj.weight"] = r(qlr, h)
+            t[a + "linear_q_up_proj.layer_norm_weight"] = r(qlr)
+            t[a + "linear_q_up_proj.weight"] = r(nh * (nope + rope), qlr)
+        else:
+            t[a + "linear_q_proj.weight"] = r(nh * (nope + rope), h)
+        t[a + "linear_kv_down_proj.weight"] = r(kvlr + rope, h)
+        t[a + "linear_kv_up_proj.layer_norm_weight"] = r(kvlr)
+        t[a + "linear_kv_up_proj.weight"] = r(nh * (nope + vd), kvlr)
+        t[a + "linear_proj.weight"] = r(h, nh * vd)
+        if i < cfg["first_k_dense_replace"]:
+            t[p + "mlp.linear_fc1.layer_norm_weight"] = r(h)
+            t[p + "mlp.linear_fc1.weight"] = r(2 * cfg["intermediate_size"], h)
+            t[p + "mlp.linear_fc2.weight"] = r(h, cfg["intermediate_size"])
+            continue
+        t[p + "pre_mlp_layernorm.weight"] = r(h)
+        t[p + "mlp.router.weight"] = r(E, h)
+        t[p + "mlp.router.expert_bias"] = r(E).float()  # Megatron keeps the bias in fp32
+        t[p + "mlp.experts.experts.linear_fc1.weight"] = r(E, 2 * f, h)
+        t[p + "mlp.experts.experts.linear_fc2.weight"] = r(E, h, f)
+        t[p + "mlp.shared_experts.linear_fc1.weight"] = r(2 * sf, h)
+        t[p + "mlp.shared_experts.linear_fc2.weight"] = r(h, sf)
+    return t
+
+
+def global_tensors(name, cfg):
+    family = family_of(name)
     g = torch.Generator().manual_seed(1234)
     L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -108,13 +178,18 @@ def global_tensors(family, cfg):
         "embedding.word_embeddings.weight": r(padded, h),
         "output_layer.weight": r(padded, h),
         "decoder.final_layernorm.weight": r(h),
+    }
+    if family == "deepseek_v3":
+        t.update(deepseek_tensors(cfg, r))
+        return t
+    t.update({
         p + "self_attention.linear_qkv.layer_norm_weight": r(L, h),
         p + "self_attention.linear_qkv.weight": r(L, qkv, h),
         p + "self_attention.linear_proj.weight": r(L, h, nh * hd),
         p + "mlp.linear_fc1.layer_norm_weight": r(L, h),
         p + "mlp.linear_fc1.weight": r(L, 2 * ffn, h),
         p + "mlp.linear_fc2.weight": r(L, h, ffn),
-    }
+    })
     if family == "qwen2":
         t[p + "self_attention.linear_qkv.bias"] = r(L, qkv)
     if family in ("qwen3", "qwen3_moe"):
@@ -132,9 +207,23 @@ def global_tensors(family, cfg):
     return t
 
 
-def chunks_for(key, shape, tp, pp):
-    """Megatron's sharding: yields (owner_rank, offsets, sizes). rank = pp_rank * tp + tp_rank."""
-    stacked = key.startswith("decoder.layers.")
+ROW_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight",
+                "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+COL_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def chunks_for(key, shape, tp, pp, num_layers):
+    """Megatron's sharding: yields (owner_rank, offsets, sizes). rank = pp_rank * tp + tp_rank.
+
+    Layer tensors are either layer-stacked ("decoder.layers.X", layers on dim 0, split by
+    pipeline stage) or per-layer ("decoder.layers.N.X", saved by the stage that owns layer N).
+    Column-parallel weights (ROW_PARALLEL: their output rows) and row-parallel ones
+    (COL_PARALLEL: their input columns) are split over TP; MLA's down projections, norms and the
+    router are replicated; experts are split over EP (= the TP ranks, expert TP = 1).
+    """
+    m = re.match(r"decoder\.layers\.(\d+)\.", key)
+    per_layer_stage = int(m.group(1)) // (num_layers // pp) if m else None
+    stacked = key.startswith("decoder.layers.") and m is None
     out = []
     for pr in range(pp):
         for tr in range(tp):
@@ -144,6 +233,9 @@ def chunks_for(key, shape, tp, pp):
             if stacked:
                 size[0] = shape[0] // pp
                 off[0] = pr * size[0]
+            elif per_layer_stage is not None:
+                if pr != per_layer_stage:
+                    continue
             elif key.startswith("embedding."):
                 if pr != 0:
                     continue
@@ -151,26 +243,24 @@ def chunks_for(key, shape, tp, pp):
                 continue  # final norm and output layer live on the last stage
             d = 1 if stacked else 0
             if ".experts.experts." in key:
-                # Expert parallel (EP = the TP size, expert TP = 1): experts split on axis 1.
-                size[1] = shape[1] // tp
-                off[1] = tr * size[1]
+                size[d] = shape[d] // tp
+                off[d] = tr * size[d]
                 out.append((rank, off, size))
                 continue
             if key.endswith("linear_fc1.weight"):
                 # Megatron's swiglu factory: each TP rank holds [gate_tp; up_tp] as two chunks of
                 # the global [gate; up].
-                half = shape[1] // 2
+                half = shape[d] // 2
                 n = half // tp
                 for base in (0, half):
                     o, s = list(off), list(size)
-                    o[1], s[1] = base + tr * n, n
+                    o[d], s[d] = base + tr * n, n
                     out.append((rank, o, s))
                 continue
             split = None
-            if key.endswith(("linear_qkv.weight", "linear_qkv.bias")) or key.startswith(
-                    ("embedding.", "output_layer.")):
+            if key.endswith(ROW_PARALLEL) or key.startswith(("embedding.", "output_layer.")):
                 split = d
-            elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            elif key.endswith(COL_PARALLEL):
                 split = len(shape) - 1
             if split is None:
                 if tr != 0:
@@ -215,7 +305,7 @@ def write_family(args, family, out):
     tensors = global_tensors(family, cfg)
     state = {}
     for key, full in tensors.items():
-        chunks = chunks_for(key, full.shape, args.tp, args.pp)
+        chunks = chunks_for(key, full.shape, args.tp, args.pp, cfg["num_hidden_layers"])
         metas = [ShardMetadata(o, s, f"rank:{r}/cpu") for r, o, s in chunks]
         local = []
         for (r, o, s), m in zip(chunks, metas):
@@ -323,6 +413,9 @@ def rewrite_metadata(ckpt, variant):
         pickle.dump(md, f)
 
 
+LEGACY = ("llama", "qwen2", "qwen3")
+
+
 def write_all(root, families, tp, pp):
     """Writes root/<family> for every family (one set of gloo processes for all), the variants
     root/llama-newpaths and root/llama-transforms, HF config dirs root/<name>-hf-config and the
@@ -347,9 +440,9 @@ def write_all(root, families, tp, pp):
             shutil.copytree(os.path.join(root, "llama"), os.path.join(root, name))
             names.append(name)
     for name in names:
-        family = name.split("-")[0]
+        family = family_of(name)
         ckpt = os.path.join(root, name)
-        cfg = make_config(family)
+        cfg = make_config(name)
         torch.save({"args": argparse.Namespace(tensor_model_parallel_size=tp,
                                                pipeline_model_parallel_size=pp),
                     "checkpoint_version": 3.0}, os.path.join(ckpt, "common.pt"))
@@ -362,10 +455,10 @@ def write_all(root, families, tp, pp):
             json.dump(cfg, f, indent=2)
         with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
             json.dump({"model_max_length": 128}, f)
-        if "-" not in name:
+        if name in families:
             torch.save(reference(ckpt, cfg, family), ckpt + "-ref.pt")
-            if family != "qwen3_moe":
-                write_legacy(root, family, tp, pp)
+            if name in LEGACY:
+                write_legacy(root, name, tp, pp)
     # Rewritten last: the reference reads the torch 1.13 class paths.
     if "llama" in families:
         for variant in ("newpaths", "transforms"):
@@ -397,8 +490,62 @@ def load_global(ckpt):
     return out
 
 
-def reference(ckpt, cfg, family):
+def reference_deepseek_v3(g, cfg, fused):
+    """DeepSeek-V3 / Kimi-K2: MLA projections copy whole; dense layers, then MoE layers."""
+    hf = {}
+    E = cfg["n_routed_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        a, o = p + "self_attention.", q + "self_attn."
+        hf[q + "input_layernorm.weight"] = g[p + "input_layernorm.weight"]
+        if cfg["q_lora_rank"]:
+            hf[o + "q_a_proj.weight"] = g[a + "linear_q_down_proj.weight"]
+            hf[o + "q_a_layernorm.weight"] = g[a + "linear_q_up_proj.layer_norm_weight"]
+            hf[o + "q_b_proj.weight"] = g[a + "linear_q_up_proj.weight"]
+        else:
+            hf[o + "q_proj.weight"] = g[a + "linear_q_proj.weight"]
+        hf[o + "kv_a_proj_with_mqa.weight"] = g[a + "linear_kv_down_proj.weight"]
+        hf[o + "kv_a_layernorm.weight"] = g[a + "linear_kv_up_proj.layer_norm_weight"]
+        hf[o + "kv_b_proj.weight"] = g[a + "linear_kv_up_proj.weight"]
+        hf[o + "o_proj.weight"] = g[a + "linear_proj.weight"]
+
+        def gated(prefix, fc1, fc2):
+            gate, up = torch.chunk(fc1, 2, dim=0)
+            hf[prefix + "gate_proj.weight"] = gate
+            hf[prefix + "up_proj.weight"] = up
+            hf[prefix + "down_proj.weight"] = fc2
+
+        if i < cfg["first_k_dense_replace"]:
+            hf[q + "post_attention_layernorm.weight"] = g[p + "mlp.linear_fc1.layer_norm_weight"]
+            gated(q + "mlp.", g[p + "mlp.linear_fc1.weight"], g[p + "mlp.linear_fc2.weight"])
+            continue
+        hf[q + "post_attention_layernorm.weight"] = g[p + "pre_mlp_layernorm.weight"]
+        hf[q + "mlp.gate.weight"] = g[p + "mlp.router.weight"]
+        hf[q + "mlp.gate.e_score_correction_bias"] = g[p + "mlp.router.expert_bias"]
+        fc1 = g[p + "mlp.experts.experts.linear_fc1.weight"]
+        fc2 = g[p + "mlp.experts.experts.linear_fc2.weight"]
+        if fused:
+            hf[q + "mlp.experts.gate_up_proj"] = fc1
+            hf[q + "mlp.experts.down_proj"] = fc2
+        else:
+            for e in range(E):
+                gated(f"{q}mlp.experts.{e}.", fc1[e], fc2[e])
+        gated(q + "mlp.shared_experts.", g[p + "mlp.shared_experts.linear_fc1.weight"],
+              g[p + "mlp.shared_experts.linear_fc2.weight"])
+    return hf
+
+
+def reference(ckpt, cfg, family, fused=False):
+    """Whole-tensor torch conversion; `fused`: MoE experts as transformers' stacked
+    mlp.experts.gate_up_proj [E, 2F, H] and mlp.experts.down_proj [E, H, F]."""
     g = load_global(ckpt)
+    if family == "deepseek_v3":
+        vocab = cfg["vocab_size"]
+        hf = {"model.embed_tokens.weight": g["embedding.word_embeddings.weight"][:vocab],
+              "model.norm.weight": g["decoder.final_layernorm.weight"],
+              "lm_head.weight": g["output_layer.weight"][:vocab]}
+        hf.update(reference_deepseek_v3(g, cfg, fused))
+        return {k: v.contiguous() for k, v in hf.items()}
     L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim", h // nh)
@@ -428,6 +575,10 @@ def reference(ckpt, cfg, family):
         if family == "qwen3_moe":
             hf[q + "post_attention_layernorm.weight"] = g[p + "pre_mlp_layernorm.weight"][i]
             hf[q + "mlp.gate.weight"] = g[p + "mlp.router.weight"][i]
+            if fused:
+                hf[q + "mlp.experts.gate_up_proj"] = g[p + "mlp.experts.experts.linear_fc1.weight"][i]
+                hf[q + "mlp.experts.down_proj"] = g[p + "mlp.experts.experts.linear_fc2.weight"][i]
+                continue
             for e in range(cfg["num_experts"]):
                 fc1 = g[p + "mlp.experts.experts.linear_fc1.weight"][i, e]
                 gate, up = torch.chunk(fc1, 2, dim=0)
@@ -448,7 +599,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["all", "write-rank"])
     ap.add_argument("--root", required=True)
-    ap.add_argument("--families", default="llama,qwen2,qwen3,qwen3_moe")
+    ap.add_argument("--families",
+                    default="llama,qwen2,qwen3,qwen3_moe,deepseek_v3,deepseek_v3-qproj")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int)

@@ -26,7 +26,7 @@ try:
 except ImportError as e:  # noqa: F841
     pytest.skip(f"Debian's python3-torch is needed for the fixtures: {e}", allow_module_level=True)
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3-qproj"]
 LEGACY_FAMILIES = ["llama", "qwen2", "qwen3"]
 
 
@@ -91,7 +91,8 @@ def assert_bit_identical(got, want):
     for name, w in want.items():
         g = got[name]
         assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), name
-        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs"
+        bits = {2: torch.int16, 4: torch.int32}[w.element_size()]
+        assert torch.equal(g.view(bits), w.view(bits)), f"{name} differs"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -226,3 +227,77 @@ def test_legacy_missing_rank_fails(root, tmp_path):
     shutil.rmtree(os.path.join(bad, "iter_0000010", "mp_rank_01_001"))
     p = run("inspect", bad, check=False)
     assert p.returncode != 0 and "tp=1 pp=1 is missing" in p.stderr, p.stderr
+
+
+def test_deepseek_v3_layout(root, tmp_path):
+    dst = str(tmp_path / "out")
+    convert(root, "deepseek_v3", dst)
+    got, _ = read_output(dst)
+    # Layer 0 dense, layers 1-3 MoE with shared experts and an fp32 router bias.
+    assert "model.layers.0.mlp.gate_proj.weight" in got
+    assert "model.layers.0.mlp.gate.weight" not in got
+    assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert tuple(got["model.layers.3.mlp.experts.3.down_proj.weight"].shape) == (32, 16)
+    assert tuple(got["model.layers.2.mlp.shared_experts.up_proj.weight"].shape) == (32, 32)
+    assert tuple(got["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"].shape) == (20, 32)
+    assert tuple(got["model.layers.2.self_attn.kv_b_proj.weight"].shape) == (64, 16)
+    assert tuple(got["model.layers.2.self_attn.q_b_proj.weight"].shape) == (48, 24)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fused_gate_up_matches_reference(root, tmp_path, family):
+    dst = str(tmp_path / "out")
+    convert(root, family, dst, "--fused-gate-up", "--threads", "2", "--max-shard-size", "30K",
+            "--verify")
+    got, _ = read_output(dst)
+    ckpt = os.path.join(root, family)
+    cfg = megatron_fixture.make_config(family)
+    want = megatron_fixture.reference(ckpt, cfg, family, fused=True)
+    assert_bit_identical(got, want)
+    assert tuple(got["model.layers.1.mlp.experts.gate_up_proj"].shape) == (4, 32, 32)
+    assert not [n for n in got if ".experts.0." in n]
+
+
+def test_fused_gate_up_needs_moe(root, tmp_path):
+    p = convert(root, "llama", str(tmp_path / "out"), "--fused-gate-up", check=False)
+    assert p.returncode == 1 and "--fused-gate-up" in p.stderr, p.stderr
+
+
+def test_deepseek_v3_hostile(root, tmp_path):
+    import pickle
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(root, "deepseek_v3"), bad)
+    # A checkpoint without one MLA tensor (kv_a_layernorm of layer 2).
+    victim = "decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight"
+    with open(os.path.join(bad, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    del md.state_dict_metadata[victim]
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != victim}
+    with open(os.path.join(bad, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    cfg_dir = os.path.join(root, "deepseek_v3-hf-config")
+    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o1"), "--model", "deepseek_v3",
+            "--hf-config-dir", cfg_dir, check=False)
+    assert p.returncode == 1 and victim in p.stderr, p.stderr
+    assert "kv_a_layernorm" in p.stderr
+    # A config whose MLA ranks disagree with the checkpoint's shapes.
+    for field, value, hf_name in (("kv_lora_rank", 12, "kv_a_proj_with_mqa"),
+                                  ("q_lora_rank", None, "q_proj"),
+                                  ("n_routed_experts", 8, "mlp.gate.weight"),
+                                  ("first_k_dense_replace", 2, "model.layers.1.")):
+        wrong = tmp_path / f"cfg-{field}"
+        wrong.mkdir()
+        cfg = megatron_fixture.make_config("deepseek_v3")
+        cfg[field] = value
+        (wrong / "config.json").write_text(json.dumps(cfg))
+        p = run("convert", "--src", os.path.join(root, "deepseek_v3"), "--dst",
+                str(tmp_path / f"o-{field}"), "--model", "deepseek_v3", "--hf-config-dir",
+                str(wrong), check=False)
+        assert p.returncode == 1 and hf_name in p.stderr, (field, p.stderr)
+        assert not os.path.exists(tmp_path / f"o-{field}" / "model.safetensors.index.json")
+    # The wrong family for an MLA checkpoint.
+    p = run("convert", "--src", os.path.join(root, "deepseek_v3"), "--dst", str(tmp_path / "o3"),
+            "--model", "qwen3_moe", "--hf-config-dir", os.path.join(root, "qwen3_moe-hf-config"),
+            check=False)
+    assert p.returncode == 1 and "linear_qkv" in p.stderr, p.stderr
