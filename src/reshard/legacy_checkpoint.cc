@@ -7,6 +7,7 @@
 
 #include <map>
 #include <regex>
+#include <set>
 #include <tuple>
 
 #include "common/fs.h"
@@ -77,7 +78,10 @@ Split SplitOf(const std::string& key) {
   if (ends("linear_fc1.weight") || ends("linear_fc1.bias")) {
     return Split::kGatedRows;
   }
-  if (ends("linear_qkv.weight") || ends("linear_qkv.bias") ||
+  // Column-parallel (output rows split): GQA linear_qkv, MLA's up projections and linear_q_proj
+  // (MLA's down projections are replicated), embeddings and the output layer.
+  if (ends("linear_qkv.weight") || ends("linear_qkv.bias") || ends("linear_q_proj.weight") ||
+      ends("linear_q_up_proj.weight") || ends("linear_kv_up_proj.weight") ||
       key == "embedding.word_embeddings.weight" || key == "output_layer.weight") {
     return Split::kRows;
   }
@@ -91,6 +95,39 @@ struct LocalTensor {
   std::string file;
   TensorRef ref;
 };
+
+// One tensor of one rank file, its key parsed.
+struct Entry {
+  int pp = 0;
+  int tp = 0;
+  int ep = 0;
+  std::string key;      // as saved (local layer index)
+  std::string suffix;   // key without "decoder.layers.N." (the whole key for non-layer tensors)
+  int64_t layer = -1;   // local layer index
+  int64_t expert = -1;  // local expert index
+  LocalTensor tensor;
+};
+
+// Expert weights under their torch_dist name: SequentialMLP's
+// "mlp.experts.local_experts.K.linear_fcN.weight" and TEGroupedMLP's
+// "mlp.experts.linear_fcN.weightK" -> "mlp.experts.experts.linear_fcN.weight", expert K.
+bool ParseExpertSuffix(const std::string& rest, std::string* suffix, int64_t* expert) {
+  static const std::regex kSequential(
+      R"(mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight)");
+  static const std::regex kGrouped(R"(mlp\.experts\.(linear_fc[12])\.weight(\d+))");
+  std::smatch m;
+  if (std::regex_match(rest, m, kSequential)) {
+    *expert = std::stoll(m[1].str());
+    *suffix = "mlp.experts.experts." + m[2].str() + ".weight";
+    return true;
+  }
+  if (std::regex_match(rest, m, kGrouped)) {
+    *expert = std::stoll(m[2].str());
+    *suffix = "mlp.experts.experts." + m[1].str() + ".weight";
+    return true;
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -107,16 +144,17 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
   }
   int tp_size = 0;
   int pp_size = 0;
+  int ep_size = 0;
   for (const RankDir& r : ranks) {
     tp_size = std::max(tp_size, r.tp + 1);
     pp_size = std::max(pp_size, r.pp + 1);
+    ep_size = std::max(ep_size, r.ep + 1);
   }
-  // (pp, tp) -> local key -> tensor; only EP rank 0 (dense weights are replicated across EP).
-  std::map<std::pair<int, int>, std::map<std::string, LocalTensor>> local;
+  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.+))");
+  std::set<std::tuple<int, int, int>> present;
+  std::vector<Entry> entries;
   for (const RankDir& r : ranks) {
-    if (r.ep != 0) {
-      continue;
-    }
+    present.insert({r.pp, r.tp, r.ep});
     const std::string rel = r.name + "/model_optim_rng.pt";
     const std::string path = dir + "/" + rel;
     BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
@@ -133,35 +171,55 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
       return absl::InvalidArgumentError(fmt::format(
           "{}: no 'model' state dict (virtual pipeline 'model0' is not supported)", path));
     }
-    auto& m = local[{r.pp, r.tp}];
     for (const auto& [k, v] : model->dict) {
       BRAGG_ASSIGN_OR_RETURN(std::string key, AsStr(k, "state dict key"));
       if (!TorchArchive::IsTensor(v)) {
         continue;  // _extra_state and other non-tensors
       }
+      Entry e;
+      e.pp = r.pp;
+      e.tp = r.tp;
+      e.ep = r.ep;
+      e.key = key;
+      e.suffix = key;
+      std::smatch m;
+      if (std::regex_match(key, m, kLayer)) {
+        e.layer = std::stoll(m[1].str());
+        e.suffix = m[2].str();
+        ParseExpertSuffix(m[2].str(), &e.suffix, &e.expert);
+      }
+      if (e.expert < 0 && r.ep != 0) {
+        continue;  // dense weights are replicated across expert-parallel ranks
+      }
       auto ref = archive->Tensor(v);
       if (!ref.ok()) {
         return Annotate(ref.status(), fmt::format("{} in {}", key, path));
       }
-      m[key] = LocalTensor{rel, *ref};
+      e.tensor = LocalTensor{rel, *ref};
+      entries.push_back(std::move(e));
     }
   }
   for (int p = 0; p < pp_size; ++p) {
     for (int t = 0; t < tp_size; ++t) {
-      if (local.count({p, t}) == 0) {
-        return absl::InvalidArgumentError(
-            fmt::format("{}: rank directory for tp={} pp={} is missing", dir, t, p));
+      for (int x = 0; x < ep_size; ++x) {
+        if (present.count({p, t, x}) == 0) {
+          return absl::InvalidArgumentError(
+              ep_size > 1
+                  ? fmt::format("{}: rank directory for tp={} pp={} ep={} is missing", dir, t, p, x)
+                  : fmt::format("{}: rank directory for tp={} pp={} is missing", dir, t, p));
+        }
       }
     }
   }
-  // Layers per stage from the local keys.
-  static const std::regex kLayer(R"(decoder\.layers\.(\d+)\.(.+))");
+  // Layers per stage and local experts per layer, from the first TP/EP rank of each stage.
   std::vector<int64_t> stage_layers(pp_size, 0);
-  for (int p = 0; p < pp_size; ++p) {
-    for (const auto& [key, lt] : local[{p, 0}]) {
-      std::smatch m;
-      if (std::regex_match(key, m, kLayer)) {
-        stage_layers[p] = std::max<int64_t>(stage_layers[p], std::stoll(m[1].str()) + 1);
+  std::map<std::pair<int, int64_t>, int64_t> local_experts;  // (stage, local layer) -> count
+  for (const Entry& e : entries) {
+    if (e.layer >= 0 && e.tp == 0 && e.ep == 0) {
+      stage_layers[e.pp] = std::max(stage_layers[e.pp], e.layer + 1);
+      if (e.expert >= 0) {
+        int64_t& n = local_experts[{e.pp, e.layer}];
+        n = std::max(n, e.expert + 1);
       }
     }
   }
@@ -171,85 +229,100 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
     first_layer[p] = total_layers;
     total_layers += stage_layers[p];
   }
+  // Megatron stacks layers on a leading axis only when every layer holds the same tensors
+  // (dense models); mixed dense/MoE layers keep per-layer keys, and so does this index.
+  std::map<int64_t, std::set<std::string>> layer_suffixes;
+  for (const Entry& e : entries) {
+    if (e.layer >= 0 && e.tp == 0 && e.ep == 0) {
+      layer_suffixes[first_layer[e.pp] + e.layer].insert(e.suffix);
+    }
+  }
+  bool stacked = true;
+  for (const auto& [layer, suffixes] : layer_suffixes) {
+    stacked = stacked && suffixes == layer_suffixes.begin()->second;
+  }
   CheckpointIndex out;
   out.dir = dir;
-  for (int p = 0; p < pp_size; ++p) {
-    for (int t = 0; t < tp_size; ++t) {
-      for (const auto& [key, lt] : local[{p, t}]) {
-        std::string gkey = key;
-        int64_t layer = -1;
-        std::smatch m;
-        if (std::regex_match(key, m, kLayer)) {
-          layer = first_layer[p] + std::stoll(m[1].str());
-          gkey = "decoder.layers." + m[2].str();
-        }
-        const Split split = SplitOf(gkey);
-        if (split == Split::kReplicated && t != 0) {
-          continue;
-        }
-        const std::vector<int64_t>& ls = lt.ref.shape;
-        if ((split != Split::kReplicated && ls.empty()) ||
-            (split == Split::kCols && ls.size() < 2)) {
-          return absl::InvalidArgumentError(
-              fmt::format("{}: '{}' has shape [{}], which cannot be tensor-parallel", lt.file, key,
-                          fmt::join(ls, ",")));
-        }
-        std::vector<int64_t> gshape = ls;
-        std::vector<int64_t> base(ls.size(), 0);
-        const size_t sd = split == Split::kCols ? 1 : 0;
-        if (split != Split::kReplicated) {
-          gshape[sd] = ls[sd] * tp_size;
-          base[sd] = ls[sd] * t;
-        }
-        if (layer >= 0) {
-          gshape.insert(gshape.begin(), total_layers);
-        }
-        SourceTensor& g = out.tensors[gkey];
-        if (g.key.empty()) {
-          g.key = gkey;
-          g.dtype = lt.ref.dtype;
-          g.shape = gshape;
-        } else if (g.shape != gshape || g.dtype != lt.ref.dtype) {
-          return absl::InvalidArgumentError(
-              fmt::format("{}: '{}' [{}] disagrees with other ranks ([{}] globally)", lt.file, key,
-                          fmt::join(ls, ","), fmt::join(g.shape, ",")));
-        }
-        auto add_chunk = [&](int64_t row_begin, int64_t rows, int64_t global_row) {
-          SourceChunk c;
-          c.file = lt.file;
-          c.resolved = true;
-          uint64_t row_bytes = ElementSize(lt.ref.dtype);
-          for (size_t d = 1; d < ls.size(); ++d) {
-            row_bytes *= static_cast<uint64_t>(ls[d]);
-          }
-          c.data_offset = lt.ref.data_offset + static_cast<uint64_t>(row_begin) * row_bytes;
-          c.offsets = base;
-          c.sizes = ls;
-          if (!ls.empty()) {
-            c.sizes[0] = rows;
-            if (split == Split::kGatedRows) {
-              c.offsets[0] = global_row;
-            }
-          }
-          if (layer >= 0) {
-            c.offsets.insert(c.offsets.begin(), layer);
-            c.sizes.insert(c.sizes.begin(), 1);
-          }
-          g.chunks.push_back(std::move(c));
-        };
+  for (const Entry& e : entries) {
+    const Split split = SplitOf(e.suffix);
+    if (split == Split::kReplicated && e.tp != 0) {
+      continue;
+    }
+    const LocalTensor& lt = e.tensor;
+    const std::vector<int64_t>& ls = lt.ref.shape;
+    if ((split != Split::kReplicated && ls.empty()) || (split == Split::kCols && ls.size() < 2)) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: '{}' has shape [{}], which cannot be tensor-parallel", lt.file, e.key,
+                      fmt::join(ls, ",")));
+    }
+    // Leading axes of one index each: the stacked layer axis, the expert axis.
+    std::vector<int64_t> lead_index, lead_extent;
+    std::string gkey = e.suffix;
+    if (e.layer >= 0) {
+      const int64_t global_layer = first_layer[e.pp] + e.layer;
+      if (stacked) {
+        gkey = "decoder.layers." + e.suffix;
+        lead_index.push_back(global_layer);
+        lead_extent.push_back(total_layers);
+      } else {
+        gkey = fmt::format("decoder.layers.{}.{}", global_layer, e.suffix);
+      }
+    }
+    if (e.expert >= 0) {
+      const int64_t per_rank = local_experts[{e.pp, e.layer}];
+      lead_index.push_back(e.ep * per_rank + e.expert);
+      lead_extent.push_back(per_rank * ep_size);
+    }
+    std::vector<int64_t> gshape = ls;
+    std::vector<int64_t> base(ls.size(), 0);
+    const size_t sd = split == Split::kCols ? 1 : 0;
+    if (split != Split::kReplicated) {
+      gshape[sd] = ls[sd] * tp_size;
+      base[sd] = ls[sd] * e.tp;
+    }
+    gshape.insert(gshape.begin(), lead_extent.begin(), lead_extent.end());
+    SourceTensor& g = out.tensors[gkey];
+    if (g.key.empty()) {
+      g.key = gkey;
+      g.dtype = lt.ref.dtype;
+      g.shape = gshape;
+    } else if (g.shape != gshape || g.dtype != lt.ref.dtype) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: '{}' [{}] disagrees with other ranks ([{}] globally)", lt.file, e.key,
+                      fmt::join(ls, ","), fmt::join(g.shape, ",")));
+    }
+    auto add_chunk = [&](int64_t row_begin, int64_t rows, int64_t global_row) {
+      SourceChunk c;
+      c.file = lt.file;
+      c.resolved = true;
+      uint64_t row_bytes = ElementSize(lt.ref.dtype);
+      for (size_t d = 1; d < ls.size(); ++d) {
+        row_bytes *= static_cast<uint64_t>(ls[d]);
+      }
+      c.data_offset = lt.ref.data_offset + static_cast<uint64_t>(row_begin) * row_bytes;
+      c.offsets = base;
+      c.sizes = ls;
+      if (!ls.empty()) {
+        c.sizes[0] = rows;
         if (split == Split::kGatedRows) {
-          if (ls[0] % 2 != 0) {
-            return absl::InvalidArgumentError(
-                fmt::format("{}: gated '{}' has an odd number of rows", lt.file, key));
-          }
-          // Local [gate_t; up_t] -> global [gate_0 .. gate_n; up_0 .. up_n].
-          const int64_t half = ls[0] / 2;
-          add_chunk(0, half, t * half);
-          add_chunk(half, half, tp_size * half + t * half);
-        } else {
-          add_chunk(0, ls.empty() ? 0 : ls[0], 0);
+          c.offsets[0] = global_row;
         }
       }
+      c.offsets.insert(c.offsets.begin(), lead_index.begin(), lead_index.end());
+      c.sizes.insert(c.sizes.begin(), lead_index.size(), 1);
+      g.chunks.push_back(std::move(c));
+    };
+    if (split == Split::kGatedRows) {
+      if (ls[0] % 2 != 0) {
+        return absl::InvalidArgumentError(
+            fmt::format("{}: gated '{}' has an odd number of rows", lt.file, e.key));
+      }
+      // Local [gate_t; up_t] -> global [gate_0 .. gate_n; up_0 .. up_n].
+      const int64_t half = ls[0] / 2;
+      add_chunk(0, half, e.tp * half);
+      add_chunk(half, half, tp_size * half + e.tp * half);
+    } else {
+      add_chunk(0, ls.empty() ? 0 : ls[0], 0);
     }
   }
   for (auto& [key, t] : out.tensors) {

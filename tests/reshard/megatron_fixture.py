@@ -325,55 +325,82 @@ def write_family(args, family, out):
     save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
 
 
-def write_legacy(root, family, tp, pp):
-    """The legacy format of the same model: iter_0000010/mp_rank_TT_PPP/model_optim_rng.pt with
-    local tensors and local layer indices, as Megatron's non-distributed save writes it."""
+def write_legacy(root, name, tp, pp):
+    """The legacy format of the same model: iter_0000010/mp_rank_TT_PPP[_EEE]/model_optim_rng.pt
+    with local tensors and local layer indices, as Megatron's non-distributed save writes it.
+    MoE models get one directory per expert-parallel rank (EP = TP, expert TP = TP): every EP rank
+    repeats the dense tensors and holds its own experts, as SequentialMLP
+    (mlp.experts.local_experts.K.linear_fcN.weight; qwen3_moe) or TEGroupedMLP
+    (mlp.experts.linear_fcN.weightK; deepseek_v3) names them."""
     import collections
 
-    cfg = make_config(family)
-    tensors = global_tensors(family, cfg)
+    cfg = make_config(name)
+    tensors = global_tensors(name, cfg)
     L = cfg["num_hidden_layers"]
-    out = os.path.join(root, family + "-legacy")
+    per = L // pp
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    ep = tp if experts else 1
+    local_experts = experts // ep
+    grouped = family_of(name) == "deepseek_v3"
+    # (global layer or None, key suffix) -> the global tensor of that layer.
+    items = collections.OrderedDict()
+    for key, full in tensors.items():
+        m = re.match(r"decoder\.layers\.(\d+)\.(.+)", key)
+        if m:
+            items[(int(m.group(1)), m.group(2))] = full
+        elif key.startswith("decoder.layers."):
+            for i in range(L):
+                items[(i, key[len("decoder.layers."):])] = full[i]
+        else:
+            items[(None, key)] = full
+
+    def tp_slice(key, t, tr):
+        if key.endswith("linear_fc1.weight"):
+            gate, up = torch.chunk(t, 2, dim=0)
+            return torch.cat([torch.chunk(gate, tp, dim=0)[tr], torch.chunk(up, tp, dim=0)[tr]])
+        if key.endswith(ROW_PARALLEL) or key.startswith(("embedding.", "output_layer.")):
+            return torch.chunk(t, tp, dim=0)[tr]
+        if key.endswith(COL_PARALLEL):
+            return torch.chunk(t, tp, dim=t.dim() - 1)[tr]
+        return t
+
+    out = os.path.join(root, name + "-legacy")
     for pr in range(pp):
         for tr in range(tp):
-            model = collections.OrderedDict()
-            for key, full in tensors.items():
-                stacked = key.startswith("decoder.layers.")
-                if not stacked and key.startswith("embedding.") and pr != 0:
-                    continue
-                if not stacked and not key.startswith("embedding.") and pr != pp - 1:
-                    continue
-                t = full
-                d = None
-                if key.endswith(("linear_qkv.weight", "linear_qkv.bias")) or key.startswith(
-                        ("embedding.", "output_layer.")):
-                    d = 1 if stacked else 0
-                elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
-                    d = len(full.shape) - 1
-                if key.endswith("linear_fc1.weight"):
-                    gate, up = torch.chunk(full, 2, dim=1)
-                    t = torch.cat([torch.chunk(gate, tp, dim=1)[tr],
-                                   torch.chunk(up, tp, dim=1)[tr]], dim=1)
-                elif d is not None:
-                    t = torch.chunk(full, tp, dim=d)[tr]
-                if stacked:
-                    per = L // pp
-                    for i in range(per):
-                        name = key.replace("decoder.layers.", f"decoder.layers.{i}.")
-                        model[name] = t[pr * per + i].clone()
-                        if name.endswith("linear_qkv.weight"):
-                            model[name.replace("weight", "_extra_state")] = None
-                else:
-                    model[key] = t.clone()
-            d = os.path.join(out, "iter_0000010", f"mp_rank_{tr:02d}_{pr:03d}")
-            os.makedirs(d, exist_ok=True)
-            torch.save({"args": argparse.Namespace(tensor_model_parallel_size=tp,
-                                                   pipeline_model_parallel_size=pp),
-                        "checkpoint_version": 3.0, "iteration": 10, "model": model},
-                       os.path.join(d, "model_optim_rng.pt"))
+            for er in range(ep):
+                model = collections.OrderedDict()
+                for (layer, suffix), full in items.items():
+                    if layer is None:
+                        if (pr != 0) if suffix.startswith("embedding.") else (pr != pp - 1):
+                            continue
+                        model[suffix] = tp_slice(suffix, full, tr).clone()
+                        continue
+                    if layer // per != pr:
+                        continue
+                    p = f"decoder.layers.{layer - pr * per}."
+                    if ".experts.experts." in suffix:
+                        fc = suffix.split(".")[-2]  # linear_fc1 / linear_fc2
+                        for k in range(local_experts):
+                            w = tp_slice(suffix, full[er * local_experts + k], tr).clone()
+                            if grouped:
+                                model[f"{p}mlp.experts.{fc}.weight{k}"] = w
+                            else:
+                                model[f"{p}mlp.experts.local_experts.{k}.{fc}.weight"] = w
+                        continue
+                    model[p + suffix] = tp_slice(suffix, full, tr).clone()
+                    if suffix.endswith("linear_qkv.weight"):
+                        model[p + suffix.replace("weight", "_extra_state")] = None
+                rank = f"mp_rank_{tr:02d}_{pr:03d}" + (f"_{er:03d}" if experts else "")
+                d = os.path.join(out, "iter_0000010", rank)
+                os.makedirs(d, exist_ok=True)
+                torch.save({"args": argparse.Namespace(tensor_model_parallel_size=tp,
+                                                       pipeline_model_parallel_size=pp,
+                                                       expert_model_parallel_size=ep),
+                            "checkpoint_version": 3.0, "iteration": 10, "model": model},
+                           os.path.join(d, "model_optim_rng.pt"))
     with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("10")
-    shutil_copy_config(root, family, family + "-legacy")
+    shutil_copy_config(root, name, name + "-legacy")
 
 
 def shutil_copy_config(root, family, name):
@@ -413,7 +440,7 @@ def rewrite_metadata(ckpt, variant):
         pickle.dump(md, f)
 
 
-LEGACY = ("llama", "qwen2", "qwen3")
+LEGACY = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 def write_all(root, families, tp, pp):

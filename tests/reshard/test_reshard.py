@@ -27,7 +27,7 @@ except ImportError as e:  # noqa: F841
     pytest.skip(f"Debian's python3-torch is needed for the fixtures: {e}", allow_module_level=True)
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3-qproj"]
-LEGACY_FAMILIES = ["llama", "qwen2", "qwen3"]
+LEGACY_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +218,30 @@ def test_legacy_format_matches_reference(root, tmp_path, family):
             "--verify")
     got, _ = read_output(dst)
     assert_bit_identical(got, torch.load(os.path.join(root, family + "-ref.pt")))
+
+
+def test_legacy_moe_per_layer_keys_and_fused(root, tmp_path):
+    # Mixed dense/MoE layers are indexed with per-layer keys, grouped-GEMM experts on an axis.
+    p = run("inspect", os.path.join(root, "deepseek_v3-legacy"))
+    assert "decoder.layers.3.mlp.experts.experts.linear_fc1.weight BF16 [4,32,32] 16 chunks" \
+        in p.stdout, p.stdout
+    assert "decoder.layers.0.mlp.linear_fc1.weight BF16 [96,32]" in p.stdout
+    dst = str(tmp_path / "out")
+    convert(root, "deepseek_v3-legacy", dst, "--fused-gate-up", "--verify")
+    got, _ = read_output(dst)
+    cfg = megatron_fixture.make_config("deepseek_v3")
+    want = megatron_fixture.reference(os.path.join(root, "deepseek_v3"), cfg, "deepseek_v3",
+                                      fused=True)
+    assert_bit_identical(got, want)
+
+
+def test_legacy_missing_expert_rank_fails(root, tmp_path):
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(root, "deepseek_v3-legacy"), bad)
+    shutil.rmtree(os.path.join(bad, "iter_0000010", "mp_rank_01_001_001"))
+    p = run("inspect", bad, check=False)
+    assert p.returncode == 1 and "tp=1 pp=1 ep=1 is missing" in p.stderr, p.stderr
 
 
 def test_legacy_missing_rank_fails(root, tmp_path):
