@@ -298,9 +298,11 @@ CheckpointIndex DeepseekIndex(const ModelConfig& c, bool stacked) {
     layer(i, "mlp.router.expert_bias", {c.num_experts}, {1});
     layer(i, "mlp.experts.experts.linear_fc1.weight", {c.num_experts, 2 * f, h}, {2, 1, 1});
     layer(i, "mlp.experts.experts.linear_fc2.weight", {c.num_experts, h, f}, {2, 1, 1});
-    const int64_t sf = f * c.num_shared_experts;
-    layer(i, "mlp.shared_experts.linear_fc1.weight", {2 * sf, h}, {2, 1});
-    layer(i, "mlp.shared_experts.linear_fc2.weight", {h, sf}, {1, 2});
+    if (c.num_shared_experts > 0) {
+      const int64_t sf = f * c.num_shared_experts;
+      layer(i, "mlp.shared_experts.linear_fc1.weight", {2 * sf, h}, {2, 1});
+      layer(i, "mlp.shared_experts.linear_fc2.weight", {h, sf}, {1, 2});
+    }
   }
   return idx;
 }
@@ -415,6 +417,19 @@ TEST(PlanTest, DeepseekV3LayerStackedKeys) {
     auto names = ExecuteAndCheck(DeepseekIndex(*c, true), *c, 700);
     EXPECT_EQ(names.size(), 3u + 3 * (8 + 3 + (fused ? 2 : 12) + 3));
   }
+}
+
+TEST(PlanTest, DeepseekV3WithoutSharedExperts) {
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "n_shared_experts": null)"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto names = ExecuteAndCheck(DeepseekIndex(*c, false), *c, 5ull << 30);
+  EXPECT_EQ(names.size(), 3u + 3 * 8 + 4 + 2 * (3 + 12));
+  // A checkpoint with shared experts but a config without them: the extra tensors are refused.
+  auto with = ParseModelConfig("deepseek_v3", DeepseekJson());
+  ASSERT_TRUE(with.ok());
+  auto r = BuildPlan(DeepseekIndex(*with, false), *c, 5ull << 30);
+  EXPECT_NE(std::string(r.status().message()).find("shared_experts"), std::string::npos)
+      << r.status();
 }
 
 TEST(PlanTest, DeepseekV3Mismatches) {
