@@ -22,6 +22,7 @@ struct RankDir {
   int tp = 0;
   int pp = 0;
   int ep = 0;
+  bool two_fields = false;  // mp_rank_TT_XXX: XXX is the PP rank, or the EP rank when PP is 1
   std::string name;
 };
 
@@ -58,6 +59,7 @@ std::vector<RankDir> ListRankDirs(const std::string& dir) {
       r.tp = std::stoi(m[1].str());
       if (m[2].matched) {
         r.pp = std::stoi(m[2].str());
+        r.two_fields = !m[3].matched;
       }
       if (m[3].matched) {
         r.ep = std::stoi(m[3].str());
@@ -129,6 +131,29 @@ bool ParseExpertSuffix(const std::string& rest, std::string* suffix, int64_t* ex
   return false;
 }
 
+// Megatron names rank directories mp_rank_TT[_PPP][_EEE], the PP part only with pipeline
+// parallelism, so mp_rank_TT_XXX is ambiguous; the saved args say which parallelism it is.
+// Returns true when `rel` (a model_optim_rng.pt) was saved without pipeline parallelism and
+// with expert parallelism.
+Result<bool> SavedWithExpertParallelOnly(const std::string& dir, const std::string& rel) {
+  const std::string path = dir + "/" + rel;
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) {
+    return ErrnoError("fstat", path);
+  }
+  auto archive = TorchArchive::Open(fd.get(), 0, static_cast<uint64_t>(st.st_size));
+  if (!archive.ok()) {
+    return Annotate(archive.status(), path);
+  }
+  const PyValue* args = archive->root() != nullptr ? archive->root()->Get("args") : nullptr;
+  auto size_of = [&](std::string_view name) -> int64_t {
+    const PyValue* v = args != nullptr ? args->Get(name) : nullptr;
+    return v != nullptr && v->kind == PyValue::Kind::kInt ? v->i : 1;
+  };
+  return size_of("pipeline_model_parallel_size") == 1 && size_of("expert_model_parallel_size") > 1;
+}
+
 }  // namespace
 
 bool IsLegacyCheckpoint(const std::string& dir) {
@@ -141,6 +166,20 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
   if (ranks.empty()) {
     return absl::NotFoundError(
         fmt::format("{}: neither .metadata (torch_dist) nor mp_rank_* directories (legacy)", dir));
+  }
+  for (const RankDir& r : ranks) {
+    if (r.two_fields) {
+      BRAGG_ASSIGN_OR_RETURN(bool ep_only,
+                             SavedWithExpertParallelOnly(dir, r.name + "/model_optim_rng.pt"));
+      if (ep_only) {
+        for (RankDir& x : ranks) {
+          if (x.two_fields) {
+            std::swap(x.pp, x.ep);
+          }
+        }
+      }
+      break;
+    }
   }
   int tp_size = 0;
   int pp_size = 0;

@@ -325,13 +325,14 @@ def write_family(args, family, out):
     save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
 
 
-def write_legacy(root, name, tp, pp):
+def write_legacy(root, name, tp, pp, out_name=None):
     """The legacy format of the same model: iter_0000010/mp_rank_TT_PPP[_EEE]/model_optim_rng.pt
     with local tensors and local layer indices, as Megatron's non-distributed save writes it.
     MoE models get one directory per expert-parallel rank (EP = TP, expert TP = TP): every EP rank
     repeats the dense tensors and holds its own experts, as SequentialMLP
     (mlp.experts.local_experts.K.linear_fcN.weight; qwen3_moe) or TEGroupedMLP
-    (mlp.experts.linear_fcN.weightK; deepseek_v3) names them."""
+    (mlp.experts.linear_fcN.weightK; deepseek_v3) names them. Without pipeline parallelism the
+    PP part of the directory name is left out (mp_rank_TT_EEE), as Megatron does."""
     import collections
 
     cfg = make_config(name)
@@ -364,7 +365,8 @@ def write_legacy(root, name, tp, pp):
             return torch.chunk(t, tp, dim=t.dim() - 1)[tr]
         return t
 
-    out = os.path.join(root, name + "-legacy")
+    out_name = out_name or name + "-legacy"
+    out = os.path.join(root, out_name)
     for pr in range(pp):
         for tr in range(tp):
             for er in range(ep):
@@ -390,7 +392,8 @@ def write_legacy(root, name, tp, pp):
                     model[p + suffix] = tp_slice(suffix, full, tr).clone()
                     if suffix.endswith("linear_qkv.weight"):
                         model[p + suffix.replace("weight", "_extra_state")] = None
-                rank = f"mp_rank_{tr:02d}_{pr:03d}" + (f"_{er:03d}" if experts else "")
+                rank = (f"mp_rank_{tr:02d}" + (f"_{pr:03d}" if pp > 1 else "") +
+                        (f"_{er:03d}" if experts else ""))
                 d = os.path.join(out, "iter_0000010", rank)
                 os.makedirs(d, exist_ok=True)
                 torch.save({"args": argparse.Namespace(tensor_model_parallel_size=tp,
@@ -400,7 +403,7 @@ def write_legacy(root, name, tp, pp):
                            os.path.join(d, "model_optim_rng.pt"))
     with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("10")
-    shutil_copy_config(root, name, name + "-legacy")
+    shutil_copy_config(root, name, out_name)
 
 
 def shutil_copy_config(root, family, name):
@@ -486,6 +489,9 @@ def write_all(root, families, tp, pp):
             torch.save(reference(ckpt, cfg, family), ckpt + "-ref.pt")
             if name in LEGACY:
                 write_legacy(root, name, tp, pp)
+            if name == "qwen3_moe":
+                # Expert parallelism without pipeline parallelism: mp_rank_TT_EEE.
+                write_legacy(root, name, tp, 1, out_name="qwen3_moe-legacyep")
     # Rewritten last: the reference reads the torch 1.13 class paths.
     if "llama" in families:
         for variant in ("newpaths", "transforms"):

@@ -235,6 +235,15 @@ def test_legacy_moe_per_layer_keys_and_fused(root, tmp_path):
     assert_bit_identical(got, want)
 
 
+def test_legacy_expert_parallel_without_pipeline(root, tmp_path):
+    # mp_rank_TT_EEE: the saved args tell the EP rank from a PP rank.
+    assert os.path.isdir(os.path.join(root, "qwen3_moe-legacyep", "iter_0000010", "mp_rank_01_001"))
+    dst = str(tmp_path / "out")
+    convert(root, "qwen3_moe-legacyep", dst, "--verify")
+    got, _ = read_output(dst)
+    assert_bit_identical(got, torch.load(os.path.join(root, "qwen3_moe-ref.pt")))
+
+
 def test_legacy_missing_expert_rank_fails(root, tmp_path):
     import shutil
     bad = str(tmp_path / "bad")
