@@ -49,6 +49,8 @@ struct ModelConfig {
   // [experts, 2 x moe_ffn, hidden] ([gate; up] per expert) and mlp.experts.down_proj
   // [experts, hidden, moe_ffn], instead of one gate/up/down_proj.weight per expert.
   bool fused_gate_up = false;
+  // Leave Megatron's multi-token-prediction tensors ("mtp.*") out instead of refusing them.
+  bool skip_mtp = false;
 
   bool IsMoeLayer(int64_t layer) const { return num_experts > 0 && layer >= first_k_dense_replace; }
 };

@@ -177,7 +177,14 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
     shards.back().push_back(std::move(t));
   }
   for (const auto& [key, t] : index.tensors) {
-    if (used.count(key) == 0 && !IsIgnoredSourceKey(key) &&
+    const bool mtp = key.compare(0, 4, "mtp.") == 0;
+    if (mtp && !cfg.skip_mtp && used.count(key) == 0) {
+      return absl::InvalidArgumentError(fmt::format(
+          "checkpoint tensor '{}' belongs to a multi-token-prediction layer, which has no Hugging "
+          "Face mapping; pass --skip-mtp to leave MTP layers out",
+          key));
+    }
+    if (used.count(key) == 0 && !IsIgnoredSourceKey(key) && !(mtp && cfg.skip_mtp) &&
         !(cfg.tie_word_embeddings && key == "output_layer.weight")) {
       return absl::InvalidArgumentError(
           fmt::format("checkpoint tensor '{}' [{}] has no Hugging Face mapping for --model {}", key,

@@ -432,6 +432,27 @@ TEST(PlanTest, DeepseekV3WithoutSharedExperts) {
       << r.status();
 }
 
+TEST(PlanTest, DeepseekV3MultiTokenPrediction) {
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson());
+  ASSERT_TRUE(c.ok()) << c.status();
+  CheckpointIndex idx = DeepseekIndex(*c, false);
+  idx.tensors["mtp.layers.0.eh_proj.weight"] =
+      Chunked("mtp.layers.0.eh_proj.weight", {8, 16}, {2, 1});
+  auto r = BuildPlan(idx, *c, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("--skip-mtp"), std::string::npos) << r.status();
+  c->skip_mtp = true;
+  r = BuildPlan(idx, *c, 1 << 30);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const WorkItem& w : r->items) {
+    EXPECT_NE(w.tensor->key, "mtp.layers.0.eh_proj.weight");
+  }
+  // Other unmapped tensors are still refused.
+  idx.tensors["decoder.layers.9.mlp.linear_fc2.weight"] =
+      Chunked("decoder.layers.9.mlp.linear_fc2.weight", {8, 6}, {1, 1});
+  r = BuildPlan(idx, *c, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find("no Hugging Face mapping"), std::string::npos);
+}
+
 TEST(PlanTest, DeepseekV3Mismatches) {
   auto c = ParseModelConfig("deepseek_v3", DeepseekJson());
   ASSERT_TRUE(c.ok()) << c.status();

@@ -62,6 +62,7 @@ struct ConvertArgs {
   bool verify = false;
   bool dry_run = false;
   bool fused_gate_up = false;
+  bool skip_mtp = false;
 };
 
 Status Convert(ConvertArgs a) {
@@ -100,6 +101,7 @@ Status Convert(ConvertArgs a) {
         "--fused-gate-up applies to MoE families (qwen3_moe, deepseek_v3), not {}", a.model));
   }
   cfg.fused_gate_up = a.fused_gate_up;
+  cfg.skip_mtp = a.skip_mtp;
   BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, ReadIndex(a.src));
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
@@ -167,6 +169,8 @@ int main(int argc, char** argv) {
   convert->add_flag("--fused-gate-up", ca.fused_gate_up,
                     "MoE experts as stacked mlp.experts.gate_up_proj [E, 2F, H] and "
                     "mlp.experts.down_proj [E, H, F] per layer (transformers' fused layout)");
+  convert->add_flag("--skip-mtp", ca.skip_mtp,
+                    "leave multi-token-prediction tensors (mtp.*) out of the output");
   CLI11_PARSE(app, argc, argv);
   if (Status s = bragg::InitLogging("bragg-reshard", level); !s.ok()) {
     std::cerr << "bragg-reshard: " << s.message() << "\n";
