@@ -1,4 +1,5 @@
-"""The torch reference converter on a checkpoint (whole tensors in RAM), for timing."""
+"""The torch reference converter on a checkpoint (whole tensors in RAM), for timing.
+Usage: reference_convert.py CKPT HF_CONFIG_DIR OUT [FAMILY (default llama)]"""
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ import megatron_fixture as mf  # noqa: E402
 import torch  # noqa: E402
 
 ckpt, cfg_dir, out = sys.argv[1:4]
+family = sys.argv[4] if len(sys.argv) > 4 else "llama"
 with open(os.path.join(cfg_dir, "config.json")) as f:
     cfg = json.load(f)
-torch.save(mf.reference(ckpt, cfg, "llama"), out)
+torch.save(mf.reference(ckpt, cfg, family), out)

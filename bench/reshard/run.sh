@@ -4,6 +4,7 @@
 # RSS from /usr/bin/time -v beside the model size, and time beside the torch reference converter.
 # Page cache of the checkpoint files is dropped (posix_fadvise DONTNEED) before every timed read.
 # Usage: bench/reshard/run.sh BUILD_DIR WORK_DIR [SIZES_GB...]   (default sizes: 1 4)
+# MODEL=deepseek_v3 benchmarks a DeepSeek-V3-shaped MoE checkpoint instead of llama.
 set -euo pipefail
 build=${1:?build dir}
 work=${2:?work dir}
@@ -15,6 +16,7 @@ bin=$build/src/reshard/bragg-reshard
 py=/usr/bin/python3
 threads=${THREADS:-2}
 budget=${MEM_BUDGET:-1GiB}
+model=${MODEL:-llama}
 
 evict() {
   $py -c 'import os,sys
@@ -32,8 +34,9 @@ secs() { awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }' <<
 echo "| model | files | disk read (O_DIRECT) | disk write (fsync) | bragg-reshard | throughput | % of disk read | % of disk write | peak RSS (budget $budget) | torch reference | reference RSS | speedup |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 for gb in "${sizes[@]}"; do
-  ck=$work/ck-$gb
-  [ -f "$ck/.metadata" ] || $py "$here/make_ckpt.py" --gb "$gb" --out "$ck" >/dev/null 2>&1
+  ck=$work/ck-$model-$gb
+  [ -f "$ck/.metadata" ] || $py "$here/make_ckpt.py" --gb "$gb" --out "$ck" --model "$model" \
+    >/dev/null 2>&1
   bytes=$(du -sb "$ck" | cut -f1)
   evict "$ck"
   t0=$(date +%s.%N)
@@ -49,7 +52,7 @@ for gb in "${sizes[@]}"; do
   wdisk=$(awk -v b="$bytes" -v a="$t0" -v c="$t1" 'BEGIN{printf "%.2f", b/1e9/(c-a)}')
   rm -rf "$work/out-$gb"
   evict "$ck"
-  /usr/bin/time -v "$bin" convert --src "$ck" --dst "$work/out-$gb" --model llama \
+  /usr/bin/time -v "$bin" convert --src "$ck" --dst "$work/out-$gb" --model "$model" \
     --hf-config-dir "$ck-hf-config" --threads "$threads" --mem-budget "$budget" \
     >/dev/null 2>"$work/time-$gb.txt"
   el=$(secs "$(field 'Elapsed (wall clock)' "$work/time-$gb.txt")")
@@ -62,7 +65,7 @@ for gb in "${sizes[@]}"; do
   if [ "${SKIP_REFERENCE:-0}" != 1 ]; then
     evict "$ck"
     /usr/bin/time -v $py "$here/reference_convert.py" "$ck" "$ck-hf-config" "$work/ref-$gb.pt" \
-      >/dev/null 2>"$work/reftime-$gb.txt"
+      "$model" >/dev/null 2>"$work/reftime-$gb.txt"
     rel=$(secs "$(field 'Elapsed (wall clock)' "$work/reftime-$gb.txt")")
     refrss=$(awk -v k="$(field 'Maximum resident set size' "$work/reftime-$gb.txt")" 'BEGIN{printf "%.0f MiB", k/1024}')
     ref=$(printf "%.1f s" "$rel")

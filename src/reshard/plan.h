@@ -50,9 +50,10 @@ struct Plan {
   uint64_t total_bytes = 0;     // sum of output tensor bytes
 };
 
-// Builds the plan. `index` must outlive the plan. Errors (InvalidArgument, naming the tensor):
-// a mapped source key missing, a source key no mapping uses, a source shape that disagrees with
-// the config, duplicate output names.
+// Builds the plan. `index` must outlive the plan. Layer tensors are looked up by their stacked
+// key, then by their per-layer key. Errors (InvalidArgument, naming the tensor): a mapped source
+// key missing, a source key no mapping uses (mtp.* ones name --skip-mtp unless cfg.skip_mtp), a
+// source shape that disagrees with the config, duplicate output names.
 [[nodiscard]] Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
                                      uint64_t max_shard_size);
 

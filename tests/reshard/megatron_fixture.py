@@ -212,11 +212,12 @@ ROW_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight",
 COL_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
 
 
-def chunks_for(key, shape, tp, pp, num_layers):
+def chunks_for(key, shape, tp, pp, num_layers=None):
     """Megatron's sharding: yields (owner_rank, offsets, sizes). rank = pp_rank * tp + tp_rank.
 
     Layer tensors are either layer-stacked ("decoder.layers.X", layers on dim 0, split by
-    pipeline stage) or per-layer ("decoder.layers.N.X", saved by the stage that owns layer N).
+    pipeline stage) or per-layer ("decoder.layers.N.X", saved by the stage that owns layer N;
+    `num_layers` is needed for those).
     Column-parallel weights (ROW_PARALLEL: their output rows) and row-parallel ones
     (COL_PARALLEL: their input columns) are split over TP; MLA's down projections, norms and the
     router are replicated; experts are split over EP (= the TP ranks, expert TP = 1).
