@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 #include <thread>
 
 namespace bragg::pbox {
@@ -190,6 +191,10 @@ void CloseFrom(int first) {
     }
   }
   setsid();
+  // A child subreaper (kept across execve): what the command's descendants orphan by
+  // double-forking or setsid() is reparented to the command, not to us, so a timeout's
+  // KillTree still finds it. Best effort: without it, detached processes die with the sandbox.
+  (void)prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
   // pbox-init protects itself from the OOM killer (-999); commands must stay killable, and
   // raising one's own score needs no privilege.
   {
@@ -748,11 +753,10 @@ void InitServer::HandleKill(const proto::KillFrame& frame) {
     return;  // already exited: the Exited frame is on its way or was sent
   }
   const pid_t pid = it->second.pid;
-  if (kill(-pid, frame.signal) != 0 && errno != ESRCH) {
-    Log("kill(-%d, %d): %s", pid, frame.signal, strerror(errno));
-  }
   if (frame.whole_tree) {
-    KillSession(pid, frame.signal);
+    KillTree(pid, frame.signal);  // the group too
+  } else if (kill(-pid, frame.signal) != 0 && errno != ESRCH) {
+    Log("kill(-%d, %d): %s", pid, frame.signal, strerror(errno));
   }
 }
 
@@ -966,8 +970,8 @@ void InitServer::SendError(uint64_t id, const std::string& message) {
   Send(f);
 }
 
-std::vector<pid_t> InitServer::ScanProc(int field, pid_t value) const {
-  std::vector<pid_t> out;
+std::vector<InitServer::ProcEntry> InitServer::ScanProc() const {
+  std::vector<ProcEntry> out;
   DIR* dir = opendir(options_.proc_root.c_str());
   if (dir == nullptr) {
     Log("opendir(%s): %s", options_.proc_root.c_str(), strerror(errno));
@@ -992,31 +996,73 @@ std::vector<pid_t> InitServer::ScanProc(int field, pid_t value) const {
     buf[n] = '\0';
     // "pid (comm) state ppid pgrp session ...": comm may contain spaces and parentheses, so
     // parse from the last ')'.
-    char* p = strrchr(buf, ')');
-    if (p == nullptr) {
+    const char* p = strrchr(buf, ')');
+    char state = 0;
+    int ppid = 0;
+    int pgrp = 0;
+    int session = 0;
+    if (p == nullptr || sscanf(p + 1, " %c %d %d %d", &state, &ppid, &pgrp, &session) != 4) {
       continue;
     }
-    ++p;
-    int index = 2;  // field 2 is comm; the next tokens are fields 3, 4, ...
-    char* save = nullptr;
-    for (char* tok = strtok_r(p, " ", &save); tok != nullptr; tok = strtok_r(nullptr, " ", &save)) {
-      ++index;
-      if (index == field) {
-        if (atoi(tok) == value) {
-          out.push_back(pid);
-        }
-        break;
-      }
-    }
+    out.push_back(ProcEntry{pid, ppid, pgrp, session, state == 'Z' || state == 'X'});
   }
   closedir(dir);
   return out;
 }
 
-void InitServer::KillSession(pid_t sid, int signal) {
-  for (pid_t pid : ScanProc(6, sid)) {
-    if (kill(pid, signal) != 0 && errno != ESRCH) {
-      Log("kill(%d, %d): %s", pid, signal, strerror(errno));
+void InitServer::KillTree(pid_t root, int signal) {
+  // Pids of the tree, and the sessions and process groups its members lead or share. A session
+  // or group can only be joined from inside it, so no other command's process matches.
+  std::set<pid_t> members = {root};
+  std::set<pid_t> sessions = {root};
+  std::set<pid_t> groups = {root};
+  std::vector<pid_t> signalled;
+  std::set<pid_t> seen;
+  // For SIGKILL every member is stopped first and killed last: a stopped process cannot fork,
+  // and a live parent keeps its children findable (a dead one hands them to us).
+  const bool stop_first = signal == SIGKILL;
+  constexpr int kMaxPasses = 16;
+  int pass = 0;
+  for (; pass < kMaxPasses; ++pass) {
+    const std::vector<ProcEntry> procs = ScanProc();
+    // Grow to a fixed point: a member's child, or anyone in a member's session or group.
+    bool grew = true;
+    while (grew) {
+      grew = false;
+      for (const ProcEntry& e : procs) {
+        if (members.count(e.pid) != 0) {
+          continue;
+        }
+        if (members.count(e.ppid) != 0 || sessions.count(e.session) != 0 ||
+            groups.count(e.pgrp) != 0) {
+          members.insert(e.pid);
+          sessions.insert(e.session);
+          groups.insert(e.pgrp);
+          grew = true;
+        }
+      }
+    }
+    bool fresh = false;
+    for (const ProcEntry& e : procs) {
+      if (members.count(e.pid) == 0 || e.zombie || !seen.insert(e.pid).second) {
+        continue;
+      }
+      fresh = true;
+      signalled.push_back(e.pid);
+      if (kill(e.pid, stop_first ? SIGSTOP : signal) != 0 && errno != ESRCH) {
+        Log("kill(%d, %d): %s", e.pid, signal, strerror(errno));
+      }
+    }
+    if (!fresh) {
+      break;
+    }
+  }
+  if (pass == kMaxPasses) {
+    Log("process tree of %d still growing after %d passes", root, kMaxPasses);
+  }
+  if (stop_first) {
+    for (pid_t pid : signalled) {
+      (void)kill(pid, SIGKILL);
     }
   }
 }
@@ -1029,16 +1075,18 @@ void InitServer::KillEverything() {
     return;
   }
   for (const auto& [id, child] : children_) {
-    (void)kill(-child.pid, SIGKILL);
-    KillSession(child.pid, SIGKILL);
+    KillTree(child.pid, SIGKILL);
   }
   // As a subreaper every descendant (even one that left the session) is reparented to us
   // once its parent dies, so killing our children until none are left covers them all.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (std::chrono::steady_clock::now() < deadline) {
-    std::vector<pid_t> children = ScanProc(4, getpid());
-    for (pid_t pid : children) {
-      (void)kill(pid, SIGKILL);
+    std::vector<pid_t> children;
+    for (const ProcEntry& e : ScanProc()) {
+      if (e.ppid == getpid()) {
+        children.push_back(e.pid);
+        (void)kill(e.pid, SIGKILL);
+      }
     }
     while (waitpid(-1, nullptr, WNOHANG) > 0) {
     }

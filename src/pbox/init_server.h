@@ -102,9 +102,21 @@ class InitServer {
   void Send(const init_protocol::Frame& frame);
   void SendError(uint64_t id, const std::string& message);
   void Forget(uint64_t id);
-  // Pids from proc_root whose stat field `field` (5: pgrp, 6: session, 4: ppid) equals `value`.
-  std::vector<pid_t> ScanProc(int field, pid_t value) const;
-  void KillSession(pid_t sid, int signal);
+  // One process as /proc/PID/stat describes it.
+  struct ProcEntry {
+    pid_t pid = 0;
+    pid_t ppid = 0;
+    pid_t pgrp = 0;
+    pid_t session = 0;
+    bool zombie = false;
+  };
+  // Every process under proc_root but this one (those that exit meanwhile are skipped).
+  std::vector<ProcEntry> ScanProc() const;
+  // Sends `signal` once to every process the command `root` started, however it detached: its
+  // descendants (commands are child subreapers, so orphans stay descendants while the command
+  // lives), its process group and session, and the sessions and groups its descendants made.
+  // Rescans until a pass finds nobody new, so children forked during the kill are caught too.
+  void KillTree(pid_t root, int signal);
   void KillEverything();
 
   UniqueFd channel_;

@@ -485,6 +485,47 @@ TEST_P(InitTest, KillWholeTreeReachesAProcessThatLeftTheGroup) {
   EXPECT_TRUE(WaitGone(perl_a, milliseconds(5000)));
 }
 
+TEST_P(InitTest, KillWholeTreeReachesDetachedProcesses) {
+  // Three ways out of the command's session: a setsid child whose parent lives, a setsid
+  // grandchild orphaned by its parent's exit, and a double fork that leaves a daemon behind.
+  const std::string script =
+      "setsid sleep 1000 & echo $!; "
+      "setsid sh -c 'sleep 1000 & echo $!'; "
+      "(setsid sh -c 'sleep 1000 & echo $!' &); "
+      "sleep 1000";
+  auto out = MakePipe();
+  auto other_out = MakePipe();
+  ASSERT_TRUE(out.ok() && other_out.ok());
+  auto root = SpawnOk({"sh", "-c", script}, out->write.get());
+  auto other = SpawnOk({"sleep", "1000"}, other_out->write.get());
+  ASSERT_NE(root, nullptr);
+  ASSERT_NE(other, nullptr);
+  out->write.Reset();
+  std::vector<pid_t> detached;
+  for (int i = 0; i < 3; ++i) {
+    detached.push_back(std::stoi(ReadLine(out->read.get())));
+  }
+  for (pid_t pid : detached) {
+    // None is in the command's session or group: a session or group kill misses them all.
+    ASSERT_NE(StatField(pid, 6), root->pid()) << pid;
+    ASSERT_NE(StatField(pid, 5), root->pid()) << pid;
+  }
+
+  ASSERT_TRUE(client_->Kill(root->id(), SIGKILL, true).ok());
+  EXPECT_EQ(root->Wait(milliseconds(10000))->signal, SIGKILL);
+  for (pid_t pid : detached) {
+    EXPECT_TRUE(WaitGone(pid, milliseconds(5000))) << pid;
+  }
+  // EOF: nothing that held the command's stdout is left.
+  std::string rest;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(5000)));
+  // Another command is untouched.
+  EXPECT_FALSE(other->done());
+  EXPECT_FALSE(ProcessGone(other->pid()));
+  ASSERT_TRUE(client_->Kill(other->id(), SIGKILL, true).ok());
+  EXPECT_EQ(other->Wait(milliseconds(10000))->signal, SIGKILL);
+}
+
 TEST_P(InitTest, ReportsRusage) {
   Captured busy = Run({"perl", "-e", "my $x = 0; $x += $_ for 1..5000000; print $x > 0"});
   EXPECT_EQ(busy.out, "1");

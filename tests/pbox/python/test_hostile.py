@@ -130,12 +130,21 @@ def test_yes_through_run_is_truncated_and_bounded(agent, client, session, other)
 def test_timeout_kills_the_whole_tree(agent, client, session, other) -> None:
     sb = session.create()
     marker = ["sleep", "7771"]
-    r = sb.run(["sh", "-c", "sleep 7771 & sleep 7771 & while :; do :; done"], timeout=1)
+    # Background jobs in the command's session, and three that leave it: a setsid child, a
+    # setsid grandchild whose parent exits, and a double-forked daemon.
+    script = ("sleep 7771 & sleep 7771 & setsid sleep 7771 & "
+              "setsid sh -c 'sleep 7771 &'; (setsid sh -c 'sleep 7771 &' &); "
+              "while :; do :; done")
+    r = sb.run(["sh", "-c", script], timeout=1)
     assert r.timed_out
-    time.sleep(0.2)
-    ps = sb.run(["ps", "-eo", "args"])
-    assert ps.ok, ps
-    assert b"sleep 7771" not in ps.stdout, ps.stdout
+    deadline = time.monotonic() + 10
+    while True:
+        ps = sb.run(["ps", "-eo", "args"])
+        assert ps.ok, ps
+        if b"sleep 7771" not in ps.stdout:
+            break
+        assert time.monotonic() < deadline, ps.stdout
+        time.sleep(0.05)
     assert host_processes_with_argv(marker) == []
     assert_agent_fine(agent, client, other)
 
