@@ -32,7 +32,7 @@ Status FromGrpc(const grpc::Status& status) {
   std::string message = status.error_message();
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
       message.find("connect") != std::string::npos) {
-    message += " (is pboxd running? check --endpoint or PBOX_ENDPOINT)";
+    message += kConnectHint;
   }
   return Status(static_cast<absl::StatusCode>(status.error_code()), message);
 }

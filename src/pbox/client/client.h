@@ -143,6 +143,10 @@ class Client {
   std::unique_ptr<v1::Pbox::Stub> stub_;
 };
 
+// Appended by FromGrpc to a failure to connect.
+inline constexpr std::string_view kConnectHint =
+    " (is pboxd running? check --endpoint or PBOX_ENDPOINT)";
+
 // grpc::Status -> Status, keeping the agent's message.
 Status FromGrpc(const grpc::Status& status);
 

@@ -43,9 +43,19 @@ void ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   }
 }
 
+// A node's error message without the single-agent hint (the endpoints come from a list or
+// file here, not --endpoint).
+std::string Reason(const Status& s) {
+  std::string m(s.message());
+  if (size_t at = m.find(kConnectHint); at != std::string::npos) {
+    m.erase(at, kConnectHint.size());
+  }
+  return m;
+}
+
 // Prefixes the node's name, keeping the code.
 Status OnNode(const std::string& node, const Status& s) {
-  return s.ok() ? s : Status(s.code(), fmt::format("node {}: {}", node, std::string(s.message())));
+  return s.ok() ? s : Status(s.code(), fmt::format("node {}: {}", node, Reason(s)));
 }
 
 std::string Getenv(const char* name) {
@@ -159,11 +169,8 @@ Result<Client*> ClusterClient::client(const std::string& node) const {
 
 std::vector<Result<v1::HealthResponse>> ClusterClient::Refresh(const std::vector<size_t>& which) {
   std::vector<Result<v1::HealthResponse>> res(which.size());
-  ParallelFor(which.size(), [&](size_t k) {
-    auto h = nodes_[which[k]]->client->Health(health_timeout_ms_);
-    res[k] =
-        h.ok() ? std::move(h) : Result<v1::HealthResponse>(OnNode(names_[which[k]], h.status()));
-  });
+  ParallelFor(which.size(),
+              [&](size_t k) { res[k] = nodes_[which[k]]->client->Health(health_timeout_ms_); });
   auto now = Clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t k = 0; k < which.size(); ++k) {
@@ -176,8 +183,10 @@ std::vector<Result<v1::HealthResponse>> ClusterClient::Refresh(const std::vector
       n.down_reason.clear();
     } else {
       n.down_until = now + refresh_;
-      n.down_reason =
-          res[k].ok() ? "Health says it is not serving" : std::string(res[k].status().message());
+      n.down_reason = res[k].ok() ? "Health says it is not serving" : Reason(res[k].status());
+    }
+    if (!res[k].ok()) {
+      res[k] = OnNode(names_[which[k]], res[k].status());
     }
   }
   return res;
@@ -282,7 +291,7 @@ Result<ClusterSandbox> ClusterClient::Place(const CreateFn& create, const std::s
       n.added++;
     } else if (IsDown(s)) {
       n.down_until = Clock::now() + refresh_;
-      n.down_reason = std::string(s.message());
+      n.down_reason = Reason(s);
     }
   };
 
@@ -344,22 +353,28 @@ Result<ClusterSandbox> ClusterClient::Place(const CreateFn& create, const std::s
       return OnNode(names_[pick], s);
     }
     all_down = all_down && IsDown(s);
-    errors.push_back(fmt::format("{}: {}", names_[pick], std::string(s.message())));
+    errors.push_back(fmt::format("{}: {}", names_[pick], Reason(s)));
   }
   // Name the nodes passed over as down too, so the caller sees the whole picture.
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < nodes_.size(); ++i) {
       if (!tried[i] && nodes_[i]->down_until > Clock::now()) {
-        errors.push_back(fmt::format("{}: down ({})", names_[i], nodes_[i]->down_reason));
+        errors.push_back(fmt::format("{}: {}", names_[i], nodes_[i]->down_reason));
       }
     }
   }
   if (errors.empty()) {
     return absl::UnavailableError("no node of the cluster can take sandboxes");
   }
-  std::string msg = fmt::format("no node could take the sandbox: {}", fmt::join(errors, "; "));
-  return all_down ? absl::UnavailableError(msg) : absl::ResourceExhaustedError(msg);
+  if (all_down) {
+    return absl::UnavailableError(
+        fmt::format("no node of the cluster answers: {} (are the job's agents running, and is the "
+                    "endpoints file current?)",
+                    fmt::join(errors, "; ")));
+  }
+  return absl::ResourceExhaustedError(
+      fmt::format("no node could take the sandbox: {}", fmt::join(errors, "; ")));
 }
 
 Result<ClusterSandbox> ClusterClient::Create(const v1::SandboxSpec& spec, const std::string& node) {
@@ -376,7 +391,7 @@ Result<ClusterSandbox> ClusterClient::Find(const std::string& sandbox_id) {
       return Handle(i, std::move(*res[i]));
     }
     if (res[i].status().code() != absl::StatusCode::kNotFound) {
-      errors.push_back(fmt::format("{}: {}", names_[i], std::string(res[i].status().message())));
+      errors.push_back(fmt::format("{}: {}", names_[i], Reason(res[i].status())));
     }
   }
   if (!errors.empty()) {
@@ -488,7 +503,7 @@ Status ClusterSession::Close() {
   std::vector<std::string> errors;
   for (size_t i = 0; i < res.size(); ++i) {
     if (!res[i].ok()) {
-      errors.push_back(fmt::format("{}: {}", cluster_->names_[i], std::string(res[i].message())));
+      errors.push_back(fmt::format("{}: {}", cluster_->names_[i], Reason(res[i])));
     }
   }
   if (errors.empty()) {
