@@ -88,6 +88,15 @@ Result<std::string> ClusterSandbox::ReadFile(const std::string& path, uint64_t o
   return client_->ReadFile(id(), path, offset, length);
 }
 
+Result<v1::FileInfo> ClusterSandbox::WriteFileFromFd(const std::string& path, int fd, uint32_t mode,
+                                                     bool make_parents) const {
+  return client_->WriteFileFromFd(id(), path, fd, mode, make_parents);
+}
+
+Result<uint64_t> ClusterSandbox::ReadFileToFd(const std::string& path, int fd) const {
+  return client_->ReadFileToFd(id(), path, fd);
+}
+
 Result<v1::Sandbox> ClusterSandbox::Get() const { return client_->Get(id()); }
 
 Status ClusterSandbox::Destroy() const { return client_->Destroy(id()); }
@@ -106,6 +115,9 @@ Result<std::unique_ptr<ClusterClient>> ClusterClient::Connect(const ClusterOptio
     eps = options.nodes;
     for (auto& e : eps) {
       BRAGG_ASSIGN_OR_RETURN(e.endpoint, CanonicalEndpoint(e.endpoint));
+      if (e.node.empty()) {
+        e.node = e.endpoint;
+      }
     }
   } else if (!options.endpoints_file.empty()) {
     BRAGG_ASSIGN_OR_RETURN(eps, LoadEndpointsFile(options.endpoints_file));

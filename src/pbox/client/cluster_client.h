@@ -33,7 +33,8 @@
 namespace bragg::pbox::client {
 
 struct ClusterOptions {
-  // The agents; set at most one of the three. `nodes`: as parsed (e.g. by LoadEndpoints).
+  // The agents; set at most one of the three. `nodes`: as parsed (e.g. by LoadEndpoints); a
+  // node without a name is named by its endpoint.
   // `endpoints`: a comma-separated list of endpoints, or the path of an endpoints file (the
   // forms of $PBOX_ENDPOINTS). `endpoints_file`: the launcher's endpoints file. None:
   // $PBOX_ENDPOINTS.
@@ -74,6 +75,9 @@ class ClusterSandbox {
                                  uint32_t mode = 0644, bool make_parents = true) const;
   Result<std::string> ReadFile(const std::string& path, uint64_t offset = 0,
                                uint64_t length = 0) const;
+  Result<v1::FileInfo> WriteFileFromFd(const std::string& path, int fd, uint32_t mode = 0644,
+                                       bool make_parents = true) const;
+  Result<uint64_t> ReadFileToFd(const std::string& path, int fd) const;
   Result<v1::Sandbox> Get() const;
   Status Destroy() const;
 

@@ -277,6 +277,14 @@ TEST_F(EndpointsTest, ClusterClientChecksItsInputsBeforeDialing) {
   ExpectInvalid(ClusterClient::Connect({.nodes = {{.node = "a", .endpoint = "nope"}}}).status(),
                 "nope");
 
+  auto unnamed = ClusterClient::Connect({.nodes = {{.endpoint = "/run/x.sock", .cpuset = "0-3"}}});
+  ASSERT_TRUE(unnamed.ok()) << unnamed.status();
+  EXPECT_EQ((*unnamed)->nodes()[0], "unix:///run/x.sock");
+  EXPECT_EQ((*unnamed)->Loads()[0].weight, 4u);
+  ExpectInvalid(
+      ClusterClient::Connect({.nodes = {{.endpoint = "tcp://a:1", .cpuset = "x"}}}).status(),
+      "bad CPU list");
+
   auto cluster = ClusterClient::Connect({.endpoints = "tcp://a:1,tcp://b:2/"});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   EXPECT_EQ((*cluster)->nodes(), (std::vector<std::string>{"tcp://a:1", "tcp://b:2/"}));
