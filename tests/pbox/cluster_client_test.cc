@@ -229,6 +229,41 @@ TEST_F(ClusterClientTest, ConcurrentCreatesSpread) {
   for (int i = 0; i < kAgents; ++i) {
     EXPECT_EQ(Held(i).size(), 2u) << kNames[i];
   }
+
+  // Many threads through one session with Health refreshed on every create: each handle's
+  // node holds its sandbox, and the session counts them all.
+  auto busy = Connect({.endpoints_file = WriteEndpointsFile({0, 1, 2}), .refresh_ms = 0});
+  ASSERT_NE(busy, nullptr);
+  auto session = busy->OpenSession("busy");
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<std::vector<Result<ClusterSandbox>>> made(12);
+  threads.clear();
+  for (int t = 0; t < 12; ++t) {
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 2; ++k) {
+        made[t].push_back((*session)->Create(SmallSpec()));
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (const auto& per_thread : made) {
+    for (const auto& sb : per_thread) {
+      ASSERT_TRUE(sb.ok()) << sb.status();
+      auto got = (*busy->client(sb->node()))->Get(sb->id());
+      EXPECT_TRUE(got.ok()) << sb->node() << " " << got.status();
+    }
+  }
+  auto listed = (*session)->List();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  size_t total = 0;
+  for (const auto& [node, list] : *listed) {
+    total += list.size();
+    EXPECT_GE(list.size(), 2u) << node;  // spread, though refresh races may skew it
+  }
+  EXPECT_EQ(total, 24u);
+  EXPECT_TRUE((*session)->Close().ok());
 }
 
 TEST_F(ClusterClientTest, NamedNodeIsNeverSubstituted) {
@@ -490,6 +525,16 @@ TEST_F(ClusterClientTest, AgentKilledMidSession) {
   for (int k = 0; k < 3; ++k) {
     ASSERT_TRUE((*session)->Create(SmallSpec()).ok());
   }
+  // A second cluster over the unix sockets, whose paths survive the restart below.
+  std::string unix_list;
+  for (int i = 0; i < kAgents; ++i) {
+    unix_list += (i ? "," : "") + agents_[i]->unix_endpoint();
+  }
+  auto unix_cluster = Connect({.endpoints = unix_list, .refresh_ms = 0});
+  ASSERT_NE(unix_cluster, nullptr);
+  auto unix_session = unix_cluster->OpenSession("outlives-c");
+  ASSERT_TRUE(unix_session.ok()) << unix_session.status();
+
   auto killed = agents_[2]->Stop(SIGKILL);
   ASSERT_TRUE(killed.ok()) << killed.status();
 
@@ -532,6 +577,26 @@ TEST_F(ClusterClientTest, AgentKilledMidSession) {
   // The agent comes back on its state dir and reaps what the killed one left.
   ASSERT_TRUE(agents_[2]->Restart().ok());
   EXPECT_TRUE(Held(2).empty());
+
+  // node-c answers Health again but no longer knows the session opened before: placement
+  // passes it over (FAILED_PRECONDITION), and naming it says so.
+  for (int k = 0; k < 3; ++k) {
+    auto sb = (*unix_session)->Create(SmallSpec());
+    ASSERT_TRUE(sb.ok()) << sb.status();
+    EXPECT_NE(sb->node(), agents_[2]->unix_endpoint());
+  }
+  auto stale = (*unix_session)->Create(SmallSpec(), agents_[2]->unix_endpoint());
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_TRUE(Held(2).empty());
+  EXPECT_EQ(Held(0).size() + Held(1).size(), 3u);
+  // Its part of the session died with the old agent: Close names it, and only it.
+  Status unix_closed = (*unix_session)->Close();
+  EXPECT_FALSE(unix_closed.ok());
+  EXPECT_THAT(std::string(unix_closed.message()), HasSubstr(agents_[2]->unix_endpoint()));
+  EXPECT_THAT(std::string(unix_closed.message()),
+              ::testing::Not(HasSubstr(agents_[0]->unix_endpoint())));
+  EXPECT_TRUE(Held(0).empty());
+  EXPECT_TRUE(Held(1).empty());
 }
 
 }  // namespace
