@@ -9,6 +9,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "common/fs.h"
 #include "fmt/format.h"
 
@@ -31,7 +32,7 @@ Status FromGrpc(const grpc::Status& status) {
   std::string message = status.error_message();
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
       message.find("connect") != std::string::npos) {
-    message += " (is pboxd running? check --endpoint or PBOX_ENDPOINT)";
+    message += kConnectHint;
   }
   return Status(static_cast<absl::StatusCode>(status.error_code()), message);
 }
@@ -84,13 +85,13 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   return c;
 }
 
-void Client::Prepare(grpc::ClientContext* ctx, bool with_deadline) const {
+void Client::Prepare(grpc::ClientContext* ctx, bool with_deadline, uint32_t timeout_ms) const {
   if (!token_.empty()) {
     ctx->AddMetadata("authorization", "Bearer " + token_);
   }
-  if (with_deadline && call_timeout_ms_ > 0) {
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(call_timeout_ms_));
+  uint32_t ms = timeout_ms != 0 ? timeout_ms : call_timeout_ms_;
+  if (with_deadline && ms > 0) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
   }
 }
 
@@ -102,26 +103,55 @@ Result<v1::InfoResponse> Client::Info() {
   return resp;
 }
 
-Result<v1::HealthResponse> Client::Health() {
+Result<v1::HealthResponse> Client::Health(uint32_t timeout_ms) {
   grpc::ClientContext ctx;
-  Prepare(&ctx, true);
+  Prepare(&ctx, true, timeout_ms);
   v1::HealthResponse resp;
   BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->Health(&ctx, v1::HealthRequest(), &resp)));
   return resp;
 }
 
-Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_name) {
+Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_name,
+                                                     const std::string& job_id,
+                                                     uint32_t open_timeout_ms) {
   std::unique_ptr<Session> s(new Session());
   s->ctx_ = std::make_unique<grpc::ClientContext>();
   Prepare(s->ctx_.get(), false);
+  // The stream lives as long as the session, so it carries no deadline; a watchdog cancels it
+  // if the agent does not answer the open in time (a peer that accepts TCP but never speaks).
+  absl::Mutex mu;
+  bool opened = false, timed_out = false;
+  std::thread watchdog;
+  if (open_timeout_ms > 0) {
+    watchdog = std::thread([&] {
+      absl::MutexLock lock(&mu);
+      if (!mu.AwaitWithTimeout(absl::Condition(&opened), absl::Milliseconds(open_timeout_ms))) {
+        timed_out = true;
+        s->ctx_->TryCancel();
+      }
+    });
+  }
   s->stream_ = stub_->Session(s->ctx_.get());
   v1::SessionRequest open;
   open.mutable_open()->set_client_name(client_name);
+  open.mutable_open()->set_job_id(job_id);
   v1::SessionEvent ev;
-  if (!s->stream_->Write(open) || !s->stream_->Read(&ev) || !ev.has_opened()) {
+  bool ok = s->stream_->Write(open) && s->stream_->Read(&ev) && ev.has_opened();
+  if (watchdog.joinable()) {
+    {
+      absl::MutexLock lock(&mu);
+      opened = true;
+    }
+    watchdog.join();
+  }
+  if (!ok || timed_out) {
     s->stream_->WritesDone();
     s->closed_ = true;
     Status st = FromGrpc(s->stream_->Finish());
+    if (timed_out) {
+      return absl::DeadlineExceededError(fmt::format(
+          "the agent at {} did not open the session within {} ms", endpoint_, open_timeout_ms));
+    }
     return st.ok() ? absl::UnavailableError("the agent closed the session at once") : st;
   }
   s->id_ = ev.opened().session_id();

@@ -72,9 +72,14 @@ class Client {
   const std::string& endpoint() const { return endpoint_; }
 
   Result<v1::InfoResponse> Info();
-  Result<v1::HealthResponse> Health();
+  // `timeout_ms` 0: the call timeout of ClientOptions.
+  Result<v1::HealthResponse> Health(uint32_t timeout_ms = 0);
 
-  Result<std::unique_ptr<Session>> OpenSession(const std::string& client_name);
+  // `job_id` (e.g. $SLURM_JOB_ID) is sent to the agent with the session, for its logs.
+  // DEADLINE_EXCEEDED if the agent has not opened it within `open_timeout_ms` (0: no limit).
+  Result<std::unique_ptr<Session>> OpenSession(const std::string& client_name,
+                                               const std::string& job_id = "",
+                                               uint32_t open_timeout_ms = 30000);
 
   // Empty session_id: a detached sandbox, destroyed by DestroySandbox or its idle TTL.
   Result<v1::Sandbox> Create(const v1::SandboxSpec& spec, const std::string& session_id = "");
@@ -125,7 +130,8 @@ class Client {
   using NextChunkFn = std::function<Result<bool>(std::string* chunk)>;
 
   Client() = default;
-  void Prepare(grpc::ClientContext* ctx, bool with_deadline) const;
+  // Adds the token and, if `with_deadline`, a deadline of `timeout_ms` (0: the call timeout).
+  void Prepare(grpc::ClientContext* ctx, bool with_deadline, uint32_t timeout_ms = 0) const;
   // One WriteFile call fed by `next`; a source error cancels the call and is returned.
   Result<v1::FileInfo> Upload(const std::string& sandbox_id, const std::string& path, uint32_t mode,
                               bool make_parents, const NextChunkFn& next);
@@ -136,6 +142,10 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Pbox::Stub> stub_;
 };
+
+// Appended by FromGrpc to a failure to connect.
+inline constexpr std::string_view kConnectHint =
+    " (is pboxd running? check --endpoint or PBOX_ENDPOINT)";
 
 // grpc::Status -> Status, keeping the agent's message.
 Status FromGrpc(const grpc::Status& status);

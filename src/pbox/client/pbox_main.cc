@@ -6,6 +6,11 @@
 //   pbox cp SRC DST                               one side ID:/path; '-' is stdin/stdout
 //   pbox ps | ls ID:/dir | rm ID... | info
 //   pbox image import NAME FILE | image ls | image rm NAME... | image prune
+//
+// With --endpoints FILE|LIST (or $PBOX_ENDPOINTS when no --endpoint/$PBOX_ENDPOINT is given) the
+// CLI speaks to every agent of a job: create places the sandbox on the least-loaded node (or
+// --node), ps lists every node, info describes each, and the commands that name a sandbox find
+// the node that holds it.
 
 #include <fcntl.h>
 #include <signal.h>
@@ -13,6 +18,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include "absl/synchronization/mutex.h"
@@ -21,6 +27,7 @@
 #include "common/units.h"
 #include "fmt/format.h"
 #include "pbox/client/client.h"
+#include "pbox/client/cluster_client.h"
 #include "pbox/client/image_cli.h"
 
 namespace {
@@ -29,6 +36,12 @@ using bragg::Result;
 using bragg::Status;
 namespace v1 = bragg::pbox::v1;
 using bragg::pbox::client::Client;
+using bragg::pbox::client::ClusterClient;
+
+std::string Getenv(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
+}
 
 int Fail(const Status& s) {
   std::cerr << "pbox: " << s.message() << "\n";
@@ -84,6 +97,10 @@ int main(int argc, char** argv) {
                  "agent address: unix:///path.sock or tcp://host:port (default $PBOX_ENDPOINT, "
                  "else unix:///run/pbox/pbox.sock)");
   app.add_option("--token", options.token, "bearer token for TCP (default $PBOX_TOKEN)");
+  std::string endpoints;
+  app.add_option("--endpoints", endpoints,
+                 "every agent of a job: an endpoints file or tcp://a:1,tcp://b:2 (default "
+                 "$PBOX_ENDPOINTS when neither --endpoint nor $PBOX_ENDPOINT is set)");
 
   // create
   auto* create = app.add_subcommand("create", "create a detached sandbox; prints its id");
@@ -102,6 +119,8 @@ int main(int argc, char** argv) {
   create->add_option("--workdir", workdir, "default working directory");
   create->add_option("--ttl", ttl, "idle TTL in seconds (default: agent's)");
   create->add_option("--label", labels, "KEY=VALUE; repeatable");
+  std::string node;
+  create->add_option("--node", node, "with --endpoints: the node to place it on");
 
   // exec
   auto* exec = app.add_subcommand("exec", "run a command in a sandbox, streaming its output");
@@ -148,11 +167,46 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
 
-  auto client_or = Client::Connect(options);
-  if (!client_or.ok()) {
-    return Fail(client_or.status());
+  // One agent, or every agent of a job.
+  std::unique_ptr<Client> single;
+  std::unique_ptr<ClusterClient> cluster;
+  if (endpoints.empty() && options.endpoint.empty() && Getenv("PBOX_ENDPOINT").empty()) {
+    endpoints = Getenv(bragg::pbox::client::kEndpointsEnv);
   }
-  Client& client = **client_or;
+  if (!endpoints.empty()) {
+    if (!options.endpoint.empty()) {
+      return Fail(absl::InvalidArgumentError("pass --endpoint or --endpoints, not both"));
+    }
+    if (image_cli.selected()) {
+      return Fail(absl::InvalidArgumentError(
+          "pbox image talks to one agent: pass --endpoint (each node imports its own images)"));
+    }
+    auto c = ClusterClient::Connect({.endpoints = endpoints, .token = options.token});
+    if (!c.ok()) {
+      return Fail(c.status());
+    }
+    cluster = std::move(*c);
+  } else {
+    if (!node.empty()) {
+      return Fail(absl::InvalidArgumentError("--node needs --endpoints (or $PBOX_ENDPOINTS)"));
+    }
+    auto c = Client::Connect(options);
+    if (!c.ok()) {
+      return Fail(c.status());
+    }
+    single = std::move(*c);
+  }
+  // The client of the agent that holds `id`.
+  auto client_for = [&](const std::string& id) -> Result<Client*> {
+    if (!cluster) {
+      return single.get();
+    }
+    auto sb = cluster->Find(id);
+    if (!sb.ok()) {
+      return sb.status();
+    }
+    return &sb->client();
+  };
 
   if (*create) {
     v1::SandboxSpec spec;
@@ -182,7 +236,15 @@ int main(int argc, char** argv) {
     spec.mutable_labels()->insert(lbl->begin(), lbl->end());
     spec.set_workdir(workdir);
     spec.set_idle_ttl_seconds(ttl);
-    auto sb = client.Create(spec);
+    if (cluster) {
+      auto sb = cluster->Create(spec, node);
+      if (!sb.ok()) {
+        return Fail(sb.status());
+      }
+      std::cout << sb->id() << "\n";
+      return 0;
+    }
+    auto sb = single->Create(spec);
     if (!sb.ok()) {
       return Fail(sb.status());
     }
@@ -191,7 +253,11 @@ int main(int argc, char** argv) {
   }
 
   if (*clone) {
-    auto clones = client.Clone(clone_id, clone_count);
+    auto c = client_for(clone_id);
+    if (!c.ok()) {
+      return Fail(c.status());
+    }
+    auto clones = (*c)->Clone(clone_id, clone_count);
     if (!clones.ok()) {
       return Fail(clones.status());
     }
@@ -214,7 +280,11 @@ int main(int argc, char** argv) {
     start.mutable_env()->insert(env->begin(), env->end());
     start.set_cwd(cwd);
     start.set_timeout_ms(static_cast<uint64_t>(timeout_s * 1000));
-    auto result = client.Exec(
+    auto c = client_for(exec_id);
+    if (!c.ok()) {
+      return Fail(c.status());
+    }
+    auto result = (*c)->Exec(
         start, interactive ? STDIN_FILENO : -1, [](bool is_stderr, std::string_view data) {
           (void)bragg::WriteAll(is_stderr ? STDERR_FILENO : STDOUT_FILENO, data);
         });
@@ -245,6 +315,11 @@ int main(int argc, char** argv) {
       return Fail(absl::InvalidArgumentError(
           "pbox cp: exactly one of SRC and DST must be in a sandbox (ID:/path)"));
     }
+    auto c = client_for(dst_id.empty() ? src_id : dst_id);
+    if (!c.ok()) {
+      return Fail(c.status());
+    }
+    Client& client = **c;
     if (!dst_id.empty()) {
       bragg::UniqueFd in;
       if (src_path != "-") {
@@ -270,25 +345,44 @@ int main(int argc, char** argv) {
   }
 
   if (*ps) {
-    auto list = client.List();
-    if (!list.ok()) {
-      return Fail(list.status());
-    }
-    if (!quiet) {
-      std::cout << fmt::format("{:<16} {:<16} {:<8} {:<6} {:>10} {:>10} {:>6}\n", "ID", "SESSION",
-                               "IMAGE", "CPUS", "MEMORY", "USED", "EXECS");
-    }
-    for (const auto& sb : *list) {
-      if (quiet) {
-        std::cout << sb.id() << "\n";
-        continue;
+    // {node: sandboxes}; one "" node without --endpoints.
+    std::map<std::string, std::vector<v1::Sandbox>> by_node;
+    int rc = 0;
+    if (cluster) {
+      for (const auto& n : cluster->nodes()) {
+        auto list = (*cluster->client(n))->List();
+        if (!list.ok()) {
+          rc = Fail(bragg::Annotate(list.status(), "node " + n));
+          continue;
+        }
+        by_node[n] = std::move(*list);
       }
-      std::cout << fmt::format("{:<16} {:<16} {:<8} {:<6} {:>10} {:>10} {:>6}\n", sb.id(),
-                               sb.session_id().empty() ? "-" : sb.session_id(), sb.spec().image(),
-                               sb.cpuset(), bragg::FormatSize(sb.spec().memory_bytes()),
-                               bragg::FormatSize(sb.memory_usage_bytes()), sb.running_execs());
+    } else {
+      auto list = single->List();
+      if (!list.ok()) {
+        return Fail(list.status());
+      }
+      by_node[""] = std::move(*list);
     }
-    return 0;
+    std::string node_col = cluster ? fmt::format("{:<16} ", "NODE") : "";
+    if (!quiet) {
+      std::cout << fmt::format("{}{:<16} {:<16} {:<8} {:<6} {:>10} {:>10} {:>6}\n", node_col, "ID",
+                               "SESSION", "IMAGE", "CPUS", "MEMORY", "USED", "EXECS");
+    }
+    for (const auto& [n, list] : by_node) {
+      for (const auto& sb : list) {
+        if (quiet) {
+          std::cout << sb.id() << "\n";
+          continue;
+        }
+        std::cout << fmt::format("{}{:<16} {:<16} {:<8} {:<6} {:>10} {:>10} {:>6}\n",
+                                 cluster ? fmt::format("{:<16} ", n) : "", sb.id(),
+                                 sb.session_id().empty() ? "-" : sb.session_id(), sb.spec().image(),
+                                 sb.cpuset(), bragg::FormatSize(sb.spec().memory_bytes()),
+                                 bragg::FormatSize(sb.memory_usage_bytes()), sb.running_execs());
+      }
+    }
+    return rc;
   }
 
   if (*ls) {
@@ -296,7 +390,11 @@ int main(int argc, char** argv) {
     if (id.empty()) {
       return Fail(absl::InvalidArgumentError("pbox ls: expected ID:/path"));
     }
-    auto entries = client.ListDir(id, path.empty() ? "/" : path);
+    auto c = client_for(id);
+    if (!c.ok()) {
+      return Fail(c.status());
+    }
+    auto entries = (*c)->ListDir(id, path.empty() ? "/" : path);
     if (!entries.ok()) {
       return Fail(entries.status());
     }
@@ -311,7 +409,8 @@ int main(int argc, char** argv) {
   if (*rm) {
     int rc = 0;
     for (const auto& id : rm_ids) {
-      Status s = client.Destroy(id);
+      auto c = client_for(id);
+      Status s = c.ok() ? (*c)->Destroy(id) : c.status();
       if (!s.ok()) {
         rc = Fail(s);
       }
@@ -320,23 +419,38 @@ int main(int argc, char** argv) {
   }
 
   if (image_cli.selected()) {
-    return image_cli.Run(client);
+    return image_cli.Run(*single);
   }
 
   if (*info) {
-    auto i = client.Info();
-    if (!i.ok()) {
-      return Fail(i.status());
+    std::vector<std::pair<std::string, Client*>> agents;
+    if (cluster) {
+      for (const auto& n : cluster->nodes()) {
+        agents.emplace_back(n, *cluster->client(n));
+      }
+    } else {
+      agents.emplace_back("", single.get());
     }
-    std::cout << fmt::format(
-        "version:        {}\nhostname:       {}\nruntime:        {} (available: {})\n"
-        "sandbox cpus:   {}\ncgroup:         {}\nsandboxes:      {} live, {} max\n"
-        "images:         {}\ndefaults:       memory {}, disk {}, pids {}\n",
-        i->version(), i->hostname(), i->default_runtime(), fmt::join(i->runtimes(), ", "),
-        i->cpuset(), i->cgroup_version(), i->live_sandboxes(), i->max_sandboxes(),
-        fmt::join(i->images(), ", "), bragg::FormatSize(i->default_memory_bytes()),
-        bragg::FormatSize(i->default_disk_bytes()), i->default_pids());
-    return 0;
+    int rc = 0;
+    for (const auto& [n, c] : agents) {
+      if (!n.empty()) {
+        std::cout << fmt::format("node:           {} ({})\n", n, c->endpoint());
+      }
+      auto i = c->Info();
+      if (!i.ok()) {
+        rc = Fail(n.empty() ? i.status() : bragg::Annotate(i.status(), "node " + n));
+        continue;
+      }
+      std::cout << fmt::format(
+          "version:        {}\nhostname:       {}\nruntime:        {} (available: {})\n"
+          "sandbox cpus:   {}\ncgroup:         {}\nsandboxes:      {} live, {} max\n"
+          "images:         {}\ndefaults:       memory {}, disk {}, pids {}\n",
+          i->version(), i->hostname(), i->default_runtime(), fmt::join(i->runtimes(), ", "),
+          i->cpuset(), i->cgroup_version(), i->live_sandboxes(), i->max_sandboxes(),
+          fmt::join(i->images(), ", "), bragg::FormatSize(i->default_memory_bytes()),
+          bragg::FormatSize(i->default_disk_bytes()), i->default_pids());
+    }
+    return rc;
   }
   return 0;
 }
