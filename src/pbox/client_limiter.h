@@ -26,7 +26,7 @@ struct ClientLimits {
   uint32_t max_execs = 1024;
   // Refusals (RESOURCE_EXHAUSTED) one client gets at once per second, with a burst of as
   // many; beyond that each refusal is held until the client's budget allows it, at most
-  // refusal_hold_ms. 0: refusals are never held.
+  // refusal_hold_ms. 0 (or negative, infinite, NaN): refusals are never held.
   double refusals_per_second = 20;
   uint32_t refusal_hold_ms = 200;
   // Refusals held at once for one client; beyond that they are answered at once (this
