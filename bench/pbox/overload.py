@@ -3,9 +3,15 @@
 (in a process of its own) while a bystander client times a trivial exec in its sandbox.
 
     bench/pbox/overload.py --build build [--limit 10] [--seconds 20] [--samples 300]
+        [--pboxd PATH] [--agent-arg=--client-refusals-per-second=0 ...]
 
-Prints JSON: the refusals' count and latency (p50/p99, RESOURCE_EXHAUSTED), and the
-bystander's exec `true` latency unloaded and loaded (p50/p99) with their ratio. Needs root.
+Prints JSON: the refusals' count and latency (p50/p99, RESOURCE_EXHAUSTED), the bystander's
+exec `true` latency unloaded and loaded (p50/p99) with their ratio, the CPU seconds the agent
+and the hostile process used while loaded, and the load average. Needs root.
+
+The hostile client's sandboxes are created and left idle: they use no CPU, so what the
+bystander competes with is the agent's work on the hostile calls and the hostile process itself
+(which runs on the same two CPUs: its CPU time is printed so that the two can be told apart).
 """
 
 import argparse
@@ -60,6 +66,14 @@ def hammer(endpoint, threads, seconds):
                "refusal_max_ms": 1e3 * max(refusals) if refusals else None}, sys.stdout)
 
 
+def cpu_seconds(pid):
+    """utime + stime of a process (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def time_runs(sb, n):
     out = []
     for _ in range(n):
@@ -77,6 +91,9 @@ def main():
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--samples", type=int, default=300)
+    ap.add_argument("--pboxd", help="agent binary (default: BUILD/src/pbox/pboxd)")
+    ap.add_argument("--agent-arg", action="append", default=[],
+                    help="extra pboxd flag, e.g. --agent-arg=--client-refusals-per-second=0")
     ap.add_argument("--hammer", nargs=3, metavar=("ENDPOINT", "THREADS", "SECONDS"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -89,9 +106,11 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="pbx-ovl-", dir="/tmp")
     sock, ready = os.path.join(tmp, "pbox.sock"), os.path.join(tmp, "ready.json")
-    agent = subprocess.Popen([os.path.join(build, "src/pbox/pboxd"), "--listen", "unix://" + sock,
+    pboxd = os.path.abspath(args.pboxd) if args.pboxd else os.path.join(build, "src/pbox/pboxd")
+    agent = subprocess.Popen([pboxd, "--listen", "unix://" + sock,
                               "--state-dir", os.path.join(tmp, "state"), "--ready-file", ready,
-                              "--max-sandboxes", str(args.limit), "--log-level", "warn"])
+                              "--max-sandboxes", str(args.limit), "--log-level", "warn"] +
+                             args.agent_arg)
     try:
         while not os.path.exists(ready):
             if agent.poll() is not None:
@@ -101,15 +120,24 @@ def main():
         with pbox.Client(endpoint) as c:
             sb = c.create()
             time_runs(sb, 20)  # warm-up
+            load_before = os.getloadavg()
             unloaded = time_runs(sb, args.samples)
             env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
             ham = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--build", build,
                                     "--hammer", endpoint, str(10 * args.limit),
                                     str(args.seconds)], stdout=subprocess.PIPE, env=env)
             time.sleep(1.0)  # let the hammer fill the limit
+            agent_cpu0, ham_cpu0, t_loaded = cpu_seconds(agent.pid), cpu_seconds(ham.pid), \
+                time.monotonic()
             loaded = []
+            ham_cpu1 = ham_cpu0
             while ham.poll() is None and len(loaded) < 20 * args.samples:
                 loaded += time_runs(sb, 1)
+                try:
+                    ham_cpu1 = cpu_seconds(ham.pid)
+                except (OSError, IndexError):
+                    pass
+            agent_cpu1, t_end = cpu_seconds(agent.pid), time.monotonic()
             hammer_out = json.loads(ham.communicate()[0])
             sb.destroy()
         result = {
@@ -122,6 +150,11 @@ def main():
             "bystander_loaded_samples": len(loaded),
             "p50_ratio": pct(loaded, 50) / pct(unloaded, 50),
             "p99_ratio": pct(loaded, 99) / pct(unloaded, 99),
+            "agent_cpu_share_loaded": (agent_cpu1 - agent_cpu0) / (t_end - t_loaded),
+            "hostile_process_cpu_share_loaded": (ham_cpu1 - ham_cpu0) / (t_end - t_loaded),
+            "hostile_calls_per_second": (hammer_out["refusals"] + hammer_out["created"]) /
+                                        args.seconds,
+            "load_average_before": load_before,
             "load_average": os.getloadavg(),
         }
         print(json.dumps(result, indent=1))

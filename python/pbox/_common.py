@@ -93,7 +93,11 @@ def resolve_token(token: Optional[str]) -> Optional[str]:
 
 
 def metadata_for(token: Optional[str]) -> Tuple[Tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    """Metadata of every call of one client object: its token, and the id the agent's
+    per-client limits know it by (docs/pbox.md "Admission")."""
+    client_id = f"py-{os.getpid()}-{os.urandom(6).hex()}"
+    md: Tuple[Tuple[str, str], ...] = (("x-pbox-client", client_id),)
+    return md + ((("authorization", f"Bearer {token}"),) if token else ())
 
 
 def channel_options() -> List[Tuple[str, Any]]:

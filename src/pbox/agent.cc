@@ -197,7 +197,7 @@ Status RunAgent(const AgentConfig& config) {
                    .images = images->Names(),
                    .hostname = hostname,
                    .cgroup_version = cgroups->version()};
-  PboxService service(&manager, &metrics, info, token, images.get());
+  PboxService service(&manager, &metrics, info, token, images.get(), config.client_limits);
 
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "pbox/client_limiter.h"
 #include "pbox/sandbox_manager.h"
 
 namespace bragg::pbox {
@@ -32,6 +33,7 @@ struct AgentConfig {
   std::string ready_file;  // written (JSON: pid, endpoints, metrics port) once serving
   uint32_t keepalive_ms = 10000;
   uint64_t max_image_bytes = 4ull << 30;  // largest image import (archive, and unpacked)
+  ClientLimits client_limits;             // per-client caps and refusal pacing
 };
 
 // Runs the agent until a termination signal. Returns the error that stopped it from starting

@@ -61,10 +61,10 @@ struct Member {
 Status Unexpected(const std::string& path, struct archive* a, uint64_t entries) {
   if (entries == 0) {
     return absl::InvalidArgumentError(fmt::format("{}: not a tar archive (plain, gzip or zstd): {}",
-                                                  path, archive_error_string(a)));
+                                                  path, ArchiveErrorString(a)));
   }
   return absl::InvalidArgumentError(fmt::format("{}: malformed archive after {} entries: {}", path,
-                                                entries, archive_error_string(a)));
+                                                entries, ArchiveErrorString(a)));
 }
 
 }  // namespace

@@ -23,6 +23,32 @@ void InfoToProto(const ImageInfo& info, v1::ImageInfo* out) {
   out->set_sandboxes(info.sandboxes);
 }
 
+// Import errors name the spooled archive, and the layers split out of it, by their paths in
+// the agent's scratch directory: the client is told "the uploaded archive" and "its tarball"
+// instead (where the agent keeps its files is not the client's business).
+Status HideScratchPaths(const Status& status, const std::string& spool_path,
+                        const std::string& scratch_dir) {
+  std::string message(status.message());
+  auto replace_all = [&message](const std::string& what, auto&& with) {
+    if (what.empty()) {
+      return;
+    }
+    for (size_t at = message.find(what); at != std::string::npos; at = message.find(what, at)) {
+      size_t end = at + what.size();
+      std::string by = with(&end);
+      message.replace(at, end - at, by);
+      at += by.size();
+    }
+  };
+  replace_all(spool_path, [](size_t*) { return std::string("the uploaded archive"); });
+  // Anything else under the scratch directory: the path runs to the next ':', space or quote.
+  replace_all(scratch_dir, [&message](size_t* end) {
+    *end = std::min(message.size(), message.find_first_of(": \"'", *end));
+    return std::string("its tarball");
+  });
+  return Status(status.code(), message);
+}
+
 grpc::Status NoStore() {
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this agent has no image store");
 }
@@ -79,7 +105,8 @@ grpc::Status PboxService::ImportImage(grpc::ServerContext* ctx,
   auto info = images_->Import(name, path);
   if (!info.ok()) {
     spdlog::warn("image import {} refused: {}", name, std::string(info.status().message()));
-    return ToGrpc(Annotate(info.status(), fmt::format("importing image \"{}\"", name)));
+    return ToGrpc(Annotate(HideScratchPaths(info.status(), path, images_->scratch_dir()),
+                           fmt::format("importing image \"{}\"", name)));
   }
   InfoToProto(*info, resp);
   return grpc::Status::OK;

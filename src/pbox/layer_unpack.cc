@@ -219,7 +219,7 @@ Status Unpacker::WriteData(struct archive* a, int fd, uint64_t size, std::string
       break;
     }
     if (r != ARCHIVE_OK) {
-      return Bad(entry, fmt::format("reading its data: {}", archive_error_string(a)));
+      return Bad(entry, fmt::format("reading its data: {}", ArchiveErrorString(a)));
     }
     if (offset < 0 || static_cast<uint64_t>(offset) + len > size) {
       return Bad(entry, "data beyond the size in its header");
@@ -432,6 +432,11 @@ void ArchiveFree::operator()(struct archive* a) const {
   }
 }
 
+std::string ArchiveErrorString(struct archive* a) {
+  const char* message = a == nullptr ? nullptr : archive_error_string(a);
+  return message == nullptr ? "unknown error" : message;
+}
+
 Result<ArchivePtr> OpenTarArchive(const std::string& path) {
   ArchivePtr a(archive_read_new());
   if (!a) {
@@ -442,7 +447,7 @@ Result<ArchivePtr> OpenTarArchive(const std::string& path) {
   archive_read_support_format_gnutar(a.get());
   if (archive_read_open_filename(a.get(), path.c_str(), 1 << 20) != ARCHIVE_OK) {
     return absl::InvalidArgumentError(fmt::format("{}: not a tar archive (plain, gzip or zstd): {}",
-                                                  path, archive_error_string(a.get())));
+                                                  path, ArchiveErrorString(a.get())));
   }
   return a;
 }
@@ -463,7 +468,7 @@ Result<LayerStats> UnpackLayer(const std::string& archive_path, const std::strin
     } else if (r != ARCHIVE_OK) {
       return absl::InvalidArgumentError(fmt::format("malformed archive after {} entries: {}",
                                                     unpacker.stats().entries,
-                                                    archive_error_string(a.get())));
+                                                    ArchiveErrorString(a.get())));
     }
     BRAGG_RETURN_IF_ERROR(unpacker.Entry(a.get(), e));
   }

@@ -35,6 +35,10 @@ using ArchivePtr = std::unique_ptr<struct archive, ArchiveFree>;
 // libarchive knows (gzip, zstd, xz, bzip2, ...). InvalidArgument if it is not one.
 Result<ArchivePtr> OpenTarArchive(const std::string& path);
 
+// libarchive's message for the last error of `a`, or "unknown error" where it has none
+// (archive_error_string returns NULL then, which fmt refuses with an exception).
+std::string ArchiveErrorString(struct archive* a);
+
 struct UnpackLimits {
   uint64_t max_bytes = 4ull << 30;  // sum of the sizes of the regular files
   uint64_t max_entries = 2'000'000;

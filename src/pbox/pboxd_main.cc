@@ -1,6 +1,7 @@
 // pboxd: the pbox agent. Parses flags, runs the agent, maps the outcome to an exit code.
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <iostream>
 
 #include "absl/synchronization/mutex.h"
@@ -29,6 +30,21 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--cpus", config.cpus, "sandbox CPU set, e.g. 8-15 (default: all)");
   app.add_option("--max-sandboxes", config.max_sandboxes, "admission limit")->capture_default_str();
+  bragg::pbox::ClientLimits& cl = config.client_limits;
+  app.add_option("--client-max-creates", cl.max_creates,
+                 "sandbox creations (and clones) one client may have in flight (0: no cap)")
+      ->capture_default_str();
+  app.add_option("--client-max-execs", cl.max_execs,
+                 "commands one client may have running (0: no cap)")
+      ->capture_default_str();
+  app.add_option("--client-refusals-per-second", cl.refusals_per_second,
+                 "refusals one client gets at once per second; beyond, each is held (0: never)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--client-refusal-hold-ms", cl.refusal_hold_ms,
+                 "longest a client's refusal is held when it is over its refusal budget")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 60000u));
   app.add_option("--default-memory", memory, "memory per sandbox unless asked")
       ->capture_default_str();
   app.add_option("--max-memory", max_memory, "largest memory a sandbox may ask for (0: any)")
@@ -76,6 +92,10 @@ int main(int argc, char** argv) {
       return 2;
     }
     *dest = *size;
+  }
+  if (!std::isfinite(config.client_limits.refusals_per_second)) {
+    std::cerr << "pboxd: --client-refusals-per-second must be a finite number\n";
+    return 2;
   }
   if (!listen.empty()) {
     config.listen = listen;

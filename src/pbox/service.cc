@@ -225,12 +225,30 @@ AgentMetrics AgentMetrics::Register(Registry* r) {
 }
 
 PboxService::PboxService(SandboxManager* manager, const AgentMetrics* metrics, ServiceInfo info,
-                         std::string token, ImageStore* images)
+                         std::string token, ImageStore* images, ClientLimits limits)
     : manager_(manager),
       metrics_(metrics),
       info_(std::move(info)),
       token_(std::move(token)),
-      images_(images) {}
+      images_(images),
+      limiter_(limits) {}
+
+std::string PboxService::ClientOf(grpc::ServerContext* ctx) {
+  auto it = ctx->client_metadata().find("x-pbox-client");
+  std::string_view id;
+  if (it != ctx->client_metadata().end()) {
+    id = std::string_view(it->second.data(), it->second.size());
+  }
+  return ClientKey(id, ctx->peer());
+}
+
+grpc::Status PboxService::Refuse(const std::string& client, const Status& status) {
+  metrics_->rejections->Inc();
+  // A client that keeps asking a full agent is answered no faster than its budget: each
+  // refusal costs the agent CPU that other clients' calls need (docs/pbox.md "Admission").
+  limiter_.PaceRefusal(client);
+  return ToGrpc(status);
+}
 
 grpc::Status PboxService::Authorize(grpc::ServerContext* ctx) const {
   std::string peer = ctx->peer();
@@ -342,6 +360,11 @@ grpc::Status PboxService::CreateSandbox(grpc::ServerContext* ctx,
     return s;
   }
   auto t0 = Clock::now();
+  const std::string client = ClientOf(ctx);
+  auto slot = limiter_.Admit(client, ClientLimiter::Kind::kCreate);
+  if (!slot.ok()) {
+    return Refuse(client, slot.status());
+  }
   const v1::SandboxSpec& spec = req->spec();
   SandboxSettings s;
   s.image = spec.image();
@@ -358,7 +381,7 @@ grpc::Status PboxService::CreateSandbox(grpc::ServerContext* ctx,
   auto sb = manager_->Create(req->session_id(), s);
   if (!sb.ok()) {
     if (sb.status().code() == absl::StatusCode::kResourceExhausted) {
-      metrics_->rejections->Inc();
+      return Refuse(client, sb.status());
     }
     return ToGrpc(sb.status());
   }
@@ -374,6 +397,11 @@ grpc::Status PboxService::CloneSandbox(grpc::ServerContext* ctx, const v1::Clone
     return s;
   }
   auto t0 = Clock::now();
+  const std::string client = ClientOf(ctx);
+  auto slot = limiter_.Admit(client, ClientLimiter::Kind::kCreate);
+  if (!slot.ok()) {
+    return Refuse(client, slot.status());
+  }
   const v1::SandboxSpec& spec = req->overrides();
   SandboxSettings o;
   o.image = spec.image();
@@ -390,7 +418,7 @@ grpc::Status PboxService::CloneSandbox(grpc::ServerContext* ctx, const v1::Clone
   auto clones = manager_->Clone(req->session_id(), req->sandbox_id(), req->count(), o);
   if (!clones.ok()) {
     if (clones.status().code() == absl::StatusCode::kResourceExhausted) {
-      metrics_->rejections->Inc();
+      return Refuse(client, clones.status());
     }
     return ToGrpc(clones.status());
   }
@@ -453,6 +481,11 @@ grpc::Status PboxService::Exec(
   }
   if (auto s = CheckTimeout(first.start().timeout_ms()); !s.ok()) {
     return s;
+  }
+  const std::string client = ClientOf(ctx);
+  auto slot = limiter_.Admit(client, ClientLimiter::Kind::kExec);
+  if (!slot.ok()) {
+    return Refuse(client, slot.status());
   }
   std::shared_ptr<Sandbox> sb;
   if (auto s = Enter(ctx, first.start().sandbox_id(), &sb); !s.ok()) {
@@ -520,6 +553,11 @@ grpc::Status PboxService::Run(grpc::ServerContext* ctx, const v1::RunRequest* re
   }
   if (auto s = CheckTimeout(req->timeout_ms()); !s.ok()) {
     return s;
+  }
+  const std::string client = ClientOf(ctx);
+  auto slot = limiter_.Admit(client, ClientLimiter::Kind::kExec);
+  if (!slot.ok()) {
+    return Refuse(client, slot.status());
   }
   std::shared_ptr<Sandbox> sb;
   if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "bragg/pbox/v1/pbox.grpc.pb.h"
+#include "pbox/client_limiter.h"
 #include "pbox/metrics.h"
 #include "pbox/sandbox_manager.h"
 
@@ -45,9 +46,10 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
  public:
   // `token`: required on TCP connections ("authorization: Bearer <token>"); unix-socket
   // peers are trusted by the socket's file mode. Empty: TCP calls are all refused.
-  // `images` (borrowed, may be null: no image calls) must outlive the service.
+  // `images` (borrowed, may be null: no image calls) must outlive the service. `limits`: the
+  // per-client caps and refusal pacing of client_limiter.h, keyed by each call's ClientKey.
   PboxService(SandboxManager* manager, const AgentMetrics* metrics, ServiceInfo info,
-              std::string token, ImageStore* images = nullptr);
+              std::string token, ImageStore* images = nullptr, ClientLimits limits = {});
 
   grpc::Status Session(
       grpc::ServerContext* ctx,
@@ -105,6 +107,11 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
   // Authorize, then find the sandbox and mark it used.
   grpc::Status Enter(grpc::ServerContext* ctx, const std::string& sandbox_id,
                      std::shared_ptr<Sandbox>* out);
+  // The ClientKey of the call's client.
+  static std::string ClientOf(grpc::ServerContext* ctx);
+  // Counts a refusal (RESOURCE_EXHAUSTED) for `client`, holds it as its budget says, and
+  // returns it.
+  grpc::Status Refuse(const std::string& client, const Status& status);
   // Stat of `path` in `sb` into `out`, with `out->path` = path as asked.
   static grpc::Status StatInto(const Sandbox& sb, const std::string& path, v1::FileInfo* out);
   void Describe(const Sandbox& sb, v1::Sandbox* out) const;
@@ -114,6 +121,7 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
   const ServiceInfo info_;
   const std::string token_;
   ImageStore* images_;
+  ClientLimiter limiter_;
 };
 
 // absl::Status -> grpc::Status (the canonical codes are the same numbers).

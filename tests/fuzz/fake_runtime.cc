@@ -1,5 +1,6 @@
 #include "fake_runtime.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -101,8 +102,17 @@ class FakeSandbox : public RuntimeSandbox {
   pid_t init_pid() const override { return 1; }
   Status Stop() override {
     // As when PID 1 dies: the channel closes and every waiter is released.
+    stopped_ = true;
     (void)::shutdown(init_end_.get(), SHUT_RDWR);
     return absl::OkStatus();
+  }
+  // The root directory stands in for the overlay's upper directory: CloneSandbox copies
+  // whatever the script wrote into it.
+  Result<UniqueFd> OpenWritableLayer() override {
+    if (stopped_) {
+      return absl::FailedPreconditionError("the sandbox is stopped");
+    }
+    return OpenFile(root_.path(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   }
 
  private:
@@ -111,6 +121,7 @@ class FakeSandbox : public RuntimeSandbox {
   UniqueFd init_end_;
   std::unique_ptr<InitClient> init_;
   std::thread thread_;
+  std::atomic<bool> stopped_{false};
 };
 
 class FakeCgroup : public Cgroup {

@@ -4,7 +4,8 @@
 // speed: each sandbox is a temp directory root (real SandboxFs) plus a real InitClient whose
 // other end is a thread speaking the pbox-init protocol. A Spawn is answered with Spawned,
 // the argv echoed on stdout (at most 4 KiB), and Exited with code argv.size(). Cgroups are
-// fakes with no limits. Everything a sandbox holds is released by Stop() / destruction.
+// fakes with no limits. The root directory doubles as the writable layer that CloneSandbox
+// freezes. Everything a sandbox holds is released by Stop() / destruction.
 
 #include <atomic>
 #include <memory>

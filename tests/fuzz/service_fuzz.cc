@@ -1,19 +1,23 @@
 // Fuzzes the agent's request handling for every API call: the real PboxService and
 // SandboxManager behind an in-process gRPC server, over a FakeRuntime (no processes, real
 // SandboxFs in a temp dir, real InitClient). Each input is a short script of calls against a
-// fresh sandbox; every call must finish with a status (never a crash or a hang), calls without
-// the token must be refused, and after the script nothing is left: no sandbox, cgroup, CPU
-// placement or fd.
+// fresh sandbox; every call must finish with a status (never a crash or a hang) whose message
+// names no host path of the agent's, calls without the token must be refused, and after the
+// script nothing is left: no sandbox, cgroup, CPU placement, frozen layer (CloneSandbox),
+// imported image, image layer, upload spool or fd.
 //
 // Input: records  u8 op, u16 length (LE), `length` bytes.
-//   op & 0x0f: the RPC (see kOps); op & 0x80: send no token.
+//   op & 0x1f: the RPC, in the order of the proto's service (0 Session .. 15 Health, 16
+//   CloneSandbox, 17 ImportImage, 18 ListImages, 19 RemoveImage, 20 PruneImages; 21-31
+//   Health); op & 0x80: send no token.
 //   unary RPCs: the bytes are the request message;
-//   streaming RPCs (Session, Exec, WriteFile): the bytes are a sequence of u16-length-prefixed
-//   request messages.
+//   client-streaming RPCs (Session, Exec, WriteFile, ImportImage): the bytes are a sequence
+//   of u16-length-prefixed request messages.
 // Any string field named sandbox_id that equals "SB" is replaced by the live sandbox's id.
 //
 // With PBOX_FUZZ_ENDPOINT=unix:///path.sock the same scripts run against a real pboxd instead
 // (corpus replay: the sandbox is created and destroyed through the API; no leak accounting).
+// With PBOX_FUZZ_VERBOSE set, every call's status is printed (for checking what a seed reaches).
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -22,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -111,6 +116,10 @@ void Init() {
   world->manager = std::make_unique<pb::SandboxManager>(
       std::map<std::string, pb::Runtime*>{{"native", &world->runtime}}, "native",
       world->images.get(), &world->cgroups, world->cpus.get(), defaults, /*max_sandboxes=*/8);
+  if (bragg::Status s = bragg::MakeDirs(world->dir.path() + "/frozen", 0700); !s.ok()) {
+    Die("frozen layers dir: " + s.ToString());
+  }
+  world->manager->set_layers_dir(world->dir.path() + "/frozen");
   pb::ServiceInfo info{.version = "fuzz", .default_runtime = "native", .runtimes = {"native"}};
   world->service = std::make_unique<pb::PboxService>(world->manager.get(), &world->metrics, info,
                                                      kToken, world->images.get());
@@ -178,6 +187,10 @@ std::vector<Req> ParseStream(std::string_view bytes, const std::string& id) {
 }
 
 void Check(const grpc::Status& s, bool authed, const char* call) {
+  static const bool verbose = std::getenv("PBOX_FUZZ_VERBOSE") != nullptr;
+  if (verbose) {
+    std::cerr << call << ": " << s.error_code() << " " << s.error_message() << "\n";
+  }
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     Die(std::string(call) + " hung (no answer within the deadline)");
   }
@@ -187,6 +200,11 @@ void Check(const grpc::Status& s, bool authed, const char* call) {
   if (!world->real && !authed && s.error_code() != grpc::StatusCode::UNAUTHENTICATED) {
     Die(std::string(call) + " without a token was not refused (" + std::to_string(s.error_code()) +
         ")");
+  }
+  // The agent's own directories (its state, the image store's spool, sandbox roots: all
+  // under /tmp/pbox-fuzz-* here) are none of a client's business.
+  if (!world->real && s.error_message().find("/tmp/pbox-fuzz-") != std::string::npos) {
+    Die(std::string(call) + " told the client a host path: " + s.error_message());
   }
   if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED && s.error_message().empty()) {
     Die(std::string(call) + " failed without a message (code " + std::to_string(s.error_code()) +
@@ -223,7 +241,7 @@ void Call(uint8_t op, std::string_view bytes, const std::string& id) {
     ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
   }
   v1::Pbox::Stub& stub = *world->stub;
-  switch (op & 0x0f) {
+  switch (op & 0x1f) {
     case 0: {  // Session
       auto reqs = ParseStream<v1::SessionRequest>(bytes, id);
       auto stream = stub.Session(&ctx);
@@ -369,6 +387,56 @@ void Call(uint8_t op, std::string_view bytes, const std::string& id) {
       }
       return;
     }
+    case 16: {
+      v1::CloneSandboxRequest req;
+      v1::CloneSandboxResponse resp;
+      if (Parse(bytes, id, &req)) {
+        grpc::Status st = stub.CloneSandbox(&ctx, req, &resp);
+        Check(st, authed, "CloneSandbox");
+        if (st.ok() && static_cast<uint32_t>(resp.sandboxes_size()) != req.count()) {
+          Die("CloneSandbox(" + std::to_string(req.count()) + ") returned " +
+              std::to_string(resp.sandboxes_size()) + " sandboxes");
+        }
+      }
+      return;
+    }
+    case 17: {  // ImportImage
+      auto reqs = ParseStream<v1::ImportImageRequest>(bytes, id);
+      v1::ImageInfo resp;
+      auto stream = stub.ImportImage(&ctx, &resp);
+      for (const auto& r : reqs) {
+        if (!stream->Write(r)) {
+          break;
+        }
+      }
+      stream->WritesDone();
+      Check(stream->Finish(), authed, "ImportImage");
+      return;
+    }
+    case 18: {
+      v1::ListImagesRequest req;
+      v1::ListImagesResponse resp;
+      if (Parse(bytes, id, &req)) {
+        Check(stub.ListImages(&ctx, req, &resp), authed, "ListImages");
+      }
+      return;
+    }
+    case 19: {
+      v1::RemoveImageRequest req;
+      v1::RemoveImageResponse resp;
+      if (Parse(bytes, id, &req)) {
+        Check(stub.RemoveImage(&ctx, req, &resp), authed, "RemoveImage");
+      }
+      return;
+    }
+    case 20: {
+      v1::PruneImagesRequest req;
+      v1::PruneImagesResponse resp;
+      if (Parse(bytes, id, &req)) {
+        Check(stub.PruneImages(&ctx, req, &resp), authed, "PruneImages");
+      }
+      return;
+    }
     default: {
       v1::HealthRequest req;
       v1::HealthResponse resp;
@@ -404,6 +472,17 @@ std::string CreateSandboxForInput() {
 void CleanUp(const std::string& id) {
   if (!world->real) {
     world->manager->DestroyAll();
+    // Imported images outlive a call by design: each input starts from an empty store.
+    for (const pb::ImageInfo& info : world->images->List()) {
+      if (info.kind == "imported") {
+        if (bragg::Status s = world->images->Remove(info.name); !s.ok()) {
+          Die("removing imported image " + info.name + " with no sandbox left: " + s.ToString());
+        }
+      }
+    }
+    if (auto pruned = world->images->Prune(); !pruned.ok()) {
+      Die("pruning the image store: " + pruned.status().ToString());
+    }
     return;
   }
   // Every sandbox the script created on the real agent goes too.
@@ -447,6 +526,15 @@ void CheckNothingLeft(int fd_baseline) {
   for (uint32_t load : world->cpus->Load()) {
     if (load != 0) {
       Die("CPU placements leaked");
+    }
+  }
+  // A frozen layer lives while a clone of it does; an upload's spool only during its call;
+  // a layer until no image holds it and it is pruned.
+  for (const char* sub : {"/frozen", "/images/store/tmp", "/images/store/layers"}) {
+    std::string dir = world->dir.path() + sub;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      Die(std::string("left behind in ") + sub + ": " + e.path().filename().string());
     }
   }
   // fds: gRPC keeps a few of its own, so allow some slack but catch steady growth.

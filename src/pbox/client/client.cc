@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -47,6 +48,8 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
     c->endpoint_ = kDefaultEndpoint;
   }
   c->token_ = options.token;
+  std::random_device random;
+  c->client_id_ = fmt::format("cc-{}-{:08x}{:08x}", ::getpid(), random(), random());
   if (c->token_.empty()) {
     c->token_ = Getenv("PBOX_TOKEN");
   }
@@ -86,6 +89,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
 }
 
 void Client::Prepare(grpc::ClientContext* ctx, bool with_deadline, uint32_t timeout_ms) const {
+  ctx->AddMetadata("x-pbox-client", client_id_);
   if (!token_.empty()) {
     ctx->AddMetadata("authorization", "Bearer " + token_);
   }

@@ -138,6 +138,7 @@ class Client {
 
   std::string endpoint_;
   std::string token_;
+  std::string client_id_;  // "x-pbox-client": what the agent's per-client limits count by
   uint32_t call_timeout_ms_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Pbox::Stub> stub_;

@@ -32,7 +32,8 @@ add_library(pbox_agent STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/seccomp_filter.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/service.cc)
 target_link_libraries(pbox_agent PUBLIC
-  pbox_proto pbox_cgroup pbox_fs pbox_images pbox_init_client pbox_metrics bragg_common
+  pbox_proto pbox_cgroup pbox_fs pbox_images pbox_init_client pbox_metrics pbox_client_limiter
+  bragg_common
   nlohmann_json::nlohmann_json PkgConfig::SECCOMP absl::synchronization)
 
 add_executable(pboxd ${CMAKE_CURRENT_SOURCE_DIR}/pboxd_main.cc)

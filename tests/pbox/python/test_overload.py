@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 import pbox
+import pytest
 from runtime_under_test import AGENT_ARGS, RUNTIME, percentile
 
 LIMIT = 4
@@ -90,3 +91,47 @@ def test_ten_times_the_limit_is_refused_fast(make_agent) -> None:
         assert sb.run("true").ok
         sb.destroy()
         assert bystander.run("true").ok
+
+
+def test_per_client_caps_and_refusal_pacing(make_agent) -> None:
+    """One client's caps and refusal budget are its own: a client over them is refused (or
+    held) while another client is served as usual."""
+    agent = make_agent(extra=["--max-sandboxes", "2", "--client-max-execs", "1",
+                              "--client-refusals-per-second", "4",
+                              "--client-refusal-hold-ms", "400"] + AGENT_ARGS)
+    with agent.client() as hostile, agent.client() as other:
+        mine = hostile.create(runtime=RUNTIME)
+        theirs = other.create(runtime=RUNTIME)
+        # The cap on commands in flight: the second command of the same client is refused,
+        # with the flag to raise in the message; another client's command runs.
+        long = mine.exec(["sleep", "30"])
+        try:
+            deadline = time.monotonic() + 60
+            while mine.refresh().running_execs == 0:
+                assert time.monotonic() < deadline, "the first command never started"
+                time.sleep(0.05)
+            with pytest.raises(pbox.ResourceExhausted) as e:
+                mine.run(["true"], timeout=60)
+            assert "--client-max-execs" in e.value.message
+            assert theirs.run(["true"], timeout=60).ok
+        finally:
+            long.kill()
+            long.wait()
+
+        # The agent is full: a client past its refusal budget (4 a second) is answered no
+        # faster than the budget allows, at most the hold (0.4 s) per refusal...
+        times = []
+        for _ in range(10):
+            t0 = time.monotonic()
+            with pytest.raises(pbox.ResourceExhausted):
+                hostile.create(runtime=RUNTIME)
+            times.append(time.monotonic() - t0)
+        assert sum(times) >= 1.0, times
+        assert all(t < 30 for t in times), times
+        # ...while the other client's own first refusals are not held behind it.
+        with pytest.raises(pbox.ResourceExhausted) as e:
+            other.create(runtime=RUNTIME)
+        assert "--max-sandboxes" in e.value.message
+        assert theirs.run(["true"], timeout=60).ok
+        mine.destroy()
+        theirs.destroy()
