@@ -179,9 +179,19 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                     {"source", init_path},
                     {"options", {"bind", "ro"}}});
   json no_caps = json::array();
+  json rlimits = json::array();
+  if (spec.pids > 0) {
+    // The sandbox's processes are tasks of the sentry, which the pids cgroup does not see
+    // (it counts only the sentry's and the gofer's host threads). gVisor's own kernel enforces
+    // RLIMIT_NPROC, per uid across the sandbox, for tasks without CAP_SYS_RESOURCE and
+    // CAP_SYS_ADMIN (all of ours): soft = hard, so no command can raise it. pbox-init counts
+    // as one, like in the pids cgroup of the native runtime.
+    rlimits.push_back({{"type", "RLIMIT_NPROC"}, {"hard", spec.pids}, {"soft", spec.pids}});
+  }
   json config = {{"ociVersion", "1.0.0"},
                  {"process",
                   {{"terminal", false},
+                   {"rlimits", rlimits},
                    {"user", {{"uid", 0}, {"gid", 0}}},
                    {"args", {kInitInSandbox, "--stream"}},
                    {"env", {"PATH=/usr/local/bin:/usr/bin:/bin"}},

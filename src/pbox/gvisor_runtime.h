@@ -18,6 +18,8 @@
 // exits, which ends the container; what a SIGKILLed agent leaves (processes in the cgroups,
 // mounts under <state_dir>/gvisor) is removed by the next agent at start (RemoveStale).
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -41,6 +43,14 @@ class GvisorRuntime : public Runtime {
   static Result<std::unique_ptr<GvisorRuntime>> Create(const GvisorRuntimeOptions& options);
 
   std::string name() const override { return "gvisor"; }
+  // The sandbox's processes are limited inside gVisor (RLIMIT_NPROC); the pids cgroup bounds
+  // gVisor's own host tasks, several per sandboxed process under ptrace (a stub process per
+  // address space with a thread per sentry thread that entered it; 64 processes inside took
+  // 392 host tasks here). At that bound the sentry cannot make a stub and the sandbox dies.
+  // Capped at the kernel's PID_MAX_LIMIT (pids.max refuses more).
+  uint32_t HostPidsLimit(uint32_t pids) const override {
+    return pids == 0 ? 0 : static_cast<uint32_t>(std::min<uint64_t>(pids * 8ull + 512, 4194304));
+  }
   Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) override;
 
   // Unmounts every mount under `dir` (deepest first) and removes it. Used at start.
