@@ -1,6 +1,7 @@
 #include "pbox/gvisor_runtime.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -17,6 +18,7 @@
 #include "common/process.h"
 #include "fmt/format.h"
 #include "nlohmann/json.hpp"
+#include "pbox/seccomp_filter.h"
 #include "spdlog/spdlog.h"
 
 namespace bragg::pbox {
@@ -151,7 +153,8 @@ class GvisorSandbox : public RuntimeSandbox {
 }  // namespace
 
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
-                               const std::string& rootfs) {
+                               const std::string& rootfs,
+                               const std::vector<std::string>& denied_syscalls) {
   using nlohmann::json;
   json mounts = json::array();
   mounts.push_back({{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}});
@@ -214,6 +217,32 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                      {{"type", "ipc"}},
                      {{"type", "uts"}},
                      {{"type", "mount"}}}}}}};
+  if (!denied_syscalls.empty()) {
+    // The native runtime's deny list, enforced by gVisor's kernel on the sandbox's tasks (it
+    // never reaches the host's): EPERM for each name; clone with any namespace flag, one
+    // rule per flag as in seccomp_filter.cc; clone3 ENOSYS so that libc falls back to clone.
+    json names = json::array();
+    for (const std::string& name : denied_syscalls) {
+      if (name.find('(') == std::string::npos && name != "clone3") {
+        names.push_back(name);
+      }
+    }
+    json rules = json::array();
+    rules.push_back({{"names", names}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", EPERM}});
+    for (uint64_t flag : {CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
+                          CLONE_NEWNET, CLONE_NEWCGROUP}) {
+      rules.push_back(
+          {{"names", {"clone"}},
+           {"action", "SCMP_ACT_ERRNO"},
+           {"errnoRet", EPERM},
+           {"args",
+            {{{"index", 0}, {"value", flag}, {"valueTwo", flag}, {"op", "SCMP_CMP_MASKED_EQ"}}}}});
+    }
+    rules.push_back({{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", ENOSYS}});
+    config["linux"]["seccomp"] = {{"defaultAction", "SCMP_ACT_ALLOW"},
+                                  {"architectures", {"SCMP_ARCH_X86_64"}},
+                                  {"syscalls", rules}};
+  }
   return config.dump(1) + "\n";
 }
 
@@ -242,6 +271,8 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
   }
   std::unique_ptr<GvisorRuntime> rt(new GvisorRuntime(options, runsc));
   rt->dir_ = options.state_dir + "/gvisor";
+  BRAGG_ASSIGN_OR_RETURN(SeccompProgram seccomp, SeccompProgram::BuildDefault());
+  rt->denied_syscalls_ = seccomp.denied();
   BRAGG_RETURN_IF_ERROR(RemoveStale(rt->dir_));
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->dir_, 0700));
   return rt;
@@ -310,8 +341,9 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                               "size=4k,nr_inodes=1,mode=0555"));
     inner.push_back(std::move(m));
   }
-  BRAGG_RETURN_IF_ERROR(WriteStringToFile(bundle + "/config.json",
-                                          GvisorBundleConfig(spec, options_.init_path, rootfs)));
+  BRAGG_RETURN_IF_ERROR(
+      WriteStringToFile(bundle + "/config.json",
+                        GvisorBundleConfig(spec, options_.init_path, rootfs, denied_syscalls_)));
 
   auto sandbox = std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root),
                                                  std::move(inner), spec.cgroup);
@@ -324,6 +356,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                    "--network=none",
                                    "--file-access=shared",
                                    "--ignore-cgroups",
+                                   "--oci-seccomp",
                                    "run",
                                    "--bundle=" + bundle,
                                    spec.id};

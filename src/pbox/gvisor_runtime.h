@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "fmt/format.h"
@@ -63,6 +64,7 @@ class GvisorRuntime : public Runtime {
   GvisorRuntimeOptions options_;
   std::string runsc_path_;  // resolved
   std::string dir_;         // <state_dir>/gvisor
+  std::vector<std::string> denied_syscalls_;
 };
 
 // A runtime the agent knows but cannot run here (runsc missing): every Start fails with the
@@ -84,7 +86,10 @@ class UnavailableRuntime : public Runtime {
 // The OCI runtime config (config.json) for one sandbox, as the runtime writes it. Exposed for
 // tests and the benchmark's hand-run `runsc run`.
 // `rootfs`: the host path of the sandbox's root (the bundle's rootfs mount).
+// `denied_syscalls`: the native runtime's deny list (SeccompProgram::denied()), given to gVisor
+// as the OCI seccomp filter of the sandbox's processes (runsc --oci-seccomp); empty: none.
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
-                               const std::string& rootfs);
+                               const std::string& rootfs,
+                               const std::vector<std::string>& denied_syscalls = {});
 
 }  // namespace bragg::pbox

@@ -69,28 +69,16 @@ PROBES = {
 
 # runtime -> {probe: reason}: holes known and not fixed yet (xfail, reported). What they mean
 # for the threat model is in docs/pbox.md ("The gVisor runtime").
-_GVISOR_USERNS = ("inside gVisor (runsc 20221219) a command may create a user namespace, "
-                  "where it holds capabilities over gVisor's own namespaces (not the host's); "
-                  "the native runtime's seccomp deny list is not applied inside gVisor")
 KNOWN_HOLES: Dict[str, Dict[str, str]] = {
     "gvisor": {
         "init_fds_via_proc": "gVisor does not honour PR_SET_DUMPABLE for /proc/1/fd: a command "
                              "can open pbox-init's channel pipes (its own sandbox's frames; "
                              "the agent parses them as untrusted input); pbox-init's stderr "
                              "is /dev/null, not runsc's log, once it serves",
-        "unshare_newuser": _GVISOR_USERNS,
-        "chroot_escape": _GVISOR_USERNS + ": chroot then succeeds in that namespace (inside "
-                         "the sandbox's own root)",
-        "capabilities": _GVISOR_USERNS + ": after the earlier probes' chroot the probe cannot "
-                        "read /proc/self/status",
-        "raw_sockets": "gVisor's netstack opens raw and packet sockets on its own loopback-only "
-                       "stack (--network=none): nothing reaches the host",
         "cpuset_escape": "gVisor's CPUs are its own (numbered from 0, as many as the "
                          "sandbox's cpuset): sched_setaffinity inside moves sentry tasks "
                          "between them, and the host ids the probe compares with do not "
                          "apply; the sentry's host threads stay in the cpuset cgroup",
-        "bpf_io_uring": "gVisor implements io_uring_setup itself (bpf is ENOSYS): the calls "
-                        "never reach the host kernel",
     },
 }
 
