@@ -153,8 +153,7 @@ class GvisorSandbox : public RuntimeSandbox {
 }  // namespace
 
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
-                               const std::string& rootfs,
-                               const std::vector<std::string>& denied_syscalls) {
+                               const std::string& rootfs, const GvisorSandboxPolicy& policy) {
   using nlohmann::json;
   json mounts = json::array();
   mounts.push_back({{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}});
@@ -191,6 +190,10 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
     // as one, like in the pids cgroup of the native runtime.
     rlimits.push_back({{"type", "RLIMIT_NPROC"}, {"hard", spec.pids}, {"soft", spec.pids}});
   }
+  if (policy.nofile_soft != 0 || policy.nofile_hard != 0) {
+    rlimits.push_back(
+        {{"type", "RLIMIT_NOFILE"}, {"hard", policy.nofile_hard}, {"soft", policy.nofile_soft}});
+  }
   json config = {{"ociVersion", "1.0.0"},
                  {"process",
                   {{"terminal", false},
@@ -217,12 +220,12 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                      {{"type", "ipc"}},
                      {{"type", "uts"}},
                      {{"type", "mount"}}}}}}};
-  if (!denied_syscalls.empty()) {
+  if (!policy.denied_syscalls.empty()) {
     // The native runtime's deny list, enforced by gVisor's kernel on the sandbox's tasks (it
     // never reaches the host's): EPERM for each name; clone with any namespace flag, one
     // rule per flag as in seccomp_filter.cc; clone3 ENOSYS so that libc falls back to clone.
     json names = json::array();
-    for (const std::string& name : denied_syscalls) {
+    for (const std::string& name : policy.denied_syscalls) {
       if (name.find('(') == std::string::npos && name != "clone3") {
         names.push_back(name);
       }
@@ -272,7 +275,9 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
   std::unique_ptr<GvisorRuntime> rt(new GvisorRuntime(options, runsc));
   rt->dir_ = options.state_dir + "/gvisor";
   BRAGG_ASSIGN_OR_RETURN(SeccompProgram seccomp, SeccompProgram::BuildDefault());
-  rt->denied_syscalls_ = seccomp.denied();
+  rt->policy_.denied_syscalls = seccomp.denied();
+  rt->policy_.nofile_soft = options.nofile_soft;
+  rt->policy_.nofile_hard = options.nofile_hard;
   BRAGG_RETURN_IF_ERROR(RemoveStale(rt->dir_));
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->dir_, 0700));
   return rt;
@@ -341,9 +346,8 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                               "size=4k,nr_inodes=1,mode=0555"));
     inner.push_back(std::move(m));
   }
-  BRAGG_RETURN_IF_ERROR(
-      WriteStringToFile(bundle + "/config.json",
-                        GvisorBundleConfig(spec, options_.init_path, rootfs, denied_syscalls_)));
+  BRAGG_RETURN_IF_ERROR(WriteStringToFile(
+      bundle + "/config.json", GvisorBundleConfig(spec, options_.init_path, rootfs, policy_)));
 
   auto sandbox = std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root),
                                                  std::move(inner), spec.cgroup);

@@ -35,6 +35,19 @@ struct GvisorRuntimeOptions {
   std::string init_path;            // the static pbox-init binary
   std::string runsc = "runsc";      // path, or a name looked up in PATH
   std::string platform = "ptrace";  // ptrace, systrap or kvm
+  // RLIMIT_NOFILE of the sandbox's processes (both 0: runsc's default, the host's limit), as
+  // the native runtime gives its sandboxes (NativeRuntime::sandbox_nofile()).
+  uint64_t nofile_soft = 0;
+  uint64_t nofile_hard = 0;
+};
+
+// What the agent imposes inside every gVisor sandbox beyond the spec's own limits.
+struct GvisorSandboxPolicy {
+  // The native runtime's deny list (SeccompProgram::denied()), given to gVisor as the OCI
+  // seccomp filter of the sandbox's processes (runsc --oci-seccomp); empty: none.
+  std::vector<std::string> denied_syscalls;
+  uint64_t nofile_soft = 0;  // RLIMIT_NOFILE; both 0: leave runsc's
+  uint64_t nofile_hard = 0;
 };
 
 class GvisorRuntime : public Runtime {
@@ -64,7 +77,7 @@ class GvisorRuntime : public Runtime {
   GvisorRuntimeOptions options_;
   std::string runsc_path_;  // resolved
   std::string dir_;         // <state_dir>/gvisor
-  std::vector<std::string> denied_syscalls_;
+  GvisorSandboxPolicy policy_;
 };
 
 // A runtime the agent knows but cannot run here (runsc missing): every Start fails with the
@@ -86,10 +99,7 @@ class UnavailableRuntime : public Runtime {
 // The OCI runtime config (config.json) for one sandbox, as the runtime writes it. Exposed for
 // tests and the benchmark's hand-run `runsc run`.
 // `rootfs`: the host path of the sandbox's root (the bundle's rootfs mount).
-// `denied_syscalls`: the native runtime's deny list (SeccompProgram::denied()), given to gVisor
-// as the OCI seccomp filter of the sandbox's processes (runsc --oci-seccomp); empty: none.
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
-                               const std::string& rootfs,
-                               const std::vector<std::string>& denied_syscalls = {});
+                               const std::string& rootfs, const GvisorSandboxPolicy& policy = {});
 
 }  // namespace bragg::pbox

@@ -18,13 +18,15 @@ namespace {
 
 using nlohmann::json;
 
-json Config(uint32_t pids, const std::vector<std::string>& denied = {}) {
+json Config(uint32_t pids, const std::vector<std::string>& denied = {}, uint64_t nofile = 0) {
   Image image{.name = "host", .lower_dirs = {"/x/lower"}};
   LaunchSpec spec;
   spec.id = "sb-1";
   spec.image = &image;
   spec.pids = pids;
-  return json::parse(GvisorBundleConfig(spec, "/opt/pbox-init", "/b/rootfs", denied));
+  GvisorSandboxPolicy policy{
+      .denied_syscalls = denied, .nofile_soft = nofile, .nofile_hard = nofile * 4};
+  return json::parse(GvisorBundleConfig(spec, "/opt/pbox-init", "/b/rootfs", policy));
 }
 
 TEST(GvisorBundleConfigTest, ProcessLimitBecomesRlimitNproc) {
@@ -36,6 +38,14 @@ TEST(GvisorBundleConfigTest, ProcessLimitBecomesRlimitNproc) {
   EXPECT_EQ(r["soft"], 64);
   EXPECT_EQ(r["hard"], 64);
   EXPECT_TRUE(Config(0)["process"]["rlimits"].empty());
+}
+
+TEST(GvisorBundleConfigTest, OpenFilesLimitIsTheAgentsOriginal) {
+  json c = Config(0, {}, 256);
+  ASSERT_EQ(c["process"]["rlimits"].size(), 1u) << c.dump();
+  EXPECT_EQ(c["process"]["rlimits"][0]["type"], "RLIMIT_NOFILE");
+  EXPECT_EQ(c["process"]["rlimits"][0]["soft"], 256);
+  EXPECT_EQ(c["process"]["rlimits"][0]["hard"], 1024);
 }
 
 TEST(GvisorBundleConfigTest, NoCapabilitiesAndNoNewPrivileges) {
