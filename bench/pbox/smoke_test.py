@@ -151,6 +151,27 @@ def main():
             check(d.get("runtime") == "podman-runc", "podman peer: runtime is podman-runc")
             check_shape(d, "podman peer", 1, {m: 1 for m in METRICS}, 1)
         print(f"podman part: {time.monotonic() - t1:.1f} s")
+
+    # The gVisor runtime's peer: runsc by hand on pbox-init (the one beside pboxd); no tools,
+    # which take seconds each under gVisor.
+    out = os.path.join(tmp, "runsc.json")
+    t2 = time.monotonic()
+    p = subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "bench/peers/runsc_peer.py"),
+                        "--sandboxes", "1", "--rounds", "1", "--tool-samples", "0",
+                        "--tools", tools, "--json", out], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PBOX_INIT=os.path.join(
+                           os.path.dirname(os.path.abspath(pboxd)), "pbox-init")))
+    if p.returncode == 3:
+        print(f"runsc peer skipped: {p.stderr.strip().splitlines()[-1]}")
+    else:
+        check(p.returncode == 0, f"runsc peer exits 0 or 3 ({p.returncode}: {p.stderr[-800:]})")
+        if p.returncode == 0:
+            with open(out) as f:
+                d = json.load(f)
+            check(d.get("runtime") == "runsc-by-hand", "runsc peer: runtime is runsc-by-hand")
+            check(d.get("peer_of") == "gvisor", "runsc peer: the peer of pbox's gVisor runtime")
+            check_shape(d, "runsc peer", 1, {m: 1 for m in METRICS}, 0)
+        print(f"runsc part: {time.monotonic() - t2:.1f} s")
     shutil.rmtree(tmp, ignore_errors=True)
     if failures:
         print(f"{len(failures)} check(s) failed")

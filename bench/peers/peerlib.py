@@ -7,13 +7,15 @@ A peer is run as
 
 and writes one JSON object: "runtime" (the peer's name), "sandboxes", "metrics" (create_ms,
 exec_true_ms, exec_python_ms, rtt_1mib_ms, rtt_1mib_concurrent_ms -> {"p50", "p99", "n"}),
-"throughput_gbps", "tools" ({NAME: {"p50", "p99", "n", "ms": [wall ms, seed order]}}) and
-"notes" (strings for the report). Exit status SKIP (3) means the peer cannot run here; its
+"throughput_gbps", "tools" ({NAME: {"p50", "p99", "n", "ms": [wall ms, seed order]}}),
+"notes" (strings for the report) and "peer_of" (the pbox runtime it is the alternative to:
+"native" or "gvisor"; the report's ratios are to that one). Exit status SKIP (3) means the peer cannot run here; its
 last line on stderr says why.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -68,12 +70,15 @@ def timed(argv, check=True, **kwargs):
     return ms, proc
 
 
-def write_result(out_path, runtime, sandboxes, metrics, throughput_gbps, tools, notes):
+def write_result(out_path, runtime, sandboxes, metrics, throughput_gbps, tools, notes,
+                 peer_of="native"):
+    """`peer_of`: the pbox runtime this peer is the alternative to (its ratios are to it)."""
     missing = [m for m in METRICS if m not in metrics]
     if missing:
         raise ValueError(f"peer result lacks {missing}")
     result = {"runtime": runtime, "sandboxes": sandboxes, "metrics": metrics,
-              "throughput_gbps": throughput_gbps, "tools": tools, "notes": notes}
+              "throughput_gbps": throughput_gbps, "tools": tools, "notes": notes,
+              "peer_of": peer_of}
     text = json.dumps(result, indent=2) + "\n"
     if out_path:
         tmp = out_path + ".tmp"
@@ -81,3 +86,36 @@ def write_result(out_path, runtime, sandboxes, metrics, throughput_gbps, tools, 
             f.write(text)
         os.replace(tmp, out_path)
     print(text)
+
+
+# Host /etc entries copied into a skeleton root (the list of src/pbox/image_store.cc).
+ETC_COPIES = ["ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "python3",
+              "python3.11", "localtime", "os-release", "debian_version", "ssl",
+              "ca-certificates.conf", "profile", "mime.types", "protocols", "services",
+              "matplotlibrc"]
+
+
+def make_skeleton(skel):
+    """Builds at `skel` a root like pbox's "host" image: merged-/usr links, an empty /usr for
+    the host's to be bound on read-only, a few host /etc files. Returns `skel`."""
+    for d in ["etc", "usr", "proc", "dev", "sys", "run", "root", "home", "var/tmp", "var/lib",
+              "var/cache", "opt", "workspace", "tmp"]:
+        os.makedirs(os.path.join(skel, d), exist_ok=True)
+    os.chmod(os.path.join(skel, "tmp"), 0o1777)
+    os.chmod(os.path.join(skel, "var/tmp"), 0o1777)
+    for link in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]:
+        if os.path.lexists(os.path.join("/usr", link)):
+            os.symlink(f"usr/{link}", os.path.join(skel, link))
+    for name in ETC_COPIES:
+        src = os.path.join("/etc", name)
+        dst = os.path.join(skel, "etc", name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True)
+        elif os.path.lexists(src):
+            shutil.copy2(src, dst, follow_symlinks=False)
+    with open(os.path.join(skel, "etc/passwd"), "w") as f:
+        f.write("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:"
+                "/usr/sbin/nologin\n")
+    with open(os.path.join(skel, "etc/group"), "w") as f:
+        f.write("root:x:0:\nnogroup:x:65534:\n")
+    return skel

@@ -47,13 +47,6 @@ runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
 """
-# Host /etc entries copied into the skeleton (the list of src/pbox/image_store.cc).
-ETC_COPIES = ["ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "python3",
-              "python3.11", "localtime", "os-release", "debian_version", "ssl",
-              "ca-certificates.conf", "profile", "mime.types", "protocols", "services",
-              "matplotlibrc"]
-
-
 class Podman:
     def __init__(self, work):
         self.work = work
@@ -68,27 +61,7 @@ class Podman:
 
 
 def build_skeleton(work):
-    skel = os.path.join(work, "skel")
-    for d in ["etc", "usr", "proc", "dev", "sys", "run", "root", "home", "var/tmp", "var/lib",
-              "var/cache", "opt", "workspace", "tmp"]:
-        os.makedirs(os.path.join(skel, d), exist_ok=True)
-    os.chmod(os.path.join(skel, "tmp"), 0o1777)
-    os.chmod(os.path.join(skel, "var/tmp"), 0o1777)
-    for link in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]:
-        if os.path.lexists(os.path.join("/usr", link)):
-            os.symlink(f"usr/{link}", os.path.join(skel, link))
-    for name in ETC_COPIES:
-        src = os.path.join("/etc", name)
-        dst = os.path.join(skel, "etc", name)
-        if os.path.isdir(src) and not os.path.islink(src):
-            shutil.copytree(src, dst, symlinks=True)
-        elif os.path.lexists(src):
-            shutil.copy2(src, dst, follow_symlinks=False)
-    with open(os.path.join(skel, "etc/passwd"), "w") as f:
-        f.write("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:"
-                "/usr/sbin/nologin\n")
-    with open(os.path.join(skel, "etc/group"), "w") as f:
-        f.write("root:x:0:\nnogroup:x:65534:\n")
+    skel = peerlib.make_skeleton(os.path.join(work, "skel"))
     tar = os.path.join(work, "skel.tar")
     with tarfile.open(tar, "w") as t:
         t.add(skel, arcname=".")

@@ -159,6 +159,8 @@ Status RunAgent(const AgentConfig& config) {
     gv.init_path = rt_opts.init_path;
     gv.runsc = config.runsc;
     gv.platform = config.gvisor_platform;
+    gv.nofile_soft = native->sandbox_nofile().rlim_cur;
+    gv.nofile_hard = native->sandbox_nofile().rlim_max;
     auto created = GvisorRuntime::Create(gv);
     if (created.ok()) {
       gvisor = std::move(*created);

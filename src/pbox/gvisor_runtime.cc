@@ -1,6 +1,7 @@
 #include "pbox/gvisor_runtime.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -17,6 +18,7 @@
 #include "common/process.h"
 #include "fmt/format.h"
 #include "nlohmann/json.hpp"
+#include "pbox/seccomp_filter.h"
 #include "spdlog/spdlog.h"
 
 namespace bragg::pbox {
@@ -151,7 +153,7 @@ class GvisorSandbox : public RuntimeSandbox {
 }  // namespace
 
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
-                               const std::string& rootfs) {
+                               const std::string& rootfs, const GvisorSandboxPolicy& policy) {
   using nlohmann::json;
   json mounts = json::array();
   mounts.push_back({{"destination", "/proc"}, {"type", "proc"}, {"source", "proc"}});
@@ -179,9 +181,23 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                     {"source", init_path},
                     {"options", {"bind", "ro"}}});
   json no_caps = json::array();
+  json rlimits = json::array();
+  if (spec.pids > 0) {
+    // The sandbox's processes are tasks of the sentry, which the pids cgroup does not see
+    // (it counts only the sentry's and the gofer's host threads). gVisor's own kernel enforces
+    // RLIMIT_NPROC, per uid across the sandbox, for tasks without CAP_SYS_RESOURCE and
+    // CAP_SYS_ADMIN (all of ours): soft = hard, so no command can raise it. pbox-init counts
+    // as one, like in the pids cgroup of the native runtime.
+    rlimits.push_back({{"type", "RLIMIT_NPROC"}, {"hard", spec.pids}, {"soft", spec.pids}});
+  }
+  if (policy.nofile_soft != 0 || policy.nofile_hard != 0) {
+    rlimits.push_back(
+        {{"type", "RLIMIT_NOFILE"}, {"hard", policy.nofile_hard}, {"soft", policy.nofile_soft}});
+  }
   json config = {{"ociVersion", "1.0.0"},
                  {"process",
                   {{"terminal", false},
+                   {"rlimits", rlimits},
                    {"user", {{"uid", 0}, {"gid", 0}}},
                    {"args", {kInitInSandbox, "--stream"}},
                    {"env", {"PATH=/usr/local/bin:/usr/bin:/bin"}},
@@ -204,6 +220,32 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                      {{"type", "ipc"}},
                      {{"type", "uts"}},
                      {{"type", "mount"}}}}}}};
+  if (!policy.denied_syscalls.empty()) {
+    // The native runtime's deny list, enforced by gVisor's kernel on the sandbox's tasks (it
+    // never reaches the host's): EPERM for each name; clone with any namespace flag, one
+    // rule per flag as in seccomp_filter.cc; clone3 ENOSYS so that libc falls back to clone.
+    json names = json::array();
+    for (const std::string& name : policy.denied_syscalls) {
+      if (name.find('(') == std::string::npos && name != "clone3") {
+        names.push_back(name);
+      }
+    }
+    json rules = json::array();
+    rules.push_back({{"names", names}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", EPERM}});
+    for (uint64_t flag : {CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
+                          CLONE_NEWNET, CLONE_NEWCGROUP}) {
+      rules.push_back(
+          {{"names", {"clone"}},
+           {"action", "SCMP_ACT_ERRNO"},
+           {"errnoRet", EPERM},
+           {"args",
+            {{{"index", 0}, {"value", flag}, {"valueTwo", flag}, {"op", "SCMP_CMP_MASKED_EQ"}}}}});
+    }
+    rules.push_back({{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", ENOSYS}});
+    config["linux"]["seccomp"] = {{"defaultAction", "SCMP_ACT_ALLOW"},
+                                  {"architectures", {"SCMP_ARCH_X86_64"}},
+                                  {"syscalls", rules}};
+  }
   return config.dump(1) + "\n";
 }
 
@@ -232,6 +274,10 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
   }
   std::unique_ptr<GvisorRuntime> rt(new GvisorRuntime(options, runsc));
   rt->dir_ = options.state_dir + "/gvisor";
+  BRAGG_ASSIGN_OR_RETURN(SeccompProgram seccomp, SeccompProgram::BuildDefault());
+  rt->policy_.denied_syscalls = seccomp.denied();
+  rt->policy_.nofile_soft = options.nofile_soft;
+  rt->policy_.nofile_hard = options.nofile_hard;
   BRAGG_RETURN_IF_ERROR(RemoveStale(rt->dir_));
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->dir_, 0700));
   return rt;
@@ -300,8 +346,8 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                               "size=4k,nr_inodes=1,mode=0555"));
     inner.push_back(std::move(m));
   }
-  BRAGG_RETURN_IF_ERROR(WriteStringToFile(bundle + "/config.json",
-                                          GvisorBundleConfig(spec, options_.init_path, rootfs)));
+  BRAGG_RETURN_IF_ERROR(WriteStringToFile(
+      bundle + "/config.json", GvisorBundleConfig(spec, options_.init_path, rootfs, policy_)));
 
   auto sandbox = std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root),
                                                  std::move(inner), spec.cgroup);
@@ -314,6 +360,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                    "--network=none",
                                    "--file-access=shared",
                                    "--ignore-cgroups",
+                                   "--oci-seccomp",
                                    "run",
                                    "--bundle=" + bundle,
                                    spec.id};

@@ -18,8 +18,11 @@
 // exits, which ends the container; what a SIGKILLed agent leaves (processes in the cgroups,
 // mounts under <state_dir>/gvisor) is removed by the next agent at start (RemoveStale).
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "fmt/format.h"
@@ -32,6 +35,19 @@ struct GvisorRuntimeOptions {
   std::string init_path;            // the static pbox-init binary
   std::string runsc = "runsc";      // path, or a name looked up in PATH
   std::string platform = "ptrace";  // ptrace, systrap or kvm
+  // RLIMIT_NOFILE of the sandbox's processes (both 0: runsc's default, the host's limit), as
+  // the native runtime gives its sandboxes (NativeRuntime::sandbox_nofile()).
+  uint64_t nofile_soft = 0;
+  uint64_t nofile_hard = 0;
+};
+
+// What the agent imposes inside every gVisor sandbox beyond the spec's own limits.
+struct GvisorSandboxPolicy {
+  // The native runtime's deny list (SeccompProgram::denied()), given to gVisor as the OCI
+  // seccomp filter of the sandbox's processes (runsc --oci-seccomp); empty: none.
+  std::vector<std::string> denied_syscalls;
+  uint64_t nofile_soft = 0;  // RLIMIT_NOFILE; both 0: leave runsc's
+  uint64_t nofile_hard = 0;
 };
 
 class GvisorRuntime : public Runtime {
@@ -41,6 +57,14 @@ class GvisorRuntime : public Runtime {
   static Result<std::unique_ptr<GvisorRuntime>> Create(const GvisorRuntimeOptions& options);
 
   std::string name() const override { return "gvisor"; }
+  // The sandbox's processes are limited inside gVisor (RLIMIT_NPROC); the pids cgroup bounds
+  // gVisor's own host tasks, several per sandboxed process under ptrace (a stub process per
+  // address space with a thread per sentry thread that entered it; 64 processes inside took
+  // 392 host tasks here). At that bound the sentry cannot make a stub and the sandbox dies.
+  // Capped at the kernel's PID_MAX_LIMIT (pids.max refuses more).
+  uint32_t HostPidsLimit(uint32_t pids) const override {
+    return pids == 0 ? 0 : static_cast<uint32_t>(std::min<uint64_t>(pids * 8ull + 512, 4194304));
+  }
   Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) override;
 
   // Unmounts every mount under `dir` (deepest first) and removes it. Used at start.
@@ -53,6 +77,7 @@ class GvisorRuntime : public Runtime {
   GvisorRuntimeOptions options_;
   std::string runsc_path_;  // resolved
   std::string dir_;         // <state_dir>/gvisor
+  GvisorSandboxPolicy policy_;
 };
 
 // A runtime the agent knows but cannot run here (runsc missing): every Start fails with the
@@ -75,6 +100,6 @@ class UnavailableRuntime : public Runtime {
 // tests and the benchmark's hand-run `runsc run`.
 // `rootfs`: the host path of the sandbox's root (the bundle's rootfs mount).
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
-                               const std::string& rootfs);
+                               const std::string& rootfs, const GvisorSandboxPolicy& policy = {});
 
 }  // namespace bragg::pbox

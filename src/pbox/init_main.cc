@@ -3,7 +3,9 @@
 // Usage: pbox-init [--channel-fd=N]   (N defaults to 3)
 //        pbox-init --stream            (frames on stdin/stdout; the gVisor runtime)
 
+#include <fcntl.h>
 #include <sys/prctl.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -38,6 +40,17 @@ int main(int argc, char** argv) {
   if (server == nullptr) {
     fprintf(stderr, "pbox-init: %s\n", error.c_str());
     return 1;
+  }
+  if (stream) {
+    // Under gVisor, stderr is runsc's log file on the host, and gVisor lets same-uid
+    // commands open /proc/1/fd/2 despite PR_SET_DUMPABLE: they could fill the host's disk
+    // through it. Once serving, nothing of pbox-init's goes there; its start-up errors above
+    // still do (the agent reports that log's tail when a sandbox does not start).
+    bragg::UniqueFd null_fd(open("/dev/null", O_WRONLY | O_CLOEXEC));
+    if (!null_fd.valid() || dup2(null_fd.get(), 2) != 2) {
+      fprintf(stderr, "pbox-init: cannot put /dev/null on stderr: %s\n", strerror(errno));
+      return 1;
+    }
   }
   return server->Run();
 }

@@ -36,6 +36,8 @@ class NativeRuntime : public Runtime {
 
   std::string name() const override { return "native"; }
   Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) override;
+  // The limit on open files sandboxes get: the agent's own before Create raised it.
+  const struct rlimit& sandbox_nofile() const { return sandbox_nofile_; }
 
  private:
   NativeRuntime(NativeRuntimeOptions options, UniqueFd init_exe, SeccompProgram seccomp)

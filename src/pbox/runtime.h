@@ -24,6 +24,9 @@ struct LaunchSpec {
   uint64_t shm_bytes = 64 << 20;
   std::string hostname;
   Cgroup* cgroup = nullptr;  // borrowed; already holds the limits; outlives the sandbox
+  // The process limit (0: none). The cgroup holds it too; a runtime whose processes the pids
+  // cgroup cannot see (gVisor: they are tasks of its kernel) enforces it itself.
+  uint32_t pids = 0;
   // Frozen layers of a clone (frozen_layer.h), top first: stacked above image->lower_dirs.
   std::vector<std::string> frozen_lower_dirs;
 };
@@ -52,6 +55,9 @@ class Runtime {
  public:
   virtual ~Runtime() = default;
   virtual std::string name() const = 0;
+  // The pids cgroup limit for a sandbox whose processes are limited to `pids` (0: none): the
+  // same where the sandbox's processes are host processes.
+  virtual uint32_t HostPidsLimit(uint32_t pids) const { return pids; }
   // Thread-safe.
   virtual Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) = 0;
 };

@@ -118,6 +118,15 @@ Result<std::unique_ptr<RunningCommand>> Sandbox::Start(const CommandSpec& spec) 
   cmd->started_ = std::chrono::steady_clock::now();
   InitClient* init = runtime_->init();
   if (init == nullptr || !init->alive()) {
+    if (ooms.ok() && *ooms > 0) {
+      // gVisor: the kernel's OOM killer ended the sandbox's kernel (the sentry), and with it
+      // every process; retrying cannot help, hence not Unavailable.
+      return absl::FailedPreconditionError(fmt::format(
+          "sandbox {} is dead: a command exceeded its memory limit and the OOM kill ended the "
+          "whole sandbox ({} runtime); its files can still be read; destroy it and create a "
+          "new one",
+          id_, settings_.runtime));
+    }
     return absl::UnavailableError(fmt::format("sandbox {} is not running", id_));
   }
   BRAGG_ASSIGN_OR_RETURN(cmd->handle_, init->Spawn(req));
@@ -255,9 +264,18 @@ CommandResult RunningCommand::Pump(OutputSink& sink) {
   auto exit = handle_->Wait(std::chrono::milliseconds(5000));
   result.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - started_).count();
   if (!exit.ok()) {
+    result.signal = SIGKILL;
+    auto ooms = sandbox_->cgroup_->OomKills();
+    if (!result.timed_out && ooms.ok() && *ooms > oom_kills_before_) {
+      // The sandbox's PID 1 went with the command: on gVisor the OOM killer picks the sentry,
+      // which holds all of the sandbox's memory. The command died of the OOM all the same,
+      // and is reported as on the native runtime; the sandbox's next Start says it is dead.
+      spdlog::warn("sandbox {}: OOM kill ended the sandbox (its init is gone)", sandbox_->id());
+      result.oom_killed = true;
+      return result;
+    }
     result.error =
         fmt::format("lost track of the command: {}", std::string(exit.status().message()));
-    result.signal = SIGKILL;
     return result;
   }
   result.exit_code = exit->signal == 0 ? exit->exit_code : -1;

@@ -214,7 +214,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
 
   CgroupLimits limits;
   limits.memory_bytes = s.memory_bytes;
-  limits.pids = s.pids;
+  limits.pids = rt->second->HostPidsLimit(s.pids);
   limits.cpus = cpus.ToString();
   limits.cpu_quota = s.cpu_quota;
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<Cgroup> cgroup, cgroups_->CreateCgroup(id, limits));
@@ -226,6 +226,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   launch.shm_bytes = std::min<uint64_t>(64ull << 20, s.memory_bytes / 2);
   launch.hostname = id;
   launch.cgroup = cgroup.get();
+  launch.pids = s.pids;
   if (options.frozen != nullptr) {
     launch.frozen_lower_dirs = options.frozen->LowerDirs();
   }

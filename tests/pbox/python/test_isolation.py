@@ -67,8 +67,20 @@ PROBES = {
     "capabilities": "every capability set is empty",
 }
 
-# runtime -> {probe: reason}: holes known and not fixed yet (xfail, reported).
-KNOWN_HOLES: Dict[str, Dict[str, str]] = {}
+# runtime -> {probe: reason}: holes known and not fixed yet (xfail, reported). What they mean
+# for the threat model is in docs/pbox.md ("The gVisor runtime").
+KNOWN_HOLES: Dict[str, Dict[str, str]] = {
+    "gvisor": {
+        "init_fds_via_proc": "gVisor does not honour PR_SET_DUMPABLE for /proc/1/fd: a command "
+                             "can open pbox-init's channel pipes (its own sandbox's frames; "
+                             "the agent parses them as untrusted input); pbox-init's stderr "
+                             "is /dev/null, not runsc's log, once it serves",
+        "cpuset_escape": "gVisor's CPUs are its own (numbered from 0, as many as the "
+                         "sandbox's cpuset): sched_setaffinity inside moves sentry tasks "
+                         "between them, and the host ids the probe compares with do not "
+                         "apply; the sentry's host threads stay in the cpuset cgroup",
+    },
+}
 
 TOKEN = "isolation-token-0123456789abcdef"
 
@@ -166,6 +178,7 @@ def probe_results(pboxd_binary: str) -> Iterator[dict]:
                 "allowed_cpus": _cpus(sb.info.cpuset),
                 "host_cpus": os.cpu_count(),
                 "other_marker": other_marker,
+                "try_kill_init": RUNTIME != "gvisor",
             }
             sb.write_file("/tmp/isolation_probe.py", PROBE_SCRIPT.read_bytes())
             r = sb.run(["/usr/bin/python3", "/tmp/isolation_probe.py", json.dumps(cfg)],
@@ -233,3 +246,28 @@ def test_probe_is_blocked(probe_results: dict, name: str) -> None:
     if hole and not res["blocked"]:
         pytest.xfail(f"known hole on {RUNTIME}: {hole}")
     assert res["blocked"], f"{name} ({PROBES[name]}) is OPEN: {res['detail']}"
+
+
+def test_init_survives_sigkill_or_sandbox_ends_cleanly(make_agent) -> None:
+    """SIGKILL of PID 1 from inside: ignored on the native runtime (PID 1 of a pid namespace);
+    on gVisor it ends the sandbox (gVisor lets a same-uid task kill its container's init),
+    which the agent reports without harm to anything else."""
+    agent = make_agent(extra=AGENT_ARGS)
+    with agent.client() as client:
+        sb = client.create(runtime=RUNTIME, memory="128M")
+        bystander = client.create(runtime=RUNTIME, memory="128M")
+        r = sb.run(["/usr/bin/python3", "-c", "import os, time; os.kill(1, 9); time.sleep(2)"],
+                   timeout=60)
+        if RUNTIME == "gvisor":
+            assert r.signal == 9 and not r.oom_killed, r
+            with pytest.raises(pbox.PboxError) as e:
+                sb.run(["true"])
+            assert "not running" in str(e.value), e.value
+        else:
+            assert r.exit_code == 0, r
+            assert sb.run(["true"]).exit_code == 0
+        assert bystander.run(["true"]).exit_code == 0
+        sb.destroy()
+        bystander.destroy()
+        assert client.info().live_sandboxes == 0
+    assert agent.alive(), agent.log()

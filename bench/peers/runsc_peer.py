@@ -1,0 +1,287 @@
+#!/usr/bin/python3
+"""Benchmark peer: `runsc run` started by hand on the same kind of OCI bundle pboxd's gVisor
+runtime writes, measured the way pbox-bench measures pbox (same metrics, same tool scripts,
+same JSON; see peerlib.py). The peer of `pbox-bench --runtime gvisor`: no agent, no gRPC, no
+cgroups (so no memory limit), no image store.
+
+    bench/peers/runsc_peer.py --sandboxes 10 --rounds 1 --tool-samples 4 --json OUT
+
+Each sandbox is a bundle whose rootfs is an OverlayFS of a skeleton root (the one podman's peer
+imports: peerlib.make_skeleton) over a private tmpfs, with the host's /usr bound read-only and
+pbox-init --stream as PID 1; this script speaks pbox-init's stream protocol
+(src/pbox/init_protocol.h) over runsc's stdin and stdout itself, which is the least any
+program driving runsc must do to run commands in a live sandbox.
+
+- create: `runsc run` until pbox-init's Ready frame;
+- exec: Spawn of `true` / `python3 -c pass` until its Exited frame;
+- 1 MiB round trip: `cat > /tmp/bench.bin` fed by Stdin frames, then `cat /tmp/bench.bin`
+  read back from Output frames, bytes checked; one sandbox at a time, then all at once;
+- tools: `python3 /opt/bragg-tools/NAME.py SEED`, the scripts copied into the rootfs once.
+
+pbox-init comes from --init, else $PBOX_INIT, else build/src/pbox/pbox-init (bench/pbox/run.py
+sets $PBOX_INIT to its build's). Exit status 3 (skip) when not root, or runsc or pbox-init is
+missing, or the first sandbox cannot start.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peerlib  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS_IN = "/opt/bragg-tools"
+ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"]
+
+# init_protocol.h
+SPAWN, STDIN = 1, 3
+SPAWNED, SPAWN_FAILED, EXITED, ERROR, OUTPUT, READY = 0x81, 0x82, 0x83, 0x84, 0x85, 0x86
+STDIN_NULL, STDOUT_NULL, STDERR_NULL, STREAM_STDIO = 1, 2, 4, 8
+MAX_DATA = 64 * 1024
+
+
+def frame(typ, fid, payload):
+    body = b"PBI" + bytes([1]) + struct.pack("<HHQ", typ, 0, fid) + payload
+    return struct.pack("<I", len(body)) + body
+
+
+def strlist(items):
+    blob = b"".join(s.encode() + b"\0" for s in items)
+    return struct.pack("<II", len(items), len(blob)) + blob
+
+
+def spawn_frame(fid, argv, flags):
+    cwd = b"/"
+    return frame(SPAWN, fid, struct.pack("<I", flags | STREAM_STDIO) +
+                 struct.pack("<I", len(cwd)) + cwd + strlist(argv) + strlist(ENV))
+
+
+class Sandbox:
+    """One `runsc run` of its own bundle under `root`; owns its mounts and the runsc child."""
+
+    def __init__(self, root, name, args):
+        self.dir = os.path.join(root, name)
+        self.mounts = []
+        self.proc = None
+        self.next_id = 1
+        try:
+            self._start(name, args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, name, args):
+        os.makedirs(self.dir + "/layer")
+        os.makedirs(self.dir + "/rootfs")
+        self._mount(["-t", "tmpfs", "-o", "size=1g", "pbox"], "/layer")
+        os.makedirs(self.dir + "/layer/upper")
+        os.makedirs(self.dir + "/layer/work")
+        self._mount(["-t", "overlay", "-o",
+                     f"lowerdir={args.skeleton},upperdir={self.dir}/layer/upper,"
+                     f"workdir={self.dir}/layer/work", "overlay"], "/rootfs")
+        self._mount(["--bind", "-o", "ro", "/usr"], "/rootfs/usr")
+        config = {
+            "ociVersion": "1.0.0",
+            "process": {"terminal": False, "user": {"uid": 0, "gid": 0},
+                        "args": ["/dev/pbox-init", "--stream"], "env": ENV[:1], "cwd": "/",
+                        "noNewPrivileges": True},
+            "root": {"path": "rootfs", "readonly": False},
+            "hostname": name,
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+                {"destination": "/tmp", "type": "bind", "source": self.dir + "/rootfs/tmp",
+                 "options": ["rbind", "rw"]},
+                {"destination": "/dev/pbox-init", "type": "bind", "source": args.init,
+                 "options": ["bind", "ro"]},
+            ],
+            "linux": {"namespaces": [{"type": t} for t in
+                                     ("pid", "network", "ipc", "uts", "mount")]},
+        }
+        with open(self.dir + "/config.json", "w") as f:
+            json.dump(config, f)
+        t = time.monotonic()
+        with open(self.dir + "/runsc.log", "w") as log:
+            self.proc = subprocess.Popen(
+                [args.runsc, "--root", self.dir + "/runsc-root", "--platform", args.platform,
+                 "--network=none", "--file-access=shared", "--ignore-cgroups", "run",
+                 "--bundle", self.dir, name],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        typ, _, _ = self.read()
+        if typ != READY:
+            raise RuntimeError(f"expected Ready from pbox-init, got {typ:#x}")
+        self.create_ms = (time.monotonic() - t) * 1000.0
+
+    def _mount(self, opts, sub):
+        subprocess.check_call(["mount"] + opts + [self.dir + sub])
+        self.mounts.append(self.dir + sub)
+
+    def read(self):
+        """The next frame: (type, id, payload)."""
+        head = self.proc.stdout.read(4)
+        if len(head) < 4:
+            with open(self.dir + "/runsc.log") as f:
+                raise RuntimeError("runsc ended the stream: " + f.read()[-1500:].strip())
+        (n,) = struct.unpack("<I", head)
+        body = self.proc.stdout.read(n)
+        typ, _, fid = struct.unpack("<HHQ", body[4:16])
+        return typ, fid, body[16:]
+
+    def run(self, argv, stdin=None):
+        """Runs argv to its exit; returns (wall ms, stdout bytes)."""
+        fid = self.next_id
+        self.next_id += 1
+        flags = STDERR_NULL | (0 if stdin is not None else STDIN_NULL)
+        t = time.monotonic()
+        self.proc.stdin.write(spawn_frame(fid, argv, flags))
+        if stdin is not None:
+            for i in range(0, len(stdin), MAX_DATA):
+                chunk = stdin[i:i + MAX_DATA]
+                self.proc.stdin.write(frame(STDIN, fid, struct.pack("<I", len(chunk)) + chunk))
+            self.proc.stdin.write(frame(STDIN, fid, struct.pack("<I", 0)))
+        self.proc.stdin.flush()
+        out = []
+        while True:
+            typ, got, payload = self.read()
+            if got != fid:
+                continue
+            if typ == OUTPUT:
+                out.append(payload[5:])
+            elif typ == EXITED:
+                code, sig = struct.unpack("<ii", payload[:8])
+                if code != 0:
+                    raise RuntimeError(f"{argv}: exit {code}, signal {sig}")
+                return (time.monotonic() - t) * 1000.0, b"".join(out)
+            elif typ in (SPAWN_FAILED, ERROR):
+                raise RuntimeError(f"{argv}: pbox-init refused or could not start it ({typ:#x})")
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()  # pbox-init exits at EOF, which ends the container
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for m in reversed(self.mounts):
+            subprocess.call(["umount", "-l", m])
+
+
+def find_init(arg):
+    for cand in (arg, os.environ.get("PBOX_INIT"), os.path.join(ROOT, "build/src/pbox/pbox-init")):
+        if cand and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sandboxes", type=int, default=10, help="live sandboxes")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--tool-samples", type=int, default=4)
+    ap.add_argument("--tools", default=os.path.join(ROOT, "bench/pbox/tools"))
+    ap.add_argument("--json", default="")
+    ap.add_argument("--init", default="", help="the static pbox-init binary")
+    ap.add_argument("--runsc", default="runsc")
+    ap.add_argument("--platform", default="ptrace")
+    args = ap.parse_args()
+    if args.sandboxes <= 0 or args.rounds <= 0 or args.tool_samples < 0:
+        sys.exit("runsc_peer: --sandboxes and --rounds must be positive")
+    if os.geteuid() != 0:
+        peerlib.skip("runsc peer mounts overlays and runs runsc as root: needs root")
+    runsc = shutil.which(args.runsc) or shutil.which(args.runsc, path="/usr/sbin:/usr/bin")
+    if runsc is None:
+        peerlib.skip("runsc is not installed (Debian: apt-get install runsc)")
+    args.runsc = runsc
+    args.init = find_init(args.init)
+    if args.init is None:
+        peerlib.skip("pbox-init not found: build it (ninja pbox-init) or set $PBOX_INIT")
+
+    work = tempfile.mkdtemp(prefix="bragg-runsc-peer-")
+    args.skeleton = peerlib.make_skeleton(os.path.join(work, "skel"))
+    boxes = []
+    try:
+        n = args.sandboxes
+        for i in range(n):
+            try:
+                boxes.append(Sandbox(work, f"peer-{i}", args))
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+                if i == 0:
+                    peerlib.skip(f"runsc cannot start a sandbox here: {str(e).splitlines()[-1]}")
+                raise
+        create = [b.create_ms for b in boxes]
+        print(f"runsc: {n} sandboxes, create p50 {peerlib.pct(create, 50):.1f} ms",
+              file=sys.stderr)
+
+        def exec_all(argv):
+            return [b.run(argv)[0] for _ in range(args.rounds) for b in boxes]
+
+        exec_true = exec_all(["true"])
+        exec_python = exec_all(["python3", "-c", "pass"])
+        print(f"runsc: exec true p50 {peerlib.pct(exec_true, 50):.1f} ms, python3 -c pass p50 "
+              f"{peerlib.pct(exec_python, 50):.1f} ms", file=sys.stderr)
+
+        want = os.urandom(peerlib.MIB)
+
+        def round_trip(i):
+            t0 = time.monotonic()
+            boxes[i].run(["sh", "-c", "cat > /tmp/bench.bin"], stdin=want)
+            _, back = boxes[i].run(["cat", "/tmp/bench.bin"])
+            ms = (time.monotonic() - t0) * 1000.0
+            if back != want:
+                raise RuntimeError("downloaded bytes differ from uploaded ones")
+            return ms
+
+        rtt = [round_trip(i) for _ in range(args.rounds) for i in range(n)]
+        rtt_conc = []
+        t_all = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
+            for _ in range(args.rounds):
+                rtt_conc += list(pool.map(round_trip, range(n)))
+        gbps = 2.0 * peerlib.MIB * n * args.rounds / (time.monotonic() - t_all) / 1e9
+        print(f"runsc: 1 MiB round trip p50 {peerlib.pct(rtt, 50):.1f} ms; all at once p50 "
+              f"{peerlib.pct(rtt_conc, 50):.1f} ms, {gbps:.3f} GB/s", file=sys.stderr)
+
+        names, tool_ms = [], []
+        if args.tool_samples > 0:
+            tools = peerlib.load_tools(args.tools)
+            names = [name for name, _ in tools]
+            tool_ms = [[] for _ in tools]
+            for b in boxes:  # into the rootfs on the host (gVisor sees it: --file-access=shared)
+                shutil.copytree(args.tools, b.dir + "/rootfs" + TOOLS_IN)
+            for k in range(args.tool_samples):
+                for t, (name, _) in enumerate(tools):
+                    b = boxes[(k * len(tools) + t) % n]
+                    tool_ms[t].append(b.run(["python3", f"{TOOLS_IN}/{name}.py", str(k)])[0])
+            for name, ms in zip(names, tool_ms):
+                print(f"runsc: tool {name} p50 {peerlib.pct(ms, 50):.1f} ms", file=sys.stderr)
+
+        version = subprocess.run([args.runsc, "--version"], capture_output=True,
+                                 text=True).stdout.splitlines()[0]
+        peerlib.write_result(
+            args.json, "runsc-by-hand", n,
+            {"create_ms": peerlib.summary(create), "exec_true_ms": peerlib.summary(exec_true),
+             "exec_python_ms": peerlib.summary(exec_python), "rtt_1mib_ms": peerlib.summary(rtt),
+             "rtt_1mib_concurrent_ms": peerlib.summary(rtt_conc)},
+            gbps, peerlib.tools_json(names, tool_ms),
+            [f"{version}, --platform={args.platform} --network=none --file-access=shared "
+             f"--ignore-cgroups (no memory limit), {n} sandboxes, pbox-init --stream driven "
+             "directly, /usr bound read-only; files travel as stdin/stdout of cat"],
+            peer_of="gvisor")
+    finally:
+        for b in boxes:
+            b.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

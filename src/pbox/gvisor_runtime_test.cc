@@ -1,0 +1,116 @@
+#include "pbox/gvisor_runtime.h"
+
+#include <errno.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/fs.h"
+#include "nlohmann/json.hpp"
+#include "pbox/seccomp_filter.h"
+
+namespace bragg::pbox {
+namespace {
+
+using nlohmann::json;
+
+json Config(uint32_t pids, const std::vector<std::string>& denied = {}, uint64_t nofile = 0) {
+  Image image{.name = "host", .lower_dirs = {"/x/lower"}};
+  LaunchSpec spec;
+  spec.id = "sb-1";
+  spec.image = &image;
+  spec.pids = pids;
+  GvisorSandboxPolicy policy{
+      .denied_syscalls = denied, .nofile_soft = nofile, .nofile_hard = nofile * 4};
+  return json::parse(GvisorBundleConfig(spec, "/opt/pbox-init", "/b/rootfs", policy));
+}
+
+TEST(GvisorBundleConfigTest, ProcessLimitBecomesRlimitNproc) {
+  json c = Config(64);
+  ASSERT_EQ(c["process"]["rlimits"].size(), 1u) << c.dump();
+  const json& r = c["process"]["rlimits"][0];
+  EXPECT_EQ(r["type"], "RLIMIT_NPROC");
+  // soft = hard: a command cannot raise it.
+  EXPECT_EQ(r["soft"], 64);
+  EXPECT_EQ(r["hard"], 64);
+  EXPECT_TRUE(Config(0)["process"]["rlimits"].empty());
+}
+
+TEST(GvisorBundleConfigTest, OpenFilesLimitIsTheAgentsOriginal) {
+  json c = Config(0, {}, 256);
+  ASSERT_EQ(c["process"]["rlimits"].size(), 1u) << c.dump();
+  EXPECT_EQ(c["process"]["rlimits"][0]["type"], "RLIMIT_NOFILE");
+  EXPECT_EQ(c["process"]["rlimits"][0]["soft"], 256);
+  EXPECT_EQ(c["process"]["rlimits"][0]["hard"], 1024);
+}
+
+TEST(GvisorBundleConfigTest, NoCapabilitiesAndNoNewPrivileges) {
+  json c = Config(64);
+  for (const char* set : {"bounding", "effective", "inheritable", "permitted", "ambient"}) {
+    EXPECT_TRUE(c["process"]["capabilities"][set].empty()) << set;
+  }
+  EXPECT_EQ(c["process"]["noNewPrivileges"], true);
+  EXPECT_EQ(c["process"]["args"], json({"/dev/pbox-init", "--stream"}));
+}
+
+TEST(GvisorBundleConfigTest, SeccompDenyListWithCloneFlagsAndClone3) {
+  EXPECT_FALSE(Config(64)["linux"].contains("seccomp"));
+  json c = Config(64, {"mount", "unshare", "clone(CLONE_NEW*)", "clone3"});
+  const json& s = c["linux"]["seccomp"];
+  EXPECT_EQ(s["defaultAction"], "SCMP_ACT_ALLOW");
+  const json& rules = s["syscalls"];
+  ASSERT_EQ(rules.size(), 1u + 7u + 1u) << s.dump();
+  EXPECT_EQ(rules[0]["names"], json({"mount", "unshare"}));
+  EXPECT_EQ(rules[0]["errnoRet"], EPERM);
+  uint64_t flags = 0;
+  for (size_t i = 1; i <= 7; ++i) {
+    EXPECT_EQ(rules[i]["names"], json({"clone"}));
+    const json& arg = rules[i]["args"][0];
+    EXPECT_EQ(arg["op"], "SCMP_CMP_MASKED_EQ");
+    EXPECT_EQ(arg["index"], 0);
+    EXPECT_EQ(arg["value"], arg["valueTwo"]);
+    flags |= arg["value"].get<uint64_t>();
+  }
+  EXPECT_EQ(flags, static_cast<uint64_t>(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER |
+                                         CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWCGROUP));
+  EXPECT_EQ(rules[8]["names"], json({"clone3"}));
+  EXPECT_EQ(rules[8]["errnoRet"], ENOSYS);
+}
+
+TEST(GvisorBundleConfigTest, TheNativeDenyListCarriesOver) {
+  auto seccomp = SeccompProgram::BuildDefault();
+  ASSERT_TRUE(seccomp.ok()) << seccomp.status();
+  json names = Config(64, seccomp->denied())["linux"]["seccomp"]["syscalls"][0]["names"];
+  for (const char* must : {"mount", "unshare", "setns", "bpf", "io_uring_setup", "chroot",
+                           "pivot_root", "init_module", "keyctl", "userfaultfd"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), must), names.end()) << must;
+  }
+  for (const json& n : names) {
+    EXPECT_EQ(n.get<std::string>().find('('), std::string::npos) << n;
+  }
+}
+
+TEST(GvisorRuntimeTest, HostPidsBoundLeavesRoomForGvisorsOwnTasks) {
+  char tmpl[] = "/tmp/pbox-gvisor-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  // runsc is only looked up here: any executable will do.
+  auto rt = GvisorRuntime::Create(
+      {.state_dir = dir, .init_path = "/bin/true", .runsc = "/bin/true", .platform = "ptrace"});
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  EXPECT_EQ((*rt)->HostPidsLimit(0), 0u);
+  EXPECT_EQ((*rt)->HostPidsLimit(64), 64u * 8 + 512);
+  EXPECT_EQ((*rt)->HostPidsLimit(4000000000u), 4194304u);  // the kernel's PID_MAX_LIMIT
+  EXPECT_FALSE(
+      GvisorRuntime::Create(
+          {.state_dir = dir, .init_path = "/bin/true", .runsc = "/bin/true", .platform = "bogus"})
+          .ok());
+  EXPECT_TRUE(RemoveTree(dir).ok());
+}
+
+}  // namespace
+}  // namespace bragg::pbox
