@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <httplib.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <atomic>
@@ -161,6 +162,126 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool started_ = false;
 };
 
+// --- event-driven stub worker (--upstream stub) ---
+// Speaks the subset of the worker API the gateway uses here: GET /health, POST /abort_request,
+// and POST /generate streamed as SSE, one event every `decode_us` for `tokens` events, then the
+// final event and [DONE], chunked, keep-alive. One event loop holds every stream, so it is not
+// what limits how many streams a run can hold (bragg-sim-worker uses a thread per stream).
+class StubConn : public std::enable_shared_from_this<StubConn> {
+ public:
+  StubConn(tcp::socket s, int tokens, int decode_us)
+      : sock_(std::move(s)), timer_(sock_.get_executor()), tokens_(tokens), decode_us_(decode_us) {}
+  void Start() { ReadHead(); }
+
+ private:
+  void ReadHead() {
+    net::async_read_until(sock_, net::dynamic_buffer(in_), "\r\n\r\n",
+                          [self = shared_from_this()](error_code ec, size_t n) {
+                            if (ec) {
+                              return;
+                            }
+                            self->head_ = self->in_.substr(0, n);
+                            self->in_.erase(0, n);
+                            size_t cl = 0;
+                            size_t at = self->head_.find("Content-Length: ");
+                            if (at != std::string::npos) {
+                              cl = std::strtoul(self->head_.c_str() + at + 16, nullptr, 10);
+                            }
+                            self->ReadBody(cl);
+                          });
+  }
+  void ReadBody(size_t cl) {
+    if (in_.size() >= cl) {
+      in_.erase(0, cl);
+      Serve();
+      return;
+    }
+    net::async_read(sock_, net::dynamic_buffer(in_), net::transfer_exactly(cl - in_.size()),
+                    [self = shared_from_this(), cl](error_code ec, size_t) {
+                      if (!ec) {
+                        self->ReadBody(cl);
+                      }
+                    });
+  }
+  void Serve() {
+    if (head_.rfind("POST /generate ", 0) == 0) {
+      step_ = 0;
+      Write(
+          "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+          "Transfer-Encoding: chunked\r\n\r\n",
+          [](StubConn* c) { c->Tick(); });
+      return;
+    }
+    Write("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+          [](StubConn* c) { c->ReadHead(); });
+  }
+  void Tick() {
+    timer_.expires_after(std::chrono::microseconds(decode_us_));
+    timer_.async_wait([self = shared_from_this()](error_code ec) {
+      if (ec) {
+        return;
+      }
+      ++self->step_;
+      std::string ev;
+      if (self->step_ < self->tokens_) {
+        ev = fmt::format(
+            "data: {{\"output_ids\":[{}],\"meta_info\":{{\"completion_tokens\":{}}}}}\n\n",
+            self->step_, self->step_);
+      } else {
+        ev = fmt::format(
+            "data: {{\"meta_info\":{{\"prompt_tokens\":8,\"cached_tokens\":0,"
+            "\"completion_tokens\":{}}}}}\n\ndata: [DONE]\n\n",
+            self->step_);
+      }
+      std::string chunk = fmt::format("{:x}\r\n{}\r\n", ev.size(), ev);
+      if (self->step_ >= self->tokens_) {
+        chunk += "0\r\n\r\n";
+        self->Write(std::move(chunk), [](StubConn* c) { c->ReadHead(); });
+      } else {
+        self->Write(std::move(chunk), [](StubConn* c) { c->Tick(); });
+      }
+    });
+  }
+  void Write(std::string data, void (*next)(StubConn*)) {
+    out_ = std::move(data);
+    net::async_write(sock_, net::buffer(out_),
+                     [self = shared_from_this(), next](error_code ec, size_t) {
+                       if (!ec) {
+                         next(self.get());
+                       }
+                     });
+  }
+
+  tcp::socket sock_;
+  net::steady_timer timer_;
+  int tokens_;
+  int decode_us_;
+  int step_ = 0;
+  std::string in_;
+  std::string head_;
+  std::string out_;
+};
+
+void StubAccept(tcp::acceptor& acc, int tokens, int decode_us) {
+  acc.async_accept([&acc, tokens, decode_us](error_code ec, tcp::socket s) {
+    if (!ec) {
+      std::make_shared<StubConn>(std::move(s), tokens, decode_us)->Start();
+    }
+    StubAccept(acc, tokens, decode_us);
+  });
+}
+
+int ServeStub(int tokens, int decode_us) {
+  net::io_context ioc{1};
+  tcp::acceptor acc(ioc, tcp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+  acc.listen(net::socket_base::max_listen_connections);
+  std::printf("listening on http://127.0.0.1:%d\n", acc.local_endpoint().port());
+  std::fflush(stdout);
+  StubAccept(acc, tokens, decode_us);
+  ioc.run();
+  return 0;
+}
+
 // Sum of bragg_gateway_worker_in_flight over the gateway's workers, -1 if unreadable.
 int GatewayInFlight(httplib::Client& c) {
   auto r = c.Get("/metrics");
@@ -192,6 +313,8 @@ int main(int argc, char** argv) {
   int client_threads = 1;
   double timeout_s = 300;
   double min_peak = 1.0;
+  std::string upstream = "sim";
+  bool serve_stub = false;
   std::string gateway_bin = BRAGG_GATEWAY;
   std::string worker_bin = BRAGG_SIM_WORKER;
   app.add_option("--streams", streams, "concurrent streaming requests");
@@ -202,11 +325,17 @@ int main(int argc, char** argv) {
   app.add_option("--client-threads", client_threads, "client event-loop threads");
   app.add_option("--timeout-s", timeout_s, "give up after this long");
   app.add_option("--min-peak", min_peak, "fail unless this fraction of streams was open at once");
+  app.add_option("--upstream", upstream, "sim: bragg-sim-worker processes; stub: event-driven stub")
+      ->check(CLI::IsMember({"sim", "stub"}));
+  app.add_flag("--serve-stub", serve_stub, "internal: run one stub worker");
   app.add_option("--gateway", gateway_bin, "bragg-gateway binary");
   app.add_option("--worker", worker_bin, "bragg-sim-worker binary");
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGPIPE, SIG_IGN);
   auto fds = RaiseFileLimit();
+  if (serve_stub) {
+    return ServeStub(tokens, decode_us);
+  }
   if (!fds.ok() || *fds < static_cast<uint64_t>(streams) + 64) {
     std::fprintf(stderr, "RLIMIT_NOFILE %lu is too low for %d client connections\n",
                  fds.ok() ? *fds : 0, streams);
@@ -217,6 +346,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(dir.status().message()).c_str());
     return 1;
   }
+  char exe[4096];
+  ssize_t exe_len = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  std::string self_exe = exe_len > 0 ? std::string(exe, static_cast<size_t>(exe_len)) : argv[0];
   std::vector<Child> children;
   std::vector<std::string> gw_argv = {gateway_bin,
                                       "--listen",
@@ -226,9 +358,18 @@ int main(int argc, char** argv) {
                                       "--io-threads",
                                       std::to_string(io_threads)};
   for (int w = 0; w < workers; ++w) {
-    auto c = StartChild({worker_bin, "--listen", "127.0.0.1:0", "--seed", "1", "--decode-us",
-                         std::to_string(decode_us)},
-                        fmt::format("{}/worker-{}.log", dir->path(), w));
+    std::vector<std::string> wargv =
+        upstream == "stub" ? std::vector<std::string>{"/proc/self/exe", "--serve-stub",
+                                                      "--tokens",       std::to_string(tokens),
+                                                      "--decode-us",    std::to_string(decode_us)}
+                           : std::vector<std::string>{worker_bin,
+                                                      "--listen",
+                                                      "127.0.0.1:0",
+                                                      "--seed",
+                                                      "1",
+                                                      "--decode-us",
+                                                      std::to_string(decode_us)};
+    auto c = StartChild(wargv, fmt::format("{}/worker-{}.log", dir->path(), w));
     if (!c.ok()) {
       std::fprintf(stderr, "%s\n", std::string(c.status().message()).c_str());
       return 1;
@@ -296,8 +437,9 @@ int main(int argc, char** argv) {
                                    gw_metrics.find('\n', at + 1) - (at + name.size() + 2));
   };
   int errors = 0;
-  std::printf("## %d concurrent streams, %d workers, %d tokens x %d us, gateway --io-threads %d\n",
-              streams, workers, tokens, decode_us, io_threads);
+  std::printf(
+      "## %d concurrent streams, %d %s workers, %d tokens x %d us, gateway --io-threads %d\n",
+      streams, workers, upstream.c_str(), tokens, decode_us, io_threads);
   std::printf(
       "| streams | completed with [DONE] | peak open (client) | peak gateway in-flight | "
       "all open after s | wall s | errors |\n|---|---|---|---|---|---|---|\n");

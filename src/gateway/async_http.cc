@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -138,6 +139,9 @@ struct AsyncHttpServer::Impl {
   std::unique_ptr<net::steady_timer> accept_retry;
   std::unique_ptr<ElasticTaskQueue> blocking;
   std::atomic<size_t> next_io{0};
+  std::atomic<int> sessions{0};
+  int max_sessions = 0;
+  bool at_limit_logged = false;
   int port = 0;
   bool started = false;
   bool stopped = false;
@@ -221,7 +225,12 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(AsyncHttpServer::Impl& server, IoThread& io, tcp::socket socket)
-      : server_(server), io_(io), sock_(std::move(socket)), idle_timer_(io.ioc) {}
+      : server_(server), io_(io), sock_(std::move(socket)), idle_timer_(io.ioc) {
+    server_.sessions.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~Session() { server_.sessions.fetch_sub(1, std::memory_order_relaxed); }
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
 
   void Start() { ReadRequest(); }
 
@@ -677,6 +686,21 @@ class Session : public std::enable_shared_from_this<Session> {
 }  // namespace
 
 void AsyncHttpServer::Impl::Accept() {
+  if (sessions.load(std::memory_order_relaxed) >= max_sessions) {
+    // Back-pressure: leave new clients in the listen backlog until a connection closes.
+    if (!at_limit_logged) {
+      spdlog::warn("{} client connections open, the limit: new ones wait (raise RLIMIT_NOFILE)",
+                   max_sessions);
+      at_limit_logged = true;
+    }
+    accept_retry->expires_after(std::chrono::milliseconds(5));
+    accept_retry->async_wait([this](error_code e) {
+      if (!e) {
+        Accept();
+      }
+    });
+    return;
+  }
   IoThread& target = NextIo();
   acceptor->async_accept(target.ioc, [this, &target](error_code ec, tcp::socket socket) {
     if (ec == net::error::operation_aborted || !acceptor->is_open()) {
@@ -743,6 +767,13 @@ Status AsyncHttpServer::Start() {
                     s.options.host, s.options.port, ec.message()));
   }
   s.port = s.acceptor->local_endpoint().port();
+  s.max_sessions = s.options.max_connections;
+  if (s.max_sessions <= 0) {
+    rlimit rl{};
+    uint64_t soft = ::getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur : 1024;
+    s.max_sessions = static_cast<int>(
+        std::clamp<uint64_t>(soft > 128 ? (soft - 64) / 2 : 32, 32, uint64_t{1} << 30));
+  }
   s.blocking = std::make_unique<ElasticTaskQueue>(s.options.max_blocking_threads);
   s.Accept();
   for (auto& io : s.io) {

@@ -121,6 +121,10 @@ struct AsyncHttpOptions {
   size_t max_blocking_threads = 1024;
   size_t max_request_body = size_t{1} << 30;
   int keep_alive_timeout_s = 60;  // idle client connections are closed after this
+  // Client connections served at once; beyond it new ones wait in the listen backlog. 0: what
+  // RLIMIT_NOFILE allows, (soft limit - 64) / 2, since each proxied request also holds a
+  // worker connection: running out of descriptors would fail requests and health checks.
+  int max_connections = 0;
 };
 
 // Thread-safety: Route before Start; Start/Stop from one thread; Send from any thread.
