@@ -133,6 +133,8 @@ Gateway::Gateway(GatewayOptions options)
 
 Gateway::~Gateway() { Stop(); }
 
+int Gateway::io_threads() const { return server_->io_threads(); }
+
 Status Gateway::AddWorker(Pool& pool, const std::string& url) {
   BRAGG_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(url));
   std::string canonical = fmt::format("http://{}:{}", hp.host, hp.port);

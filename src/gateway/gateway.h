@@ -78,6 +78,8 @@ class Gateway {
   Status Start();
   void Stop();
   int port() const { return port_; }
+  // Event-loop threads serving clients (valid after Start).
+  int io_threads() const;
 
   // Pauses every healthy worker in place, loads `model_path` as `version` without flushing the
   // KV cache, and continues them. If any pause or load fails, the workers that loaded go back to
