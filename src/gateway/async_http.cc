@@ -248,8 +248,35 @@ class Session : public std::enable_shared_from_this<Session> {
         self->sock_.close(ignored);
       }
     });
-    http::async_read(sock_, buf_, *parser_,
-                     [self = shared_from_this()](error_code ec, size_t) { self->OnRequest(ec); });
+    http::async_read_header(
+        sock_, buf_, *parser_,
+        [self = shared_from_this()](error_code ec, size_t) { self->OnHeader(ec); });
+  }
+
+  void OnHeader(error_code ec) {
+    if (ec) {
+      OnRequest(ec);
+      return;
+    }
+    auto read_body = [this] {
+      http::async_read(sock_, buf_, *parser_,
+                       [self = shared_from_this()](error_code ec, size_t) { self->OnRequest(ec); });
+    };
+    if (!parser_->is_done() &&
+        beast::iequals(parser_->get()[http::field::expect], "100-continue")) {
+      // curl and others wait (about a second) for this before they send a body.
+      static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+      net::async_write(sock_, net::buffer(kContinue.data(), kContinue.size()),
+                       [self = shared_from_this(), read_body](error_code ec, size_t) {
+                         if (ec) {
+                           self->OnRequest(ec);
+                           return;
+                         }
+                         read_body();
+                       });
+      return;
+    }
+    read_body();
   }
 
   void OnRequest(error_code ec) {

@@ -490,6 +490,32 @@ TEST_F(GatewayIntegrationTest, NonStreamingClientDisconnectAborts) {
   EXPECT_EQ(res["meta_info"]["completion_tokens"], 2);
 }
 
+TEST_F(GatewayIntegrationTest, ExpectContinueIsAnswered) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  std::string body =
+      json{{"input_ids", {1, 2, 3}}, {"sampling_params", {{"max_new_tokens", 2}}}}.dump();
+  UniqueFd fd = SendRaw(gw.port, fmt::format("POST /generate HTTP/1.1\r\nHost: x\r\n"
+                                             "Content-Type: application/json\r\n"
+                                             "Expect: 100-continue\r\nConnection: close\r\n"
+                                             "Content-Length: {}\r\n\r\n",
+                                             body.size()));
+  timeval tv{10, 0};
+  ASSERT_EQ(::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+  char buf[4096];
+  ssize_t n = ::recv(fd.get(), buf, sizeof(buf), 0);
+  ASSERT_GT(n, 0) << "no interim response before the body";
+  EXPECT_EQ(std::string(buf, n).rfind("HTTP/1.1 100 Continue\r\n\r\n", 0), 0u);
+  ASSERT_EQ(::send(fd.get(), body.data(), body.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(body.size()));
+  std::string got;
+  while ((n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0) {
+    got.append(buf, n);
+  }
+  EXPECT_EQ(got.rfind("HTTP/1.1 200", 0), 0u) << got;
+  EXPECT_NE(got.find("\"completion_tokens\":2"), std::string::npos) << got;
+}
+
 TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
   Proc p0 = Worker(), p1 = Worker(), d0 = Worker(), d1 = Worker();
   Proc gw = Gateway({}, "sticky",
