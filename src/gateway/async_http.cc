@@ -288,6 +288,13 @@ class Session : public std::enable_shared_from_this<Session> {
         WriteResponse(ErrorResponse(413, "request too large"));
         return;
       }
+      if (ec.category() == http::make_error_code(http::error::bad_method).category() &&
+          ec != http::error::end_of_stream && ec != http::error::partial_message) {
+        keep_alive_ = false;
+        version_ = 11;
+        WriteResponse(ErrorResponse(400, "malformed HTTP request: " + ec.message()));
+        return;
+      }
       Close();
       return;
     }

@@ -516,6 +516,31 @@ TEST_F(GatewayIntegrationTest, ExpectContinueIsAnswered) {
   EXPECT_NE(got.find("\"completion_tokens\":2"), std::string::npos) << got;
 }
 
+TEST_F(GatewayIntegrationTest, MalformedHttpGets400AndGatewayServesOn) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  for (const char* junk :
+       {"GARBAGE\r\n\r\n", "POST /generate HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+        "POST /generate HTTP/9.9\r\n\r\n"}) {
+    UniqueFd fd = SendRaw(gw.port, junk);
+    timeval tv{10, 0};
+    ASSERT_EQ(::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+    std::string got;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0) {
+      got.append(buf, n);
+    }
+    EXPECT_EQ(got.rfind("HTTP/1.1 400", 0), 0u) << junk << " -> " << got;
+  }
+  auto c = Http(gw);
+  int status = 0;
+  json res =
+      PostJson(*c, "/generate",
+               {{"input_ids", {1, 2}}, {"sampling_params", {{"max_new_tokens", 2}}}}, &status);
+  EXPECT_EQ(status, 200) << res.dump();
+}
+
 TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
   Proc p0 = Worker(), p1 = Worker(), d0 = Worker(), d1 = Worker();
   Proc gw = Gateway({}, "sticky",
