@@ -541,6 +541,38 @@ TEST_F(GatewayIntegrationTest, MalformedHttpGets400AndGatewayServesOn) {
   EXPECT_EQ(status, 200) << res.dump();
 }
 
+TEST_F(GatewayIntegrationTest, WorkerDyingMidStreamEndsStreamWithError) {
+  Proc w0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/generate";
+  req.body = json{{"input_ids", {3, 1, 4}},
+                  {"routing_key", "dies"},
+                  {"stream", true},
+                  {"sampling_params", {{"max_new_tokens", 1000}}}}
+                 .dump();
+  req.set_header("Content-Type", "application/json");
+  std::string got;
+  bool killed = false;
+  req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    got.append(d, n);
+    if (!killed && got.find("data: ") != std::string::npos) {
+      killed = true;
+      EXPECT_TRUE(w0.child.Signal(SIGKILL).ok());
+    }
+    return true;
+  };
+  auto r = c->send(req);
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_TRUE(killed);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(got.find("data: [DONE]"), std::string::npos);
+  EXPECT_NE(got.find("worker failed mid-request"), std::string::npos) << got.substr(0, 300);
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_upstream_errors_total 1"), std::string::npos);
+}
+
 TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
   Proc p0 = Worker(), p1 = Worker(), d0 = Worker(), d1 = Worker();
   Proc gw = Gateway({}, "sticky",
