@@ -212,6 +212,7 @@ int main(int argc, char** argv) {
   double seconds = 3;
   int max_context_k = 128;
   bool skip_trace = false;
+  int io_threads = 0;
   app.add_option("--rollouts", to.rollouts);
   app.add_option("--turns", to.turns);
   app.add_option("--workers", to.workers);
@@ -221,6 +222,7 @@ int main(int argc, char** argv) {
   app.add_option("--seconds", seconds, "duration of each overhead run");
   app.add_option("--max-context-k", max_context_k, "largest context for routed experts, K tokens");
   app.add_flag("--skip-trace", skip_trace);
+  app.add_option("--io-threads", io_threads, "gateway event-loop threads (0: one per core)");
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGPIPE, SIG_IGN);
 
@@ -266,6 +268,7 @@ int main(int argc, char** argv) {
     GatewayOptions go;
     go.workers = {worker.url()};
     go.health_interval_ms = 1000;
+    go.io_threads = io_threads;
     Gateway gw(go);
     if (!gw.Start().ok()) {
       std::fprintf(stderr, "cannot start gateway\n");
@@ -273,8 +276,10 @@ int main(int argc, char** argv) {
     }
     Latency direct = Hammer(worker.port(), threads, seconds);
     Latency via = Hammer(gw.port(), threads, seconds);
-    std::printf("\n## gateway overhead, no-op worker, %d closed-loop client threads, %u CPUs\n",
-                threads, std::thread::hardware_concurrency());
+    std::printf(
+        "\n## gateway overhead, no-op worker, %d closed-loop client threads, %u CPUs, %d gateway "
+        "io threads\n",
+        threads, std::thread::hardware_concurrency(), gw.io_threads());
     std::printf("| path | requests/s | p50 us | p99 us | errors |\n|---|---|---|---|---|\n");
     std::printf("| direct to worker | %.0f | %.1f | %.1f | %lu |\n", direct.rps, direct.p50_us,
                 direct.p99_us, direct.errors);

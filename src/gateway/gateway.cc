@@ -14,26 +14,64 @@ using nlohmann::json;
 
 namespace {
 
-void Reply(httplib::Response& res, const json& body, int status = 200) {
-  res.status = status;
-  res.set_content(body.dump(), "application/json");
+HttpResponse JsonResponse(const json& body, int status = 200) {
+  HttpResponse r;
+  r.status = status;
+  r.body = body.dump();
+  return r;
 }
 
-// Reads prompt_tokens and cached_tokens from a /generate response body (or SSE data line).
+// The value of the last key `quoted` ("\"name\"") holding an unsigned integer, outside JSON
+// strings: a quote inside a string is always escaped, so a real key's opening quote follows '{',
+// ',' or whitespace. Scanning instead of parsing keeps the proxy path cheap for large bodies.
+bool LastUnsigned(std::string_view body, std::string_view quoted, uint64_t* out) {
+  size_t at = body.size();
+  while (at > 0) {
+    at = body.rfind(quoted, at - 1);
+    if (at == std::string_view::npos) {
+      return false;
+    }
+    char before = at == 0 ? '{' : body[at - 1];
+    if (before != '{' && before != ',' && !std::isspace(static_cast<unsigned char>(before))) {
+      continue;
+    }
+    size_t p = at + quoted.size();
+    while (p < body.size() && std::isspace(static_cast<unsigned char>(body[p]))) {
+      ++p;
+    }
+    if (p >= body.size() || body[p] != ':') {
+      continue;
+    }
+    ++p;
+    while (p < body.size() && std::isspace(static_cast<unsigned char>(body[p]))) {
+      ++p;
+    }
+    uint64_t v = 0;
+    size_t digits = 0;
+    while (p < body.size() && body[p] >= '0' && body[p] <= '9' && digits < 19) {
+      v = v * 10 + static_cast<uint64_t>(body[p] - '0');
+      ++p;
+      ++digits;
+    }
+    if (digits == 0) {
+      return false;
+    }
+    *out = v;
+    return true;
+  }
+  return false;
+}
+
+// Reads prompt_tokens and cached_tokens of a /generate response body (or SSE data line); for a
+// batch, those of its last element.
 void ReadUsage(std::string_view body, uint64_t* prompt, uint64_t* cached) {
-  json j = json::parse(body, nullptr, false);
-  if (j.is_array() && !j.empty()) {
-    j = j.back();
+  uint64_t p = 0;
+  uint64_t c = 0;
+  if (LastUnsigned(body, "\"prompt_tokens\"", &p)) {
+    *prompt = p;
   }
-  if (!j.is_object() || !j.contains("meta_info") || !j["meta_info"].is_object()) {
-    return;
-  }
-  const json& m = j["meta_info"];
-  if (m.contains("prompt_tokens") && m["prompt_tokens"].is_number_unsigned()) {
-    *prompt = m["prompt_tokens"].get<uint64_t>();
-  }
-  if (m.contains("cached_tokens") && m["cached_tokens"].is_number_unsigned()) {
-    *cached = m["cached_tokens"].get<uint64_t>();
+  if (LastUnsigned(body, "\"cached_tokens\"", &c)) {
+    *cached = c;
   }
 }
 
@@ -84,15 +122,18 @@ Gateway::Gateway(GatewayOptions options)
   pd.policy = Policy::kSticky;
   prefill_ = std::make_unique<Pool>("prefill", pd);
   decode_ = std::make_unique<Pool>("decode", pd);
-  server_.new_task_queue = [n = options_.max_threads] { return new ElasticTaskQueue(n); };
-  server_.set_tcp_nodelay(true);
-  server_.set_keep_alive_max_count(1 << 30);
-  server_.set_keep_alive_timeout(60);
-  server_.set_read_timeout(3600, 0);
+  AsyncHttpOptions ho;
+  ho.host = options_.host;
+  ho.port = options_.port;
+  ho.io_threads = options_.io_threads;
+  ho.max_blocking_threads = options_.max_threads;
+  server_ = std::make_unique<AsyncHttpServer>(std::move(ho));
   Register();
 }
 
 Gateway::~Gateway() { Stop(); }
+
+int Gateway::io_threads() const { return server_->io_threads(); }
 
 Status Gateway::AddWorker(Pool& pool, const std::string& url) {
   BRAGG_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(url));
@@ -155,8 +196,8 @@ Status Gateway::Start() {
     return absl::InvalidArgumentError(
         "prefill/decode disaggregation needs both --prefill and --decode workers");
   }
-  BRAGG_ASSIGN_OR_RETURN(port_, BindServer(server_, options_.host, options_.port));
-  serve_thread_ = std::thread([this] { server_.listen_after_bind(); });
+  BRAGG_RETURN_IF_ERROR(server_->Start());
+  port_ = server_->port();
   health_thread_ = std::thread([this] { HealthLoop(); });
   return absl::OkStatus();
 }
@@ -170,10 +211,7 @@ void Gateway::Stop() {
   if (health_thread_.joinable()) {
     health_thread_.join();
   }
-  server_.stop();
-  if (serve_thread_.joinable()) {
-    serve_thread_.join();
-  }
+  server_->Stop();
 }
 
 void Gateway::HealthLoop() {
@@ -222,24 +260,36 @@ void Gateway::HealthLoop() {
   }
 }
 
-void Gateway::HandleGenerate(const httplib::Request& req, httplib::Response& res) {
+struct Gateway::Generate {
+  json body;
+  std::string key;
+  std::vector<int32_t> tokens;
+  std::string client_salt;
+  std::string path;      // upstream path
+  std::string raw_body;  // OpenAI: passed through byte for byte
+  bool openai = false;
+  bool stream = false;
+  size_t attempts = 0;
+  size_t max_attempts = 1;
+};
+
+Action Gateway::HandleGenerate(HttpRequest& req) {
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) {
-    SetError(res, 400, "request body must be a JSON object");
-    return;
+    return Action::Respond(ErrorResponse(400, "request body must be a JSON object"));
   }
   std::vector<int32_t> tokens;
   if (body.contains("input_ids")) {
     const json& ids = body["input_ids"];
     if (!ids.is_array() || ids.empty()) {
-      SetError(res, 400, "input_ids must be a non-empty array of token ids");
-      return;
+      return Action::Respond(
+          ErrorResponse(400, "input_ids must be a non-empty array of token ids"));
     }
     tokens.reserve(ids.size());
     for (const json& t : ids) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX) {
-        SetError(res, 400, "input_ids must hold non-negative 32-bit token ids");
-        return;
+        return Action::Respond(
+            ErrorResponse(400, "input_ids must hold non-negative 32-bit token ids"));
       }
       tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
     }
@@ -248,22 +298,20 @@ void Gateway::HandleGenerate(const httplib::Request& req, httplib::Response& res
       tokens.push_back(c);
     }
   } else {
-    SetError(res, 400, "request needs input_ids or text");
-    return;
+    return Action::Respond(ErrorResponse(400, "request needs input_ids or text"));
   }
   std::string key;
   for (const char* field : {"routing_key", "rollout_id"}) {
     if (body.contains(field)) {
       if (!body[field].is_string()) {
-        SetError(res, 400, fmt::format("{} must be a string", field));
-        return;
+        return Action::Respond(ErrorResponse(400, fmt::format("{} must be a string", field)));
       }
       key = body[field].get<std::string>();
       body.erase(field);
     }
   }
-  if (key.empty() && req.has_header("X-Session-Id")) {
-    key = req.get_header_value("X-Session-Id");
+  if (key.empty()) {
+    key = req.Header("X-Session-Id");
   }
   std::string client_salt;
   if (body.contains("extra_key") && body["extra_key"].is_string()) {
@@ -277,153 +325,113 @@ void Gateway::HandleGenerate(const httplib::Request& req, httplib::Response& res
     body["routed_dp_rank"] =
         static_cast<uint32_t>(static_cast<uint32_t>(-SaltToken(key)) % options_.dp_size);
   }
-  bool pd = !options_.prefill_workers.empty();
-  if (pd) {
-    HandleGeneratePd(std::move(body), key, tokens, client_salt, res);
-    return;
+  if (!options_.prefill_workers.empty()) {
+    // The pair is served with blocking calls on a thread of its own (rare, and two upstreams).
+    return Action::Blocking([this, body = std::move(body), key = std::move(key),
+                             tokens = std::move(tokens),
+                             client_salt = std::move(client_salt)]() mutable {
+      return HandleGeneratePd(std::move(body), key, tokens, client_salt);
+    });
   }
-  if (body.value("stream", false)) {
-    HandleStream(std::move(body), std::move(key), std::move(tokens), std::move(client_salt), res);
-    return;
-  }
+  auto g = std::make_shared<Generate>();
+  g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
+  g->body = std::move(body);
+  g->key = std::move(key);
+  g->tokens = std::move(tokens);
+  g->client_salt = std::move(client_salt);
+  g->path = "/generate";
+  g->max_attempts = std::max<size_t>(1, main_->router.num_workers());
+  return RouteAndForward(std::move(g));
+}
+
+Action Gateway::RouteAndForward(std::shared_ptr<Generate> g) {
   Pool& pool = *main_;
-  size_t tries = std::max<size_t>(1, pool.router.num_workers());
-  for (size_t attempt = 0; attempt < tries; ++attempt) {
-    Result<RouteDecision> d = pool.router.Route(key, tokens, client_salt);
-    if (!d.ok()) {
-      SetError(res, 503, std::string(d.status().message()));
-      return;
-    }
-    if (client_salt.empty() && !d->salt.empty()) {
-      body["extra_key"] = d->salt;
-    }
-    Upstream up = Post(pool, d->worker, "/generate", body.dump());
-    if (up.error == httplib::Error::Connection) {
-      // Nothing reached the worker, so moving the request is safe.
-      pool.router.Finish(d->worker, 0, 0);
-      MarkDown(pool, d->worker, "connection refused");
-      continue;
-    }
-    if (up.error != httplib::Error::Success) {
-      pool.router.Finish(d->worker, 0, 0);
-      upstream_errors_++;
-      SetError(res, 502,
-               fmt::format("worker failed mid-request ({}); /generate is not retried because it "
-                           "is not idempotent",
-                           httplib::to_string(up.error)));
-      return;
-    }
-    uint64_t prompt = 0;
-    uint64_t cached = 0;
-    ReadUsage(up.body, &prompt, &cached);
-    pool.router.Finish(d->worker, prompt, cached);
-    res.status = up.status;
-    res.set_header("X-Bragg-Worker", Client(pool, d->worker)->target().host + ":" +
-                                         std::to_string(Client(pool, d->worker)->target().port));
-    res.set_content(std::move(up.body), "application/json");
-    return;
+  if (g->attempts++ >= g->max_attempts) {
+    return Action::Respond(ErrorResponse(503, "no worker accepted the request"));
   }
-  SetError(res, 503, "no worker accepted the request");
-}
-
-void Gateway::HandleStream(json body, std::string key, std::vector<int32_t> tokens,
-                           std::string client_salt, httplib::Response& res) {
-  auto state = std::make_shared<std::tuple<json, std::string, std::vector<int32_t>, std::string>>(
-      std::move(body), std::move(key), std::move(tokens), std::move(client_salt));
-  res.set_chunked_content_provider("text/event-stream", [this, state](size_t,
-                                                                      httplib::DataSink& sink) {
-    auto& [body, key, tokens, client_salt] = *state;
-    Pool& pool = *main_;
-    size_t tries = std::max<size_t>(1, pool.router.num_workers());
-    for (size_t attempt = 0; attempt < tries; ++attempt) {
-      Result<RouteDecision> d = pool.router.Route(key, tokens, client_salt);
-      if (!d.ok()) {
-        std::string s =
-            "data: " + json{{"error", std::string(d.status().message())}}.dump() + "\n\n";
-        sink.write(s.data(), s.size());
-        sink.done();
-        return true;
-      }
-      if (client_salt.empty() && !d->salt.empty()) {
-        body["extra_key"] = d->salt;
-      }
-      httplib::Request up;
-      up.method = "POST";
-      up.path = "/generate";
-      up.body = body.dump();
-      up.set_header("Content-Type", "application/json");
-      size_t forwarded = 0;
-      bool client_gone = false;
-      std::string tail;
-      up.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
-        forwarded += len;
-        tail.append(data, len);
-        if (tail.size() > (1 << 20)) {
-          tail.erase(0, tail.size() - (1 << 19));
-        }
-        if (!sink.write(data, len)) {
-          client_gone = true;
-          return false;
-        }
-        return true;
-      };
-      ClientPool* cp = Client(pool, d->worker);
-      auto client = cp->Acquire();
-      auto result = client->send(up);
-      if (client_gone) {
-        client_aborts_++;
-        pool.router.Finish(d->worker, 0, 0);
-        Post(pool, d->worker, "/abort_request", json{{"rid", body["rid"]}}.dump());
-        return false;
-      }
-      if (!result && result.error() == httplib::Error::Connection && forwarded == 0) {
-        pool.router.Finish(d->worker, 0, 0);
-        MarkDown(pool, d->worker, "connection refused");
-        continue;
-      }
-      if (!result) {
-        pool.router.Finish(d->worker, 0, 0);
-        upstream_errors_++;
-        std::string s = "data: " +
-                        json{{"error", fmt::format("worker failed mid-stream ({})",
-                                                   httplib::to_string(result.error()))}}
-                            .dump() +
-                        "\n\n";
-        sink.write(s.data(), s.size());
-        sink.done();
-        return true;
-      }
-      if (forwarded == 0 && !result->body.empty()) {
-        sink.write(result->body.data(), result->body.size());
-      }
-      cp->Release(std::move(client));
-      uint64_t prompt = 0;
-      uint64_t cached = 0;
-      ReadUsage(LastSseJson(tail), &prompt, &cached);
-      pool.router.Finish(d->worker, prompt, cached);
-      sink.done();
-      return true;
+  Result<RouteDecision> d = pool.router.Route(g->key, g->tokens, g->client_salt);
+  if (!d.ok()) {
+    return Action::Respond(ErrorResponse(503, std::string(d.status().message())));
+  }
+  Forward f;
+  if (g->openai) {
+    f.body = g->raw_body;
+  } else {
+    if (g->client_salt.empty() && !d->salt.empty()) {
+      g->body["extra_key"] = d->salt;
     }
-    std::string s = "data: " + json{{"error", "no worker accepted the request"}}.dump() + "\n\n";
-    sink.write(s.data(), s.size());
-    sink.done();
-    return true;
-  });
+    f.body = g->body.dump();
+  }
+  f.upstream = Client(pool, d->worker)->target();
+  f.path = g->path;
+  f.stream = g->stream;
+  if (!g->openai) {
+    f.response_headers.emplace_back("X-Bragg-Worker",
+                                    fmt::format("{}:{}", f.upstream.host, f.upstream.port));
+  }
+  int worker = d->worker;
+  HostPort target = f.upstream;
+  f.done = [this, g, worker, target](UpstreamResult& r) -> Action {
+    Pool& pool = *main_;
+    using Outcome = UpstreamResult::Outcome;
+    switch (r.outcome) {
+      case Outcome::kConnectFailed:
+        pool.router.Finish(worker, 0, 0);
+        if (r.local) {
+          upstream_errors_++;
+          return Action::Respond(
+              ErrorResponse(503, fmt::format("gateway overloaded: {}; retry later", r.error)));
+        }
+        // Nothing reached the worker, so moving the request is safe.
+        MarkDown(pool, worker, r.error);
+        return RouteAndForward(g);
+      case Outcome::kClientGone:
+        client_aborts_++;
+        pool.router.Finish(worker, 0, 0);
+        if (!g->openai) {
+          server_->Send(target, "/abort_request", json{{"rid", g->body["rid"]}}.dump());
+        }
+        return Action::None();
+      case Outcome::kFailed: {
+        pool.router.Finish(worker, 0, 0);
+        upstream_errors_++;
+        std::string why = fmt::format(
+            "worker failed mid-request ({}); {} is not retried because it is not "
+            "idempotent",
+            r.error, g->path);
+        if (r.started) {
+          HttpResponse sse;
+          sse.body = "data: " + json{{"error", why}}.dump() + "\n\n";
+          return Action::Respond(std::move(sse));
+        }
+        return Action::Respond(ErrorResponse(502, why));
+      }
+      case Outcome::kOk: {
+        uint64_t prompt = 0;
+        uint64_t cached = 0;
+        if (!g->openai) {
+          ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
+        }
+        pool.router.Finish(worker, prompt, cached);
+        return Action::None();
+      }
+    }
+    return Action::None();
+  };
+  return Action::Proxy(std::move(f));
 }
 
-void Gateway::HandleGeneratePd(json body, const std::string& key,
-                               const std::vector<int32_t>& tokens, const std::string& client_salt,
-                               httplib::Response& res) {
+HttpResponse Gateway::HandleGeneratePd(json body, const std::string& key,
+                                       const std::vector<int32_t>& tokens,
+                                       const std::string& client_salt) {
   Result<RouteDecision> p = prefill_->router.Route(key, tokens, client_salt);
   if (!p.ok()) {
-    SetError(res, 503, "prefill pool: " + std::string(p.status().message()));
-    return;
+    return ErrorResponse(503, "prefill pool: " + std::string(p.status().message()));
   }
   Result<RouteDecision> d = decode_->router.Route(key, tokens, client_salt);
   if (!d.ok()) {
     prefill_->router.Finish(p->worker, 0, 0);
-    SetError(res, 503, "decode pool: " + std::string(d.status().message()));
-    return;
+    return ErrorResponse(503, "decode pool: " + std::string(d.status().message()));
   }
   if (client_salt.empty() && !d->salt.empty()) {
     body["extra_key"] = d->salt;
@@ -450,62 +458,42 @@ void Gateway::HandleGeneratePd(json body, const std::string& key,
   decode_->router.Finish(d->worker, prompt, cached);
   if (pu.error != httplib::Error::Success || du.error != httplib::Error::Success) {
     upstream_errors_++;
-    SetError(res, 502,
-             fmt::format("prefill: {}, decode: {}", httplib::to_string(pu.error),
-                         httplib::to_string(du.error)));
-    return;
+    return ErrorResponse(502, fmt::format("prefill: {}, decode: {}", httplib::to_string(pu.error),
+                                          httplib::to_string(du.error)));
   }
+  HttpResponse out;
   if (pu.status != 200) {
-    res.status = pu.status;
-    res.set_content(std::move(pu.body), "application/json");
-    return;
+    out.status = pu.status;
+    out.body = std::move(pu.body);
+    return out;
   }
-  res.status = du.status;
-  res.set_content(std::move(du.body), "application/json");
+  out.status = du.status;
+  out.body = std::move(du.body);
+  return out;
 }
 
-void Gateway::HandleOpenAi(const httplib::Request& req, httplib::Response& res) {
+Action Gateway::HandleOpenAi(HttpRequest& req) {
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) {
-    SetError(res, 400, "request body must be a JSON object");
-    return;
+    return Action::Respond(ErrorResponse(400, "request body must be a JSON object"));
   }
-  std::string key = req.get_header_value("X-Session-Id");
-  if (key.empty() && body.contains("user") && body["user"].is_string()) {
-    key = body["user"].get<std::string>();
+  auto g = std::make_shared<Generate>();
+  g->key = req.Header("X-Session-Id");
+  if (g->key.empty() && body.contains("user") && body["user"].is_string()) {
+    g->key = body["user"].get<std::string>();
   }
   // Route by the prompt bytes: the approximate tree only needs a stable prefix.
-  std::vector<int32_t> tokens;
   std::string prompt =
       body.contains("messages") ? body["messages"].dump() : body.value("prompt", json()).dump();
   for (unsigned char c : prompt) {
-    tokens.push_back(c);
+    g->tokens.push_back(c);
   }
-  Pool& pool = *main_;
-  size_t tries = std::max<size_t>(1, pool.router.num_workers());
-  for (size_t attempt = 0; attempt < tries; ++attempt) {
-    Result<RouteDecision> d = pool.router.Route(key, tokens);
-    if (!d.ok()) {
-      SetError(res, 503, std::string(d.status().message()));
-      return;
-    }
-    Upstream up = Post(pool, d->worker, req.path, req.body);
-    pool.router.Finish(d->worker, 0, 0);
-    if (up.error == httplib::Error::Connection) {
-      MarkDown(pool, d->worker, "connection refused");
-      continue;
-    }
-    if (up.error != httplib::Error::Success) {
-      upstream_errors_++;
-      SetError(res, 502,
-               fmt::format("worker failed mid-request ({})", httplib::to_string(up.error)));
-      return;
-    }
-    res.status = up.status;
-    res.set_content(std::move(up.body), "application/json");
-    return;
-  }
-  SetError(res, 503, "no worker accepted the request");
+  g->openai = true;
+  g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
+  g->path = req.path;
+  g->raw_body = std::move(req.body);
+  g->max_attempts = std::max<size_t>(1, main_->router.num_workers());
+  return RouteAndForward(std::move(g));
 }
 
 std::vector<Gateway::Target> Gateway::HealthyTargets() {
@@ -728,70 +716,71 @@ std::string Gateway::Metrics() {
 }
 
 void Gateway::Register() {
-  server_.Post("/generate", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleGenerate(req, res);
+  AsyncHttpServer& s = *server_;
+  s.Route("POST", "/generate", [this](HttpRequest& req) { return HandleGenerate(req); });
+  s.Route("POST", "/v1/chat/completions", [this](HttpRequest& req) { return HandleOpenAi(req); });
+  s.Route("POST", "/v1/completions", [this](HttpRequest& req) { return HandleOpenAi(req); });
+  s.Route("GET", "/health", [](HttpRequest&) {
+    HttpResponse r;
+    r.content_type = "text/plain";
+    return Action::Respond(std::move(r));
   });
-  server_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleOpenAi(req, res);
+  s.Route("GET", "/metrics", [this](HttpRequest&) {
+    HttpResponse r;
+    r.content_type = "text/plain; version=0.0.4";
+    r.body = Metrics();
+    return Action::Respond(std::move(r));
   });
-  server_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleOpenAi(req, res);
-  });
-  server_.Get("/health", [](const httplib::Request&, httplib::Response& res) { res.status = 200; });
-  server_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(Metrics(), "text/plain; version=0.0.4");
-  });
-  server_.Get("/workers", [this](const httplib::Request&, httplib::Response& res) {
+  s.Route("GET", "/workers", [this](HttpRequest&) {
     json out = json::array();
     for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
-      for (const WorkerSnapshot& s : pool->router.Snapshot()) {
+      for (const WorkerSnapshot& w : pool->router.Snapshot()) {
         out.push_back({{"pool", pool->name},
-                       {"url", s.url},
-                       {"healthy", s.healthy},
-                       {"in_flight", s.in_flight},
-                       {"rollouts", s.rollouts},
-                       {"requests", s.requests}});
+                       {"url", w.url},
+                       {"healthy", w.healthy},
+                       {"in_flight", w.in_flight},
+                       {"rollouts", w.rollouts},
+                       {"requests", w.requests}});
       }
     }
-    Reply(res, out);
+    return Action::Respond(JsonResponse(out));
   });
-  server_.Post("/workers", [this](const httplib::Request& req, httplib::Response& res) {
+  s.Route("POST", "/workers", [this](HttpRequest& req) {
     json body = json::parse(req.body, nullptr, false);
     if (!body.is_object() || !body.contains("url") || !body["url"].is_string()) {
-      SetError(res, 400, "body must be {\"url\": \"http://HOST:PORT\"}");
-      return;
+      return Action::Respond(ErrorResponse(400, "body must be {\"url\": \"http://HOST:PORT\"}"));
     }
-    Status s = AddWorker(*main_, body["url"].get<std::string>());
-    if (!s.ok()) {
-      SetError(res, 400, std::string(s.message()));
-      return;
+    Status st = AddWorker(*main_, body["url"].get<std::string>());
+    if (!st.ok()) {
+      return Action::Respond(ErrorResponse(400, std::string(st.message())));
     }
-    Reply(res, {{"success", true}});
+    return Action::Respond(JsonResponse({{"success", true}}));
   });
-  server_.Post("/weights/update", [this](const httplib::Request& req, httplib::Response& res) {
+  s.Route("POST", "/weights/update", [this](HttpRequest& req) {
     json body = json::parse(req.body, nullptr, false);
     if (!body.is_object() || !body.contains("model_path") || !body["model_path"].is_string() ||
         !body.contains("weight_version") || !body["weight_version"].is_string() ||
         body["weight_version"].get<std::string>().empty()) {
-      SetError(res, 400,
-               "body must be {\"model_path\": \"...\", \"weight_version\": \"<non-empty>\"}");
-      return;
+      return Action::Respond(ErrorResponse(
+          400, "body must be {\"model_path\": \"...\", \"weight_version\": \"<non-empty>\"}"));
     }
-    WeightUpdateReport report = UpdateWeights(body["model_path"].get<std::string>(),
-                                              body["weight_version"].get<std::string>());
-    Reply(res, report.ToJson(), report.success ? 200 : 500);
+    // Pauses, loads and continues the fleet with blocking calls: off the io threads.
+    return Action::Blocking([this, path = body["model_path"].get<std::string>(),
+                             version = body["weight_version"].get<std::string>()] {
+      WeightUpdateReport report = UpdateWeights(path, version);
+      return JsonResponse(report.ToJson(), report.success ? 200 : 500);
+    });
   });
-  server_.Post("/rollouts/forget", [this](const httplib::Request& req, httplib::Response& res) {
+  s.Route("POST", "/rollouts/forget", [this](HttpRequest& req) {
     json body = json::parse(req.body, nullptr, false);
     if (!body.is_object() || !body.contains("routing_key") || !body["routing_key"].is_string()) {
-      SetError(res, 400, "body must be {\"routing_key\": \"...\"}");
-      return;
+      return Action::Respond(ErrorResponse(400, "body must be {\"routing_key\": \"...\"}"));
     }
     std::string key = body["routing_key"].get<std::string>();
     for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
       pool->router.Forget(key);
     }
-    Reply(res, {{"success", true}});
+    return Action::Respond(JsonResponse({{"success", true}}));
   });
 }
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "gateway/async_http.h"
 #include "gateway/http_util.h"
 #include "gateway/router.h"
 
@@ -38,6 +39,9 @@ struct GatewayOptions {
   int dp_size = 1;
   RouterOptions router;
   int health_interval_ms = 1000;
+  // Event-loop threads serving clients and proxying to workers; 0: one per core.
+  int io_threads = 0;
+  // Threads for handlers that block (weight updates, PD pairs), grown on demand up to this.
   size_t max_threads = 16384;
 };
 
@@ -60,8 +64,8 @@ struct WeightUpdateReport {
   nlohmann::json ToJson() const;
 };
 
-// Owns its HTTP server and a health-check thread. Start/Stop from one thread; the handlers and
-// UpdateWeights are thread-safe (updates are serialized).
+// Owns its event-driven HTTP server (async_http.h) and a health-check thread. Start/Stop from one
+// thread; the handlers and UpdateWeights are thread-safe (updates are serialized).
 class Gateway {
  public:
   explicit Gateway(GatewayOptions options);
@@ -74,6 +78,8 @@ class Gateway {
   Status Start();
   void Stop();
   int port() const { return port_; }
+  // Event-loop threads serving clients (valid after Start).
+  int io_threads() const;
 
   // Pauses every healthy worker in place, loads `model_path` as `version` without flushing the
   // KV cache, and continues them. If any pause or load fails, the workers that loaded go back to
@@ -107,19 +113,18 @@ class Gateway {
   void MarkDown(Pool& pool, int worker, std::string_view why);
   std::vector<Target> HealthyTargets();
   void Register();
-  void HandleGenerate(const httplib::Request& req, httplib::Response& res);
-  void HandleGeneratePd(nlohmann::json body, const std::string& key,
-                        const std::vector<int32_t>& tokens, const std::string& client_salt,
-                        httplib::Response& res);
-  void HandleStream(nlohmann::json body, std::string key, std::vector<int32_t> tokens,
-                    std::string client_salt, httplib::Response& res);
-  void HandleOpenAi(const httplib::Request& req, httplib::Response& res);
+  struct Generate;  // one /generate or OpenAI request being routed
+  Action HandleGenerate(HttpRequest& req);
+  // Routes `g` and forwards it; after a refused connection, routes it again.
+  Action RouteAndForward(std::shared_ptr<Generate> g);
+  HttpResponse HandleGeneratePd(nlohmann::json body, const std::string& key,
+                                const std::vector<int32_t>& tokens, const std::string& client_salt);
+  Action HandleOpenAi(HttpRequest& req);
   std::string Metrics();
   void HealthLoop();
 
   GatewayOptions options_;
-  httplib::Server server_;
-  std::thread serve_thread_;
+  std::unique_ptr<AsyncHttpServer> server_;
   std::thread health_thread_;
   int port_ = 0;
   std::unique_ptr<Pool> main_;

@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
   app.add_option("--dp-size", o.dp_size, "DP-attention ranks per worker: pin rollouts to one")
       ->check(CLI::Range(1, 1024));
   app.add_option("--health-interval-ms", o.health_interval_ms, "health check period");
+  app.add_option("--io-threads", o.io_threads, "event-loop threads (0: one per core)")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--cache-threshold", o.router.cache_threshold, "sgl_cache_aware match rate");
   app.add_option("--balance-abs-threshold", o.router.balance_abs_threshold, "load gap");
   app.add_option("--balance-rel-threshold", o.router.balance_rel_threshold, "load ratio");
@@ -43,6 +45,9 @@ int main(int argc, char** argv) {
   }
   o.host = hp->host;
   o.port = hp->port;
+  if (auto fds = bragg::gateway::RaiseFileLimit(); !fds.ok()) {
+    spdlog::warn("{}", std::string(fds.status().message()));
+  }
   sigset_t set = bragg::gateway::BlockTerminationSignals();
   bragg::gateway::Gateway gateway(o);
   bragg::Status s = gateway.Start();

@@ -3,11 +3,13 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 
 #include <cerrno>
 #include <charconv>
 #include <csignal>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 namespace bragg::gateway {
@@ -169,6 +171,21 @@ sigset_t BlockTerminationSignals() {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   return set;
+}
+
+Result<uint64_t> RaiseFileLimit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    return absl::InternalError(fmt::format("getrlimit(RLIMIT_NOFILE): {}", std::strerror(errno)));
+  }
+  if (rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      return absl::InternalError(
+          fmt::format("setrlimit(RLIMIT_NOFILE, {}): {}", rl.rlim_max, std::strerror(errno)));
+    }
+  }
+  return static_cast<uint64_t>(rl.rlim_cur);
 }
 
 void WaitForTermination(const sigset_t& set) {

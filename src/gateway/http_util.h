@@ -30,6 +30,9 @@ Result<HostPort> ParseHostPort(std::string_view text);
 // instead of killing the process) and blocks SIGINT and SIGTERM in this thread and every
 // thread started after it. Returns the blocked set for WaitForTermination.
 sigset_t BlockTerminationSignals();
+// Raises the soft RLIMIT_NOFILE to the hard limit: a proxied connection costs the gateway two
+// descriptors. Returns the new soft limit; Internal if getrlimit/setrlimit fail.
+Result<uint64_t> RaiseFileLimit();
 // Waits until SIGINT or SIGTERM arrives.
 void WaitForTermination(const sigset_t& set);
 

@@ -34,6 +34,9 @@ int main(int argc, char** argv) {
   }
   o.host = hp->host;
   o.port = hp->port;
+  if (auto fds = bragg::gateway::RaiseFileLimit(); !fds.ok()) {
+    spdlog::warn("{}", std::string(fds.status().message()));
+  }
   sigset_t set = bragg::gateway::BlockTerminationSignals();
   bragg::gateway::SimWorker worker(o);
   bragg::Status s = worker.Start();

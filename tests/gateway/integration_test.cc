@@ -1,10 +1,13 @@
 // Drives bragg-gateway and bragg-sim-worker binaries over real HTTP on loopback.
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -19,6 +22,7 @@
 
 #include "common/fs.h"
 #include "common/process.h"
+#include "common/unique_fd.h"
 #include "gateway/client.h"
 #include "gateway/http_util.h"
 
@@ -412,6 +416,161 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
   }
   EXPECT_TRUE(aborted) << "the worker never saw the abort";
   EXPECT_NE(Metrics(*c).find("bragg_gateway_client_aborts_total 1"), std::string::npos);
+}
+
+// Opens a plain TCP connection to 127.0.0.1:`port` and sends `request`; the caller hangs up by
+// dropping the fd.
+UniqueFd SendRaw(int port, const std::string& request) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_GE(fd.get(), 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  return fd;
+}
+
+TEST_F(GatewayIntegrationTest, NonStreamingClientDisconnectAborts) {
+  // 1,000 tokens at 20 ms each: the request runs for 20 s unless the gateway aborts it.
+  Proc w0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  std::string body = json{{"input_ids", {7, 8, 9}},
+                          {"routing_key", "hangup"},
+                          {"rid", "hangup-1"},
+                          {"sampling_params", {{"max_new_tokens", 1000}}}}
+                         .dump();
+  {
+    UniqueFd fd = SendRaw(gw.port, fmt::format("POST /generate HTTP/1.1\r\nHost: x\r\n"
+                                               "Content-Type: application/json\r\n"
+                                               "Content-Length: {}\r\n\r\n{}",
+                                               body.size(), body));
+    // Hang up once the gateway has the request in flight on the worker.
+    bool in_flight = false;
+    for (int i = 0; i < 200 && !in_flight; ++i) {
+      auto r = c->Get("/workers");
+      json j = r ? json::parse(r->body, nullptr, false) : json();
+      in_flight = j.is_array() && !j.empty() && j[0]["in_flight"].get<int>() == 1;
+      if (!in_flight) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      }
+    }
+    ASSERT_TRUE(in_flight) << "the request never reached the worker";
+  }
+  auto wc = Http(w0);
+  bool aborted = false;
+  for (int i = 0; i < 200 && !aborted; ++i) {
+    auto r = wc->Get("/sim/stats");
+    aborted = r && json::parse(r->body)["aborts"].get<int>() >= 1;
+    if (!aborted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  EXPECT_TRUE(aborted) << "the worker never saw the abort";
+  // The gateway forgot the request and still serves.
+  bool idle = false;
+  for (int i = 0; i < 200 && !idle; ++i) {
+    auto r = c->Get("/workers");
+    json j = r ? json::parse(r->body, nullptr, false) : json();
+    idle = j.is_array() && !j.empty() && j[0]["in_flight"].get<int>() == 0;
+    if (!idle) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  EXPECT_TRUE(idle);
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_client_aborts_total 1"), std::string::npos);
+  int status = 0;
+  json res =
+      PostJson(*c, "/generate",
+               {{"input_ids", {1, 2}}, {"sampling_params", {{"max_new_tokens", 2}}}}, &status);
+  EXPECT_EQ(status, 200) << res.dump();
+  EXPECT_EQ(res["meta_info"]["completion_tokens"], 2);
+}
+
+TEST_F(GatewayIntegrationTest, ExpectContinueIsAnswered) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  std::string body =
+      json{{"input_ids", {1, 2, 3}}, {"sampling_params", {{"max_new_tokens", 2}}}}.dump();
+  UniqueFd fd = SendRaw(gw.port, fmt::format("POST /generate HTTP/1.1\r\nHost: x\r\n"
+                                             "Content-Type: application/json\r\n"
+                                             "Expect: 100-continue\r\nConnection: close\r\n"
+                                             "Content-Length: {}\r\n\r\n",
+                                             body.size()));
+  timeval tv{10, 0};
+  ASSERT_EQ(::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+  char buf[4096];
+  ssize_t n = ::recv(fd.get(), buf, sizeof(buf), 0);
+  ASSERT_GT(n, 0) << "no interim response before the body";
+  EXPECT_EQ(std::string(buf, n).rfind("HTTP/1.1 100 Continue\r\n\r\n", 0), 0u);
+  ASSERT_EQ(::send(fd.get(), body.data(), body.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(body.size()));
+  std::string got;
+  while ((n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0) {
+    got.append(buf, n);
+  }
+  EXPECT_EQ(got.rfind("HTTP/1.1 200", 0), 0u) << got;
+  EXPECT_NE(got.find("\"completion_tokens\":2"), std::string::npos) << got;
+}
+
+TEST_F(GatewayIntegrationTest, MalformedHttpGets400AndGatewayServesOn) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  for (const char* junk :
+       {"GARBAGE\r\n\r\n", "POST /generate HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+        "POST /generate HTTP/9.9\r\n\r\n"}) {
+    UniqueFd fd = SendRaw(gw.port, junk);
+    timeval tv{10, 0};
+    ASSERT_EQ(::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+    std::string got;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0) {
+      got.append(buf, n);
+    }
+    EXPECT_EQ(got.rfind("HTTP/1.1 400", 0), 0u) << junk << " -> " << got;
+  }
+  auto c = Http(gw);
+  int status = 0;
+  json res =
+      PostJson(*c, "/generate",
+               {{"input_ids", {1, 2}}, {"sampling_params", {{"max_new_tokens", 2}}}}, &status);
+  EXPECT_EQ(status, 200) << res.dump();
+}
+
+TEST_F(GatewayIntegrationTest, WorkerDyingMidStreamEndsStreamWithError) {
+  Proc w0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/generate";
+  req.body = json{{"input_ids", {3, 1, 4}},
+                  {"routing_key", "dies"},
+                  {"stream", true},
+                  {"sampling_params", {{"max_new_tokens", 1000}}}}
+                 .dump();
+  req.set_header("Content-Type", "application/json");
+  std::string got;
+  bool killed = false;
+  req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    got.append(d, n);
+    if (!killed && got.find("data: ") != std::string::npos) {
+      killed = true;
+      EXPECT_TRUE(w0.child.Signal(SIGKILL).ok());
+    }
+    return true;
+  };
+  auto r = c->send(req);
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_TRUE(killed);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(got.find("data: [DONE]"), std::string::npos);
+  EXPECT_NE(got.find("worker failed mid-request"), std::string::npos) << got.substr(0, 300);
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_upstream_errors_total 1"), std::string::npos);
 }
 
 TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
