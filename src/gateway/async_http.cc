@@ -461,14 +461,22 @@ class Session : public std::enable_shared_from_this<Session> {
                       [self = shared_from_this()](error_code ec, size_t) { self->OnSent(ec); });
   }
 
-  void OnSent(error_code ec) {
+  // Ends the call when the client hung up or the worker `what` (read, write) failed; true then.
+  bool Ended(error_code ec, const char* what) {
     if (client_gone_) {
       End(Outcome::kClientGone);
-      return;
+      return true;
     }
     if (ec) {
-      result_.error = "write: " + ec.message();
+      result_.error = std::string(what) + ": " + ec.message();
       End(Outcome::kFailed);
+      return true;
+    }
+    return false;
+  }
+
+  void OnSent(error_code ec) {
+    if (Ended(ec, "write")) {
       return;
     }
     if (fwd_.stream) {
@@ -486,13 +494,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnFull(error_code ec) {
-    if (client_gone_) {
-      End(Outcome::kClientGone);
-      return;
-    }
-    if (ec) {
-      result_.error = "read: " + ec.message();
-      End(Outcome::kFailed);
+    if (Ended(ec, "read")) {
       return;
     }
     auto& msg = up_full_->get();
@@ -507,13 +509,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnStreamHeader(error_code ec) {
-    if (client_gone_) {
-      End(Outcome::kClientGone);
-      return;
-    }
-    if (ec) {
-      result_.error = "read: " + ec.message();
-      End(Outcome::kFailed);
+    if (Ended(ec, "read")) {
       return;
     }
     auto& msg = up_stream_->get();
@@ -557,13 +553,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (ec == http::error::need_buffer) {
       ec = {};
     }
-    if (client_gone_) {
-      End(Outcome::kClientGone);
-      return;
-    }
-    if (ec) {
-      result_.error = "read: " + ec.message();
-      End(Outcome::kFailed);
+    if (Ended(ec, "read")) {
       return;
     }
     size_t n = sizeof(chunk_) - up_stream_->get().body().size;
