@@ -13,6 +13,7 @@ exec_true_ms, exec_python_ms, rtt_1mib_ms, rtt_1mib_concurrent_ms -> {"p50", "p9
 last line on stderr says why.
 """
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -46,6 +47,21 @@ def tools_json(names, ms):
         entry["ms"] = list(times)
         out[name] = entry
     return out
+
+
+def round_trips(round_trip, n, rounds, label):
+    """1 MiB round trips: each of the n sandboxes in turn, then all n at once, `rounds` times.
+    `round_trip(i)` returns one round trip's ms. Returns (one at a time, all at once, GB/s)."""
+    rtt = [round_trip(i) for _ in range(rounds) for i in range(n)]
+    rtt_conc = []
+    t_all = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
+        for _ in range(rounds):
+            rtt_conc += list(pool.map(round_trip, range(n)))
+    gbps = 2.0 * MIB * n * rounds / (time.monotonic() - t_all) / 1e9
+    print(f"{label}: 1 MiB round trip p50 {pct(rtt, 50):.1f} ms; all at once p50 "
+          f"{pct(rtt_conc, 50):.1f} ms, {gbps:.3f} GB/s", file=sys.stderr)
+    return rtt, rtt_conc, gbps
 
 
 def load_tools(directory):

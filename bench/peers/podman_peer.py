@@ -24,7 +24,6 @@ note when podman or runc is missing or a container cannot start.
 """
 
 import argparse
-import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -141,15 +140,7 @@ def main():
             os.unlink(back)
             return ms
 
-        rtt = [round_trip(i) for _ in range(args.rounds) for i in range(n)]
-        rtt_conc = []
-        t_all = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
-            for _ in range(args.rounds):
-                rtt_conc += list(pool.map(round_trip, range(n)))
-        gbps = 2.0 * peerlib.MIB * n * args.rounds / (time.monotonic() - t_all) / 1e9
-        print(f"podman: 1 MiB round trip p50 {peerlib.pct(rtt, 50):.1f} ms; all at once p50 "
-              f"{peerlib.pct(rtt_conc, 50):.1f} ms, {gbps:.3f} GB/s", file=sys.stderr)
+        rtt, rtt_conc, gbps = peerlib.round_trips(round_trip, n, args.rounds, "podman")
 
         names, tool_ms = [], []
         if args.tool_samples > 0:

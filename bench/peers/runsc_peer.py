@@ -24,7 +24,6 @@ missing, or the first sandbox cannot start.
 """
 
 import argparse
-import concurrent.futures
 import json
 import os
 import shutil
@@ -241,15 +240,7 @@ def main():
                 raise RuntimeError("downloaded bytes differ from uploaded ones")
             return ms
 
-        rtt = [round_trip(i) for _ in range(args.rounds) for i in range(n)]
-        rtt_conc = []
-        t_all = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
-            for _ in range(args.rounds):
-                rtt_conc += list(pool.map(round_trip, range(n)))
-        gbps = 2.0 * peerlib.MIB * n * args.rounds / (time.monotonic() - t_all) / 1e9
-        print(f"runsc: 1 MiB round trip p50 {peerlib.pct(rtt, 50):.1f} ms; all at once p50 "
-              f"{peerlib.pct(rtt_conc, 50):.1f} ms, {gbps:.3f} GB/s", file=sys.stderr)
+        rtt, rtt_conc, gbps = peerlib.round_trips(round_trip, n, args.rounds, "runsc")
 
         names, tool_ms = [], []
         if args.tool_samples > 0:
