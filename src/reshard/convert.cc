@@ -62,6 +62,64 @@ Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off, const std::s
   return absl::OkStatus();
 }
 
+// Starts the writeback of each block of an output shard as soon as every byte planned for it has
+// been written. Without it the kernel holds the written pages dirty until dirty_background_ratio
+// (10% of RAM) is reached or the shard's fsync: the disk reads the whole checkpoint and only then
+// writes it, so a conversion takes read time + write time. Started per complete block, writeback
+// never writes a page twice (rows split across chunks land in the same page) and the final fsync
+// only waits for the tail. Blocks are counted down by every thread; Account before any worker
+// runs, Wrote from any thread.
+class WriteBehind {
+ public:
+  static constexpr uint64_t kBlock = 8 << 20;
+
+  explicit WriteBehind(const Plan& plan) : remaining_(plan.shards.size()) {
+    for (size_t s = 0; s < plan.shards.size(); ++s) {
+      remaining_[s] =
+          std::vector<std::atomic<uint64_t>>((plan.shards[s].size + kBlock - 1) / kBlock);
+    }
+  }
+
+  // Adds `bytes` at `dst` of `shard` to the bytes its blocks wait for.
+  void Account(size_t shard, uint64_t dst, uint64_t bytes) {
+    ForEachBlock(shard, dst, bytes, [&](std::atomic<uint64_t>& left, uint64_t n, uint64_t) {
+      left.fetch_add(n, std::memory_order_relaxed);
+    });
+  }
+
+  // Records that `bytes` at `dst` of `shard` (open as `fd`) are written; starts the writeback of
+  // each block this completes. Errors: the errno error of sync_file_range.
+  Status Wrote(int fd, const std::string& path, size_t shard, uint64_t dst, uint64_t bytes) {
+    Status st;
+    ForEachBlock(shard, dst, bytes, [&](std::atomic<uint64_t>& left, uint64_t n, uint64_t block) {
+      if (left.fetch_sub(n, std::memory_order_acq_rel) == n && st.ok() &&
+          ::sync_file_range(fd, static_cast<off_t>(block * kBlock), kBlock,
+                            SYNC_FILE_RANGE_WRITE) != 0 &&
+          errno != ESPIPE && errno != EINVAL) {
+        st = ErrnoError("sync_file_range", path);
+      }
+    });
+    return st;
+  }
+
+ private:
+  template <typename F>
+  void ForEachBlock(size_t shard, uint64_t dst, uint64_t bytes, F&& f) {
+    std::vector<std::atomic<uint64_t>>& blocks = remaining_[shard];
+    while (bytes > 0) {
+      const uint64_t block = dst / kBlock;
+      const uint64_t n = std::min(bytes, (block + 1) * kBlock - dst);
+      if (block < blocks.size()) {
+        f(blocks[block], n, block);
+      }
+      dst += n;
+      bytes -= n;
+    }
+  }
+
+  std::vector<std::vector<std::atomic<uint64_t>>> remaining_;
+};
+
 // Opens the archive of one chunk and checks it holds the tensor the metadata describes.
 Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& c,
                               const std::string& path) {
@@ -86,10 +144,11 @@ Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& 
 }
 
 // Copies (or, with verify, compares) the runs of one work item through a window of `window`
-// bytes. Runs are sorted by source offset.
+// bytes. Runs are sorted by source offset. `write_behind` is null when verifying.
 Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const std::string& out,
-               uint64_t window, bool verify, std::vector<char>* buf, std::vector<char>* cmp,
-               std::atomic<uint64_t>* bytes_read) {
+               uint64_t window, WriteBehind* write_behind, std::vector<char>* buf,
+               std::vector<char>* cmp, std::atomic<uint64_t>* bytes_read) {
+  const bool verify = write_behind == nullptr;
   const SourceChunk& c = w.tensor->chunks[w.chunk];
   const std::string path = src_dir + "/" + c.file;
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
@@ -124,6 +183,13 @@ Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const 
     BRAGG_RETURN_IF_ERROR(
         PreadAll(fd.get(), buf->data(), read_end - wstart, ref.data_offset + wstart, path));
     bytes_read->fetch_add(read_end - wstart, std::memory_order_relaxed);
+    // The disk reads the next window into the page cache while this one is copied out; it is
+    // page cache (reclaimable, one window per thread), not buffer memory of this process.
+    if (read_end < ref.bytes) {
+      (void)::posix_fadvise(fd.get(), static_cast<off_t>(ref.data_offset + read_end),
+                            static_cast<off_t>(std::min(window, ref.bytes - read_end)),
+                            POSIX_FADV_WILLNEED);
+    }
     size_t next = j;
     for (size_t k = i; k < j; ++k) {
       CopyRun& r = runs[k];
@@ -139,6 +205,7 @@ Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const 
         }
       } else {
         BRAGG_RETURN_IF_ERROR(PwriteAll(out_fd, p, n, r.dst, out));
+        BRAGG_RETURN_IF_ERROR(write_behind->Wrote(out_fd, out, w.shard, r.dst, n));
       }
       if (n < r.bytes) {
         r.src += n;
@@ -150,6 +217,22 @@ Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const 
     i = next;
   }
   return absl::OkStatus();
+}
+
+// Asks the kernel to read the start of an item's chunk into the page cache, so that the disk
+// works on the next item while this one is copied. Advisory: errors are ignored (the item's own
+// read reports them).
+void PrefetchItem(const WorkItem& w, const std::string& src_dir, uint64_t window) {
+  const SourceChunk& c = w.tensor->chunks[w.chunk];
+  auto fd = OpenFile(src_dir + "/" + c.file, O_RDONLY);
+  if (!fd.ok()) {
+    return;
+  }
+  const uint64_t start =
+      c.resolved ? c.data_offset + (w.runs.empty() ? 0 : w.runs.front().src) : c.archive_offset;
+  const uint64_t len = c.resolved ? w.bytes : c.archive_length;
+  (void)::posix_fadvise(fd->get(), static_cast<off_t>(start),
+                        static_cast<off_t>(std::min(len, window)), POSIX_FADV_WILLNEED);
 }
 
 Status CopyConfigFiles(const std::string& from, const std::string& to) {
@@ -210,8 +293,26 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
 
 Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   ConvertStats stats;
-  const int threads = std::max(1, o.threads);
-  const uint64_t window = std::clamp<uint64_t>(o.mem_budget / (2 * threads), 1 << 16, 64 << 20);
+  // Each thread holds at most two windows (the read window and, when verifying, the compare
+  // buffer), so threads x 2 x window <= budget; a budget too small for the requested threads at
+  // the minimum window runs fewer threads rather than exceed it.
+  constexpr uint64_t kMinWindow = 1 << 10;
+  constexpr uint64_t kMaxWindow = 64 << 20;
+  if (o.mem_budget < 2 * kMinWindow) {
+    return absl::InvalidArgumentError(
+        fmt::format("--mem-budget {} bytes is below the minimum of {} bytes (two {} KiB windows); "
+                    "give at least {}KiB",
+                    o.mem_budget, 2 * kMinWindow, kMinWindow >> 10, (2 * kMinWindow) >> 10));
+  }
+  int threads = std::max(1, o.threads);
+  if (static_cast<uint64_t>(threads) * 2 * kMinWindow > o.mem_budget) {
+    const int fit = static_cast<int>(o.mem_budget / (2 * kMinWindow));
+    spdlog::warn("--mem-budget {} bytes holds the buffers of {} threads, not {}: using {}",
+                 o.mem_budget, fit, threads, fit);
+    threads = fit;
+  }
+  const uint64_t window =
+      std::clamp<uint64_t>(o.mem_budget / (2 * threads), kMinWindow, kMaxWindow);
   BRAGG_RETURN_IF_ERROR(MakeDirs(o.dst_dir));
   if (o.rank == 0 && !o.hf_config_dir.empty() && !o.verify) {
     BRAGG_RETURN_IF_ERROR(CopyConfigFiles(o.hf_config_dir, o.dst_dir));
@@ -248,11 +349,25 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
     }
     BRAGG_RETURN_IF_ERROR(PwriteAll(fds[s].get(), sh.header.data(), sh.header.size(), 0, paths[s]));
   }
+  std::unique_ptr<WriteBehind> write_behind =
+      o.verify ? nullptr : std::make_unique<WriteBehind>(plan);
   std::vector<const WorkItem*> work;
   for (const WorkItem& w : plan.items) {
     if (owned[w.shard]) {
       work.push_back(&w);
       pending[w.shard].fetch_add(1);
+      if (write_behind) {
+        for (const CopyRun& r : w.runs) {
+          write_behind->Account(w.shard, r.dst, r.bytes);
+        }
+      }
+    }
+  }
+  if (write_behind) {
+    for (size_t s : mine) {
+      const PlannedShard& sh = plan.shards[s];
+      write_behind->Account(s, 0, sh.header.size());
+      BRAGG_RETURN_IF_ERROR(write_behind->Wrote(fds[s].get(), paths[s], s, 0, sh.header.size()));
     }
   }
   auto finish_shard = [&](size_t s) -> Status {
@@ -294,8 +409,11 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
         return;
       }
       const WorkItem& w = *work[k];
-      Status s = RunItem(w, o.src_dir, fds[w.shard].get(), paths[w.shard], window, o.verify, &buf,
-                         &cmp, &bytes_read);
+      if (k + 1 < work.size()) {
+        PrefetchItem(*work[k + 1], o.src_dir, window);
+      }
+      Status s = RunItem(w, o.src_dir, fds[w.shard].get(), paths[w.shard], window,
+                         write_behind.get(), &buf, &cmp, &bytes_read);
       if (s.ok() && pending[w.shard].fetch_sub(1) == 1) {
         s = finish_shard(w.shard);
       }

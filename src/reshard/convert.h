@@ -2,6 +2,8 @@
 
 // Executes a Plan: preallocated safetensors shards written with positioned writes, each source
 // chunk read once in bounded windows, shards renamed into place when complete, the index last.
+// Reads and writes overlap: the next window and the next item are prefetched, and each block of
+// a shard goes to writeback as soon as it is complete.
 
 #include <cstdint>
 #include <string>
@@ -16,7 +18,9 @@ struct ConvertOptions {
   std::string dst_dir;
   std::string hf_config_dir;  // config.json, tokenizer files; copied to dst_dir by rank 0
   int threads = 1;
-  uint64_t mem_budget = 2ull << 30;  // bounds the read windows: threads x window <= budget
+  // Bounds the copy buffers: threads x 2 x window <= budget (window 1 KiB to 64 MiB); fewer
+  // threads run when the budget cannot hold `threads` pairs of minimum windows.
+  uint64_t mem_budget = 2ull << 30;
   int rank = 0;
   int world_size = 1;
   bool verify = false;
@@ -36,8 +40,8 @@ struct ConvertStats {
 // written to "<file>.tmp-<rank>" and renamed when complete; the rank that finds every shard in
 // place writes model.safetensors.index.json (atomically) last. Thread-safe use: one call at a
 // time per dst_dir and rank. Errors: the errno error of any file operation (naming the file),
-// InvalidArgument when a chunk's archive does not hold the tensor the metadata promised, DataLoss
-// when --verify finds a mismatch.
+// InvalidArgument when mem_budget is below two minimum windows (2 KiB) or a chunk's archive does
+// not hold the tensor the metadata promised, DataLoss when --verify finds a mismatch.
 [[nodiscard]] Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& options);
 
 }  // namespace bragg::reshard

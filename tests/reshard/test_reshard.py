@@ -141,6 +141,45 @@ def test_identical_bytes_for_any_threads_and_ranks(root, tmp_path):
         assert filecmp.cmp(os.path.join(one, n), os.path.join(many, n), shallow=False), n
 
 
+def output_files(dst):
+    names = sorted(os.listdir(dst))
+    out = {}
+    for n in names:
+        with open(os.path.join(dst, n), "rb") as f:
+            out[n] = f.read()
+    return out
+
+
+def test_one_shard_identical_for_any_threads(root, tmp_path):
+    # The whole model in one shard: every thread writes into the same file, in an order that
+    # differs run to run; the bytes must not.
+    outs = {}
+    for threads in ("1", "2", "7"):
+        dst = str(tmp_path / ("t" + threads))
+        convert(root, "llama", dst, "--threads", threads)
+        outs[threads] = output_files(dst)
+    assert len([n for n in outs["1"] if n.endswith(".safetensors")]) == 1
+    assert outs["2"] == outs["1"] and outs["7"] == outs["1"]
+    got, _ = read_output(str(tmp_path / "t7"))
+    assert_bit_identical(got, torch.load(os.path.join(root, "llama-ref.pt")))
+
+
+def test_tiny_mem_budget(root, tmp_path):
+    want = str(tmp_path / "want")
+    convert(root, "deepseek_v3", want, "--threads", "1")
+    # 6 KiB for 7 threads: 3 threads with 1 KiB windows, smaller than the larger chunks, which
+    # are then copied in several windows.
+    dst = str(tmp_path / "tiny")
+    p = convert(root, "deepseek_v3", dst, "--threads", "7", "--mem-budget", "6K", "--verify")
+    assert "using 3" in p.stderr, p.stderr
+    assert output_files(dst) == output_files(want)
+    # Below two minimum windows: refused, with the minimum named, and nothing written.
+    bad = str(tmp_path / "bad")
+    p = convert(root, "deepseek_v3", bad, "--mem-budget", "1K", check=False)
+    assert p.returncode != 0 and "below the minimum" in p.stderr and "2KiB" in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(bad, "model.safetensors.index.json"))
+
+
 def test_slurm_environment_gives_rank(root, tmp_path):
     dst = str(tmp_path / "out")
     env = dict(os.environ, SLURM_PROCID="1", SLURM_NTASKS="2")
