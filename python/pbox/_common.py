@@ -184,6 +184,19 @@ def clone_request(
     return pb.CloneSandboxRequest(sandbox_id=sandbox_id, count=n, overrides=overrides)
 
 
+def cpu_list_text(cpus: Union[str, Sequence[int]]) -> str:
+    """A session's CPU set as the agent takes it: a CPU list ("4-7,12") as given, or CPU
+    numbers joined with commas (the agent checks both)."""
+    if isinstance(cpus, str):
+        return cpus
+    out = []
+    for cpu in cpus:
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
+            raise ValueError(f"cpuset: {cpu!r} is not a CPU number")
+        out.append(str(cpu))
+    return ",".join(out)
+
+
 def normalize_argv(argv: Argv) -> List[str]:
     """A str becomes ``["sh", "-c", str]``; a sequence must be non-empty strings."""
     if isinstance(argv, str):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -105,13 +105,16 @@ class Client:
         await self._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=sandbox_id))
 
     def session(self, client_name: str = "", job_id: str = "",
-                ping_interval: Optional[float] = None, open_timeout: float = 30.0) -> "Session":
-        """A session; use ``async with client.session() as s`` (or ``await s.open()``)."""
+                ping_interval: Optional[float] = None, open_timeout: float = 30.0,
+                cpuset: Union[str, Sequence[int]] = "") -> "Session":
+        """A session; use ``async with client.session() as s`` (or ``await s.open()``).
+        ``cpuset``: as for :meth:`pbox.Client.session`."""
         if not client_name:
             client_name = f"python-aio:{os.getpid()}"
         if not job_id:
             job_id = os.environ.get("SLURM_JOB_ID", "")
-        s = Session(self, client_name, job_id, ping_interval, open_timeout)
+        s = Session(self, client_name, job_id, ping_interval, open_timeout,
+                    c.cpu_list_text(cpuset))
         self._sessions = [x for x in self._sessions if not x.closed]
         self._sessions.append(s)
         return s
@@ -137,10 +140,11 @@ class Session:
     """An asyncio session (lease); see :class:`pbox.Session`."""
 
     def __init__(self, client: Client, client_name: str, job_id: str,
-                 ping_interval: Optional[float], open_timeout: float) -> None:
+                 ping_interval: Optional[float], open_timeout: float, cpuset: str = "") -> None:
         self._client = client
         self._client_name = client_name
         self._job_id = job_id
+        self._cpuset = cpuset
         self._ping_interval = ping_interval
         self._open_timeout = open_timeout
         self._id = ""
@@ -171,7 +175,8 @@ class Session:
         self._call = self._client._stub.Session(metadata=self._client._md)
         try:
             await self._call.write(pb.SessionRequest(
-                open=pb.SessionOpen(client_name=self._client_name, job_id=self._job_id)))
+                open=pb.SessionOpen(client_name=self._client_name, job_id=self._job_id,
+                                    cpuset=self._cpuset)))
             ev = await asyncio.wait_for(self._call.read(), self._open_timeout)
         except asyncio.TimeoutError:
             self._call.cancel()

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -141,9 +141,14 @@ class Client:
         self._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=sandbox_id))
 
     def session(self, client_name: str = "", job_id: str = "",
-                ping_interval: Optional[float] = None, open_timeout: float = 30.0) -> "Session":
+                ping_interval: Optional[float] = None, open_timeout: float = 30.0,
+                cpuset: Union[str, Sequence[int]] = "") -> "Session":
         """Opens a session (a lease): the sandboxes created through it are destroyed by the
         agent when the session closes, or within 1 s of this process dying.
+
+        ``cpuset`` (a CPU list such as ``"4-7"``, or CPU numbers): the session's sandboxes run
+        only on these CPUs, which must lie within the agent's sandbox CPUs; for a long-lived
+        agent that several jobs share. Empty: the agent's whole set.
 
         Use it as a context manager; see :class:`Session`.
         """
@@ -151,7 +156,8 @@ class Client:
             client_name = f"python:{os.getpid()}"
         if not job_id:
             job_id = os.environ.get("SLURM_JOB_ID", "")
-        s = Session(self, client_name, job_id, ping_interval, open_timeout)
+        s = Session(self, client_name, job_id, ping_interval, open_timeout,
+                    c.cpu_list_text(cpuset))
         with self._lock:
             self._sessions = [x for x in self._sessions if not x.closed]
             self._sessions.append(s)
@@ -182,11 +188,11 @@ class Session:
     """
 
     def __init__(self, client: Client, client_name: str, job_id: str,
-                 ping_interval: Optional[float], open_timeout: float) -> None:
+                 ping_interval: Optional[float], open_timeout: float, cpuset: str = "") -> None:
         self._client = client
         self._requests: "queue.Queue[Optional[pb.SessionRequest]]" = queue.Queue()
-        self._requests.put(pb.SessionRequest(open=pb.SessionOpen(client_name=client_name,
-                                                                 job_id=job_id)))
+        self._requests.put(pb.SessionRequest(open=pb.SessionOpen(
+            client_name=client_name, job_id=job_id, cpuset=cpuset)))
         self._opened = threading.Event()
         self._done = threading.Event()
         self._error: Optional[PboxError] = None

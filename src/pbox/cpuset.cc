@@ -169,7 +169,7 @@ CpuSet CpuSet::Last(size_t n) const {
 
 CpuAllocator::CpuAllocator(CpuSet pool) : pool_(std::move(pool)), load_(pool_.size(), 0) {}
 
-Result<CpuSet> CpuAllocator::Allocate(uint32_t n) {
+Result<CpuSet> CpuAllocator::Allocate(uint32_t n, const CpuSet* within) {
   if (n == 0) {
     n = 1;
   }
@@ -182,9 +182,18 @@ Result<CpuSet> CpuAllocator::Allocate(uint32_t n) {
         fmt::format("cannot allocate {} CPUs: the sandbox CPU pool {} has only {}", n,
                     pool_.ToString(), pool_.size()));
   }
+  std::vector<size_t> order;
+  for (size_t i = 0; i < pool_.size(); ++i) {
+    if (within == nullptr || within->Contains(pool_.cpus()[i])) {
+      order.push_back(i);
+    }
+  }
+  if (n > order.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("cannot allocate {} CPUs: the session's CPUs {} hold only {} of the pool {}", n,
+                    within->ToString(), order.size(), pool_.ToString()));
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<size_t> order(load_.size());
-  std::iota(order.begin(), order.end(), 0);
   // Least-loaded first; ties go to the lower CPU so that placement is deterministic.
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return load_[a] < load_[b]; });

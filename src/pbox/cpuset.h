@@ -48,8 +48,9 @@ class CpuAllocator {
   explicit CpuAllocator(CpuSet pool);
 
   const CpuSet& pool() const { return pool_; }
-  // `n` CPUs (1 if n == 0); InvalidArgument if n > pool size.
-  Result<CpuSet> Allocate(uint32_t n);
+  // `n` CPUs (1 if n == 0); InvalidArgument if n > pool size. With `within`, only CPUs of the
+  // pool that are also in `within` are candidates (InvalidArgument if fewer than n are).
+  Result<CpuSet> Allocate(uint32_t n, const CpuSet* within = nullptr);
   // Returns CPUs from an earlier Allocate.
   void Release(const CpuSet& cpus);
   // Sandboxes currently placed on each CPU of the pool, in pool order.

@@ -134,6 +134,30 @@ TEST(CpuAllocatorTest, LeastLoadedSpreads) {
   EXPECT_EQ(d->ToString(), "5");
 }
 
+TEST(CpuAllocatorTest, WithinASessionsCpus) {
+  CpuAllocator alloc(CpuSet({4, 5, 6, 7}));
+  const CpuSet job({6, 7, 9});  // 9 is not in the pool: never handed out
+  for (int i = 0; i < 6; ++i) {
+    auto a = alloc.Allocate(1, &job);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_TRUE(a->IsSubsetOf(CpuSet({6, 7}))) << a->ToString();
+  }
+  EXPECT_EQ(alloc.Load(), (std::vector<uint32_t>{0, 0, 3, 3}));
+  auto two = alloc.Allocate(2, &job);
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->ToString(), "6-7");
+  // More CPUs than the session's share of the pool, or a session outside the pool.
+  auto r = alloc.Allocate(3, &job);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(r.status().message()).find("only 2"), std::string::npos);
+  const CpuSet outside({0, 1});
+  EXPECT_EQ(alloc.Allocate(1, &outside).status().code(), absl::StatusCode::kInvalidArgument);
+  // Other sessions still spread over the whole pool, least loaded first.
+  auto any = alloc.Allocate(2);
+  ASSERT_TRUE(any.ok());
+  EXPECT_EQ(any->ToString(), "4-5");
+}
+
 TEST(CpuAllocatorTest, OversubscribesEvenly) {
   CpuAllocator alloc(CpuSet({0, 1}));
   for (int i = 0; i < 100; ++i) {

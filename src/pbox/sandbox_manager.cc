@@ -51,11 +51,22 @@ SandboxManager::~SandboxManager() {
   DestroyAll();
 }
 
-std::string SandboxManager::OpenSession(const std::string& client_name) {
+Result<std::string> SandboxManager::OpenSession(const std::string& client_name,
+                                                const std::string& job_id, const CpuSet& cpus) {
+  if (!cpus.empty() && !cpus.IsSubsetOf(cpus_->pool())) {
+    return absl::InvalidArgumentError(
+        fmt::format("session CPUs {} are not within this agent's sandbox CPUs {}",
+                    cpus.ToString(), cpus_->pool().ToString()));
+  }
   std::string id = NewId("ss-");
   std::lock_guard<std::mutex> lock(mu_);
   sessions_[id];
-  spdlog::info("session {} opened by \"{}\"", id, client_name);
+  if (!cpus.empty()) {
+    session_cpus_[id] = cpus;
+  }
+  spdlog::info("session {} opened by \"{}\"{}{}", id, client_name,
+               job_id.empty() ? "" : fmt::format(" for job {}", job_id),
+               cpus.empty() ? "" : fmt::format(" on CPUs {}", cpus.ToString()));
   return id;
 }
 
@@ -75,6 +86,7 @@ void SandboxManager::CloseSession(const std::string& session_id) {
       }
     }
     sessions_.erase(it);
+    session_cpus_.erase(session_id);
   }
   size_t n = victims.size();
   auto start = std::chrono::steady_clock::now();
@@ -200,7 +212,15 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   BRAGG_ASSIGN_OR_RETURN(ImageLease image, images_->Acquire(s.image));
 
   std::string id = NewId("sb-");
-  BRAGG_ASSIGN_OR_RETURN(CpuSet cpus, cpus_->Allocate(s.cpus));
+  CpuSet session_cpus;  // the session's own CPU set, if it was opened with one
+  if (!session_id.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = session_cpus_.find(session_id); it != session_cpus_.end()) {
+      session_cpus = it->second;
+    }
+  }
+  BRAGG_ASSIGN_OR_RETURN(
+      CpuSet cpus, cpus_->Allocate(s.cpus, session_cpus.empty() ? nullptr : &session_cpus));
   struct CpuGuard {
     CpuAllocator* a;
     CpuSet cpus;

@@ -51,7 +51,10 @@ class SandboxManager {
 
   // Sessions. OpenSession returns a new id; CloseSession destroys all its sandboxes (in
   // parallel) and forgets it. Creating in an unknown or closed session is FailedPrecondition.
-  std::string OpenSession(const std::string& client_name);
+  // `cpus`: the session's sandboxes run only on these CPUs (empty: the whole sandbox set);
+  // InvalidArgument unless they lie within the agent's sandbox set.
+  Result<std::string> OpenSession(const std::string& client_name, const std::string& job_id = "",
+                                  const CpuSet& cpus = CpuSet());
   void CloseSession(const std::string& session_id);
 
   // ResourceExhausted at once when max_sandboxes are live or being created.
@@ -109,6 +112,7 @@ class SandboxManager {
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Sandbox>> sandboxes_;
   std::map<std::string, std::set<std::string>> sessions_;  // session -> sandbox ids
+  std::map<std::string, CpuSet> session_cpus_;              // sessions opened with a CPU set
   size_t creating_ = 0;
   std::string layers_dir_;
   bool stopping_ = false;

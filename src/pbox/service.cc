@@ -335,7 +335,19 @@ grpc::Status PboxService::Session(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of a Session must be SessionOpen");
   }
-  std::string id = manager_->OpenSession(req.open().client_name());
+  CpuSet session_cpus;
+  if (!req.open().cpuset().empty()) {
+    auto parsed = CpuSet::Parse(req.open().cpuset());
+    if (!parsed.ok()) {
+      return ToGrpc(parsed.status());
+    }
+    session_cpus = *std::move(parsed);
+  }
+  auto opened = manager_->OpenSession(req.open().client_name(), req.open().job_id(), session_cpus);
+  if (!opened.ok()) {
+    return ToGrpc(opened.status());
+  }
+  const std::string id = *std::move(opened);
   v1::SessionEvent ev;
   ev.mutable_opened()->set_session_id(id);
   if (stream->Write(ev)) {

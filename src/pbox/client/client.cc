@@ -117,7 +117,8 @@ Result<v1::HealthResponse> Client::Health(uint32_t timeout_ms) {
 
 Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_name,
                                                      const std::string& job_id,
-                                                     uint32_t open_timeout_ms) {
+                                                     uint32_t open_timeout_ms,
+                                                     const std::string& cpuset) {
   std::unique_ptr<Session> s(new Session());
   s->ctx_ = std::make_unique<grpc::ClientContext>();
   Prepare(s->ctx_.get(), false);
@@ -139,6 +140,7 @@ Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_n
   v1::SessionRequest open;
   open.mutable_open()->set_client_name(client_name);
   open.mutable_open()->set_job_id(job_id);
+  open.mutable_open()->set_cpuset(cpuset);
   v1::SessionEvent ev;
   bool ok = s->stream_->Write(open) && s->stream_->Read(&ev) && ev.has_opened();
   if (watchdog.joinable()) {

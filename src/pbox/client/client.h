@@ -77,9 +77,13 @@ class Client {
 
   // `job_id` (e.g. $SLURM_JOB_ID) is sent to the agent with the session, for its logs.
   // DEADLINE_EXCEEDED if the agent has not opened it within `open_timeout_ms` (0: no limit).
+  // `cpuset` (a CPU list such as "4-7"): the session's sandboxes run only on these CPUs, for a
+  // long-lived agent that several jobs share; INVALID_ARGUMENT unless they lie within the
+  // agent's sandbox CPUs. Empty: the agent's whole set.
   Result<std::unique_ptr<Session>> OpenSession(const std::string& client_name,
                                                const std::string& job_id = "",
-                                               uint32_t open_timeout_ms = 30000);
+                                               uint32_t open_timeout_ms = 30000,
+                                               const std::string& cpuset = "");
 
   // Empty session_id: a detached sandbox, destroyed by DestroySandbox or its idle TTL.
   Result<v1::Sandbox> Create(const v1::SandboxSpec& spec, const std::string& session_id = "");

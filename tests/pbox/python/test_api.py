@@ -234,3 +234,35 @@ def test_admission_limit_is_resource_exhausted(make_agent) -> None:
         with pytest.raises(pbox.ResourceExhausted):
             s.create()
         assert c.info().live_sandboxes == 2
+
+
+def test_session_cpuset_keeps_a_jobs_sandboxes_on_its_cpus(make_agent) -> None:
+    """Long-lived mode: one agent shared by jobs; each job's session names its CPU set."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 CPUs")
+    pool = allowed[:2]
+    agent = make_agent(extra=["--cpus", f"{pool[0]},{pool[1]}"])
+    with agent.client() as client:
+        with client.session(client_name="job-a", job_id="101", cpuset=str(pool[1])) as job_a, \
+                client.session(client_name="job-b", job_id="102", cpuset=[pool[0]]) as job_b:
+            mine = [job_a.create(cpus=1) for _ in range(3)]
+            theirs = job_b.create(cpus=1)
+            for sb in mine:
+                assert sb.info.cpuset == str(pool[1]), sb.info
+                r = sb.run(["grep", "Cpus_allowed_list", "/proc/self/status"])
+                assert r.ok and r.stdout.split()[-1] == str(pool[1]).encode(), r
+            assert theirs.info.cpuset == str(pool[0]), theirs.info
+            # More CPUs than the job's set holds.
+            with pytest.raises(pbox.InvalidArgument, match="session"):
+                job_a.create(cpus=2)
+            # A session without a CPU set spreads over the whole pool, as before.
+            with client.session(client_name="any") as anyone:
+                assert pbox.parse_cpu_list(anyone.create(cpus=2).info.cpuset) == pool
+        # A CPU set outside the agent's, or one that does not parse, is refused at open.
+        for bad in ["4096", f"{pool[0]}-4096", "1-", "junk", "-1"]:
+            with pytest.raises(pbox.InvalidArgument):
+                client.session(cpuset=bad, open_timeout=10)
+        with pytest.raises(ValueError):
+            client.session(cpuset=[-1])
+        assert client.list() == [], "sessions that ended left sandboxes"
