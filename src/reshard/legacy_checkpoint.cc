@@ -131,12 +131,14 @@ bool ParseExpertSuffix(const std::string& rest, std::string* suffix, int64_t* ex
   return false;
 }
 
-// Megatron names rank directories mp_rank_TT[_PPP][_EEE], the PP part only with pipeline
-// parallelism, so mp_rank_TT_XXX is ambiguous; the saved args say which parallelism it is.
-// Returns true when `rel` (a model_optim_rng.pt) was saved without pipeline parallelism and
-// with expert parallelism.
-Result<bool> SavedWithExpertParallelOnly(const std::string& dir, const std::string& rel) {
-  const std::string path = dir + "/" + rel;
+// A rank's model_optim_rng.pt, open: the archive reads through `fd` (borrowed), so both live
+// together.
+struct RankFile {
+  UniqueFd fd;
+  TorchArchive archive;
+};
+
+Result<RankFile> OpenRankFile(const std::string& path) {
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) {
@@ -146,7 +148,18 @@ Result<bool> SavedWithExpertParallelOnly(const std::string& dir, const std::stri
   if (!archive.ok()) {
     return Annotate(archive.status(), path);
   }
-  const PyValue* args = archive->root() != nullptr ? archive->root()->Get("args") : nullptr;
+  return RankFile{std::move(fd), *std::move(archive)};
+}
+
+// Megatron names rank directories mp_rank_TT[_PPP][_EEE], the PP part only with pipeline
+// parallelism, so mp_rank_TT_XXX is ambiguous; the saved args say which parallelism it is.
+// Returns true when `rel` (a model_optim_rng.pt) was saved without pipeline parallelism and
+// with expert parallelism.
+Result<bool> SavedWithExpertParallelOnly(const std::string& dir, const std::string& rel) {
+  const std::string path = dir + "/" + rel;
+  BRAGG_ASSIGN_OR_RETURN(RankFile file, OpenRankFile(path));
+  const PyValue* root = file.archive.root();
+  const PyValue* args = root != nullptr ? root->Get("args") : nullptr;
   auto size_of = [&](std::string_view name) -> int64_t {
     const PyValue* v = args != nullptr ? args->Get(name) : nullptr;
     return v != nullptr && v->kind == PyValue::Kind::kInt ? v->i : 1;
@@ -196,16 +209,9 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
     present.insert({r.pp, r.tp, r.ep});
     const std::string rel = r.name + "/model_optim_rng.pt";
     const std::string path = dir + "/" + rel;
-    BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
-    struct stat st;
-    if (::fstat(fd.get(), &st) != 0) {
-      return ErrnoError("fstat", path);
-    }
-    auto archive = TorchArchive::Open(fd.get(), 0, static_cast<uint64_t>(st.st_size));
-    if (!archive.ok()) {
-      return Annotate(archive.status(), path);
-    }
-    const PyValue* model = archive->root() != nullptr ? archive->root()->Get("model") : nullptr;
+    BRAGG_ASSIGN_OR_RETURN(RankFile file, OpenRankFile(path));
+    const PyValue* model =
+        file.archive.root() != nullptr ? file.archive.root()->Get("model") : nullptr;
     if (model == nullptr || model->kind != PyValue::Kind::kDict) {
       return absl::InvalidArgumentError(fmt::format(
           "{}: no 'model' state dict (virtual pipeline 'model0' is not supported)", path));
@@ -230,7 +236,7 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
       if (e.expert < 0 && r.ep != 0) {
         continue;  // dense weights are replicated across expert-parallel ranks
       }
-      auto ref = archive->Tensor(v);
+      auto ref = file.archive.Tensor(v);
       if (!ref.ok()) {
         return Annotate(ref.status(), fmt::format("{} in {}", key, path));
       }
