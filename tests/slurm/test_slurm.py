@@ -703,3 +703,64 @@ def test_agent_killed_hard_leaves_nothing(cluster) -> None:
             raise AssertionError(f"left 5 s after SIGKILL of pboxd: {left}") from None
     finally:
         cluster.run(["scancel", job], check=False)
+
+
+TIMELIMIT_SH = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --exclusive
+#SBATCH --time=1
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+export PBOX_ENDPOINTS=$({launcher} start --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir})
+/usr/bin/python3 -c '
+import pbox
+c = pbox.ClusterClient()
+for _ in range(5):
+    sb = c.create(memory="128M", disk="16M")   # detached: only the agent ending removes it
+    assert sb.run(["sh", "-c", "sleep 1000 >/dev/null 2>&1 &"]).ok
+open("{marker}", "w").write("ready")
+'
+sleep 1000
+"""
+
+
+def test_time_limit_leaves_nothing(cluster) -> None:
+    """The job runs past its time limit (1 minute): Slurm ends its steps, the agents destroy
+    their detached sandboxes (with a background process each) and exit, nothing remains."""
+    r = cluster.root / "timelimit"
+    r.mkdir()
+    scratch, marker = r / "scratch", r / "ready"
+    scratch.mkdir()
+    (r / "job.sh").write_text(TIMELIMIT_SH.format(
+        pboxd=cluster.pboxd, pythonpath=cluster.pythonpath, launcher=LAUNCHER,
+        scratch=scratch, run_dir=r / "run", marker=marker))
+    job = cluster.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                       str(r / "job.sh")]).stdout.strip().split(";")[0]
+    try:
+        _wait(marker.exists, 60, f"5 sandboxes in job {job}: {r}/job.out")
+        assert len(_pbox_leftovers(cluster.pboxd, scratch, job)) > 5
+
+        def state() -> str:
+            out = cluster.run(["scontrol", "-o", "show", "job", job], check=False).stdout
+            for field in out.split():
+                if field.startswith("JobState="):
+                    return field.split("=", 1)[1]
+            return ""
+
+        # Slurm checks time limits about every 30 s, then gives steps KillWait (10 s).
+        _wait(lambda: state() not in ("RUNNING", "PENDING", "CONFIGURING"), 180,
+              f"job {job} to pass its time limit", interval=0.5)
+        assert state() in ("TIMEOUT", "COMPLETING"), state()
+        left: List[str] = []
+
+        def clean() -> bool:
+            left[:] = _pbox_leftovers(cluster.pboxd, scratch, job)
+            return not left
+
+        try:
+            _wait(clean, 15.0, "cleanup after the time limit", interval=0.1)
+        except AssertionError:
+            raise AssertionError(f"left after the time limit: {left}\n"
+                                 f"{(r / 'job.out').read_text(errors='replace')}") from None
+    finally:
+        cluster.run(["scancel", job], check=False)
