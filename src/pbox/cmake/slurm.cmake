@@ -11,4 +11,4 @@ add_test(NAME pbox_slurm
 set_tests_properties(pbox_slurm PROPERTIES
   ENVIRONMENT "PYTHONPATH=${CMAKE_BINARY_DIR}/python;PBOXD=$<TARGET_FILE:pboxd>"
   LABELS "slurm;root"
-  TIMEOUT 150)
+  TIMEOUT 420)
