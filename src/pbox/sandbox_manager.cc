@@ -55,8 +55,8 @@ Result<std::string> SandboxManager::OpenSession(const std::string& client_name,
                                                 const std::string& job_id, const CpuSet& cpus) {
   if (!cpus.empty() && !cpus.IsSubsetOf(cpus_->pool())) {
     return absl::InvalidArgumentError(
-        fmt::format("session CPUs {} are not within this agent's sandbox CPUs {}",
-                    cpus.ToString(), cpus_->pool().ToString()));
+        fmt::format("session CPUs {} are not within this agent's sandbox CPUs {}", cpus.ToString(),
+                    cpus_->pool().ToString()));
   }
   std::string id = NewId("ss-");
   std::lock_guard<std::mutex> lock(mu_);
@@ -219,8 +219,8 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
       session_cpus = it->second;
     }
   }
-  BRAGG_ASSIGN_OR_RETURN(
-      CpuSet cpus, cpus_->Allocate(s.cpus, session_cpus.empty() ? nullptr : &session_cpus));
+  BRAGG_ASSIGN_OR_RETURN(CpuSet cpus,
+                         cpus_->Allocate(s.cpus, session_cpus.empty() ? nullptr : &session_cpus));
   struct CpuGuard {
     CpuAllocator* a;
     CpuSet cpus;

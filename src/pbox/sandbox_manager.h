@@ -112,7 +112,7 @@ class SandboxManager {
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Sandbox>> sandboxes_;
   std::map<std::string, std::set<std::string>> sessions_;  // session -> sandbox ids
-  std::map<std::string, CpuSet> session_cpus_;              // sessions opened with a CPU set
+  std::map<std::string, CpuSet> session_cpus_;             // sessions opened with a CPU set
   size_t creating_ = 0;
   std::string layers_dir_;
   bool stopping_ = false;

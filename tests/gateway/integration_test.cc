@@ -117,6 +117,21 @@ std::unique_ptr<httplib::Client> Http(const Proc& p) {
   return c;
 }
 
+// A streaming /generate request for rollout `key`.
+httplib::Request StreamingGenerate(const json& input_ids, const std::string& key,
+                                   int max_new_tokens) {
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/generate";
+  req.body = json{{"input_ids", input_ids},
+                  {"routing_key", key},
+                  {"stream", true},
+                  {"sampling_params", {{"max_new_tokens", max_new_tokens}}}}
+                 .dump();
+  req.set_header("Content-Type", "application/json");
+  return req;
+}
+
 json PostJson(httplib::Client& c, const std::string& path, const json& body, int* status,
               std::string* worker = nullptr) {
   auto r = c.Post(path, body.dump(), "application/json");
@@ -370,15 +385,7 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
   Proc gw = Gateway({&w0}, "sticky");
   auto c = Http(gw);
   {
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/generate";
-    req.body = json{{"input_ids", {1, 2, 3}},
-                    {"routing_key", "s"},
-                    {"stream", true},
-                    {"sampling_params", {{"max_new_tokens", 5}}}}
-                   .dump();
-    req.set_header("Content-Type", "application/json");
+    httplib::Request req = StreamingGenerate({1, 2, 3}, "s", 5);
     std::string got;
     req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
       got.append(d, n);
@@ -391,15 +398,7 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
     EXPECT_NE(got.find("\"completion_tokens\":5"), std::string::npos);
   }
   {
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/generate";
-    req.body = json{{"input_ids", {4, 5, 6}},
-                    {"routing_key", "gone"},
-                    {"stream", true},
-                    {"sampling_params", {{"max_new_tokens", 1000}}}}
-                   .dump();
-    req.set_header("Content-Type", "application/json");
+    httplib::Request req = StreamingGenerate({4, 5, 6}, "gone", 1000);
     int chunks = 0;
     req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 3; };
     auto c2 = Http(gw);
@@ -545,15 +544,7 @@ TEST_F(GatewayIntegrationTest, WorkerDyingMidStreamEndsStreamWithError) {
   Proc w0 = Worker({"--decode-us", "20000"});
   Proc gw = Gateway({&w0}, "sticky");
   auto c = Http(gw);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/generate";
-  req.body = json{{"input_ids", {3, 1, 4}},
-                  {"routing_key", "dies"},
-                  {"stream", true},
-                  {"sampling_params", {{"max_new_tokens", 1000}}}}
-                 .dump();
-  req.set_header("Content-Type", "application/json");
+  httplib::Request req = StreamingGenerate({3, 1, 4}, "dies", 1000);
   std::string got;
   bool killed = false;
   req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
