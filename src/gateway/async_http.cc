@@ -128,6 +128,20 @@ Result<tcp::endpoint> Endpoint(IoThread& io, const HostPort& hp, const std::stri
 
 std::string Key(const HostPort& hp) { return fmt::format("{}:{}", hp.host, hp.port); }
 
+// A keep-alive POST of a JSON `body` to the worker `key` ("host:port").
+void PreparePost(http::request<http::string_body>& req, const std::string& key,
+                 const std::string& path, std::string body) {
+  req = {};
+  req.method(http::verb::post);
+  req.target(path);
+  req.version(11);
+  req.set(http::field::host, key);
+  req.set(http::field::content_type, "application/json");
+  req.keep_alive(true);
+  req.body() = std::move(body);
+  req.prepare_payload();
+}
+
 }  // namespace
 
 struct AsyncHttpServer::Impl {
@@ -157,14 +171,7 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
  public:
   OneShot(IoThread& io, HostPort hp, std::string path, std::string body)
       : io_(io), hp_(std::move(hp)), key_(Key(hp_)), path_(std::move(path)) {
-    req_.method(http::verb::post);
-    req_.target(path_);
-    req_.version(11);
-    req_.set(http::field::host, key_);
-    req_.set(http::field::content_type, "application/json");
-    req_.keep_alive(true);
-    req_.body() = std::move(body);
-    req_.prepare_payload();
+    PreparePost(req_, key_, path_, std::move(body));
   }
   void Run() {
     conn_ = io_.pool.Take(key_);
@@ -448,15 +455,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void SendUpstream() {
-    up_req_ = {};
-    up_req_.method(http::verb::post);
-    up_req_.target(fwd_.path);
-    up_req_.version(11);
-    up_req_.set(http::field::host, up_key_);
-    up_req_.set(http::field::content_type, "application/json");
-    up_req_.keep_alive(true);
-    up_req_.body() = std::move(fwd_.body);
-    up_req_.prepare_payload();
+    PreparePost(up_req_, up_key_, fwd_.path, std::move(fwd_.body));
     http::async_write(up_->socket, up_req_,
                       [self = shared_from_this()](error_code ec, size_t) { self->OnSent(ec); });
   }

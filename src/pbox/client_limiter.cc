@@ -37,7 +37,10 @@ std::string ClientKey(std::string_view client_id_metadata, std::string_view peer
 
 ClientLimiter::ClientLimiter(ClientLimits limits, std::function<Clock::time_point()> now,
                              std::function<void(std::chrono::microseconds)> sleep)
-    : limits_(Sane(limits)), now_(std::move(now)), sleep_(std::move(sleep)) {}
+    : limits_(Sane(limits)),
+      now_(std::move(now)),
+      sleep_(std::move(sleep)),
+      next_sweep_(kSweepAbove) {}
 
 ClientLimiter::~ClientLimiter() = default;
 
@@ -91,12 +94,15 @@ ClientLimiter::State& ClientLimiter::Find(const std::string& client, Clock::time
   if (it != clients_.end()) {
     return it->second;
   }
-  if (clients_.size() >= kSweepAbove) {
+  if (clients_.size() >= next_sweep_) {
     for (auto i = clients_.begin(); i != clients_.end();) {
       auto next = std::next(i);
       MaybeForget(i, now);
       i = next;
     }
+    // Amortized: what could not be forgotten yet waits until the map has doubled, so a client
+    // minting a new id per call does not make every lookup walk the whole map.
+    next_sweep_ = std::max(kSweepAbove, 2 * clients_.size());
   }
   State& st = clients_[client];
   st.tokens = std::max(1.0, limits_.refusals_per_second);

@@ -108,6 +108,7 @@ class ClientLimiter {
   const std::function<void(std::chrono::microseconds)> sleep_;
   mutable std::mutex mu_;
   std::map<std::string, State> clients_;
+  size_t next_sweep_;  // clients_ size at which Find next forgets idle clients
 };
 
 // The id a call's client is known by: "id:<x-pbox-client>" (at most 128 bytes of it) when

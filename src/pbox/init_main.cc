@@ -47,7 +47,14 @@ int main(int argc, char** argv) {
     // through it. Once serving, nothing of pbox-init's goes there; its start-up errors above
     // still do (the agent reports that log's tail when a sandbox does not start).
     bragg::UniqueFd null_fd(open("/dev/null", O_WRONLY | O_CLOEXEC));
-    if (!null_fd.valid() || dup2(null_fd.get(), 2) != 2) {
+    if (!null_fd.valid()) {
+      fprintf(stderr, "pbox-init: cannot open /dev/null: %s\n", strerror(errno));
+      return 1;
+    }
+    if (null_fd.get() == 2) {
+      // fd 2 was closed, so open() took it: it stays as stderr (commands get their own).
+      (void)null_fd.Release();
+    } else if (dup2(null_fd.get(), 2) != 2) {
       fprintf(stderr, "pbox-init: cannot put /dev/null on stderr: %s\n", strerror(errno));
       return 1;
     }

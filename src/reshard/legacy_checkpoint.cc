@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <sys/stat.h>
 
+#include <charconv>
 #include <map>
 #include <regex>
 #include <set>
@@ -44,6 +45,20 @@ std::string ResolveIterationDir(const std::string& dir) {
   return fmt::format("{}/iter_{:07d}", dir, n);
 }
 
+// A rank, layer or expert index from a directory name or a tensor key: decimal digits up to
+// kMaxIndex (a hostile key's 30-digit index is refused, not an exception or an overflow).
+constexpr int64_t kMaxIndex = int64_t{1} << 24;
+
+bool ParseIndex(std::string_view digits, int64_t* out) {
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+  if (ec != std::errc() || end != digits.data() + digits.size() || v < 0 || v > kMaxIndex) {
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
 std::vector<RankDir> ListRankDirs(const std::string& dir) {
   std::vector<RankDir> out;
   DIR* d = ::opendir(dir.c_str());
@@ -56,14 +71,17 @@ std::vector<RankDir> ListRankDirs(const std::string& dir) {
     if (std::regex_match(e->d_name, m, kRe)) {
       RankDir r;
       r.name = e->d_name;
-      r.tp = std::stoi(m[1].str());
-      if (m[2].matched) {
-        r.pp = std::stoi(m[2].str());
-        r.two_fields = !m[3].matched;
+      int64_t tp = 0;
+      int64_t pp = 0;
+      int64_t ep = 0;
+      if (!ParseIndex(m[1].str(), &tp) || (m[2].matched && !ParseIndex(m[2].str(), &pp)) ||
+          (m[3].matched && !ParseIndex(m[3].str(), &ep))) {
+        continue;  // not a rank directory Megatron could have written
       }
-      if (m[3].matched) {
-        r.ep = std::stoi(m[3].str());
-      }
+      r.tp = static_cast<int>(tp);
+      r.pp = static_cast<int>(pp);
+      r.two_fields = m[2].matched && !m[3].matched;
+      r.ep = static_cast<int>(ep);
       out.push_back(r);
     }
   }
@@ -113,22 +131,21 @@ struct Entry {
 // Expert weights under their torch_dist name: SequentialMLP's
 // "mlp.experts.local_experts.K.linear_fcN.weight" and TEGroupedMLP's
 // "mlp.experts.linear_fcN.weightK" -> "mlp.experts.experts.linear_fcN.weight", expert K.
-bool ParseExpertSuffix(const std::string& rest, std::string* suffix, int64_t* expert) {
+Result<bool> ParseExpertSuffix(const std::string& rest, std::string* suffix, int64_t* expert) {
   static const std::regex kSequential(
       R"(mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight)");
   static const std::regex kGrouped(R"(mlp\.experts\.(linear_fc[12])\.weight(\d+))");
   std::smatch m;
-  if (std::regex_match(rest, m, kSequential)) {
-    *expert = std::stoll(m[1].str());
-    *suffix = "mlp.experts.experts." + m[2].str() + ".weight";
-    return true;
+  const bool sequential = std::regex_match(rest, m, kSequential);
+  if (!sequential && !std::regex_match(rest, m, kGrouped)) {
+    return false;
   }
-  if (std::regex_match(rest, m, kGrouped)) {
-    *expert = std::stoll(m[2].str());
-    *suffix = "mlp.experts.experts." + m[1].str() + ".weight";
-    return true;
+  const std::string index = m[sequential ? 1 : 2].str();
+  if (!ParseIndex(index, expert)) {
+    return absl::InvalidArgumentError(fmt::format("{}: expert index {} out of range", rest, index));
   }
-  return false;
+  *suffix = "mlp.experts.experts." + m[sequential ? 2 : 1].str() + ".weight";
+  return true;
 }
 
 // A rank's model_optim_rng.pt, open: the archive reads through `fd` (borrowed), so both live
@@ -229,9 +246,15 @@ Result<CheckpointIndex> ReadLegacyCheckpointIndex(const std::string& top) {
       e.suffix = key;
       std::smatch m;
       if (std::regex_match(key, m, kLayer)) {
-        e.layer = std::stoll(m[1].str());
+        if (!ParseIndex(m[1].str(), &e.layer)) {
+          return absl::InvalidArgumentError(
+              fmt::format("{} in {}: layer index out of range", key, path));
+        }
         e.suffix = m[2].str();
-        ParseExpertSuffix(m[2].str(), &e.suffix, &e.expert);
+        auto expert = ParseExpertSuffix(m[2].str(), &e.suffix, &e.expert);
+        if (!expert.ok()) {
+          return Annotate(expert.status(), path);
+        }
       }
       if (e.expert < 0 && r.ep != 0) {
         continue;  // dense weights are replicated across expert-parallel ranks

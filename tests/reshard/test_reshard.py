@@ -373,3 +373,22 @@ def test_deepseek_v3_hostile(root, tmp_path):
             "--model", "qwen3_moe", "--hf-config-dir", os.path.join(root, "qwen3_moe-hf-config"),
             check=False)
     assert p.returncode == 1 and "linear_qkv" in p.stderr, p.stderr
+
+
+def test_legacy_huge_index_in_a_key_fails_clearly(root, tmp_path):
+    # A key whose expert or layer index does not fit: a clear error, not an exception or an
+    # overflow.
+    import shutil
+    for old, new in [("local_experts.0.", "local_experts.99999999999999999999999999."),
+                     ("decoder.layers.", "decoder.layers.99999999999999999999")]:
+        bad = str(tmp_path / f"bad{len(new)}")
+        shutil.copytree(os.path.join(root, "qwen3_moe-legacy"), bad)
+        rank = os.path.join(bad, "iter_0000010", sorted(
+            os.listdir(os.path.join(bad, "iter_0000010")))[0], "model_optim_rng.pt")
+        state = torch.load(rank)
+        keys = [k for k in state["model"] if old in k]
+        assert keys, list(state["model"])[:10]
+        state["model"][keys[0].replace(old, new, 1)] = state["model"].pop(keys[0])
+        torch.save(state, rank)
+        p = run("inspect", bad, check=False)
+        assert p.returncode == 1 and "out of range" in p.stderr, p.stderr
