@@ -63,6 +63,7 @@ def deepseek_shapes(cfg):
 
 def main():
     from torch.distributed._shard.checkpoint import FileSystemWriter, save_state_dict
+    from torch.distributed._shard.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
@@ -104,14 +105,25 @@ def main():
             n = 1
             for s in m.shard_sizes:
                 n *= s
-            t = (torch.arange(n, dtype=torch.int32) % 251).to(dtype).reshape(
-                m.shard_sizes)
-            local.append(Shard(t, m))
+            # Untouched memory: the planner below makes the data when the chunk is written.
+            local.append(Shard(torch.empty(m.shard_sizes, dtype=dtype), m))
         st_meta = ShardedTensorMetadata(metas, torch.Size(shape),
                                         TensorProperties(dtype=dtype))
         state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
             local, st_meta, sharding_spec=EnumerableShardingSpec(metas))
-    save_state_dict(state, FileSystemWriter(args.out, single_file_per_rank=True))
+    class LazyPlanner(DefaultSavePlanner):
+        """Makes each chunk's data as it is written, so that memory holds one chunk at a time
+        whatever the checkpoint's size (a 16 GB one fits on a machine with less free RAM)."""
+
+        def resolve_data(self, write_item):
+            obj = self.lookup_object(write_item.index)
+            if not isinstance(obj, torch.Tensor):
+                return super().resolve_data(write_item)
+            return (torch.arange(obj.numel(), dtype=torch.int32) % 251).to(obj.dtype).reshape(
+                obj.shape)
+
+    save_state_dict(state, FileSystemWriter(args.out, single_file_per_rank=True),
+                    planner=LazyPlanner())
     hf = args.out + "-hf-config"
     os.makedirs(hf, exist_ok=True)
     with open(os.path.join(hf, "config.json"), "w") as f:

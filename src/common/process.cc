@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include "fmt/format.h"
 
 extern char** environ;
@@ -159,6 +161,11 @@ std::string DescribeExit(const ExitInfo& info) {
     return fmt::format("killed by signal {} ({})", info.signal, strsignal(info.signal));
   }
   return fmt::format("exit {}", info.exit_code);
+}
+
+std::string GetEnv(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
 }
 
 }  // namespace bragg

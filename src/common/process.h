@@ -67,4 +67,7 @@ Result<ChildProcess> Spawn(const std::vector<std::string>& argv, const SpawnOpti
 // Human-readable "exit 3" / "killed by SIGKILL".
 std::string DescribeExit(const ExitInfo& info);
 
+// The value of the environment variable `name`; "" when it is unset.
+std::string GetEnv(const char* name);
+
 }  // namespace bragg

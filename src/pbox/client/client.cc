@@ -12,17 +12,13 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/fs.h"
+#include "common/process.h"
 #include "fmt/format.h"
 
 namespace bragg::pbox::client {
 namespace {
 
 constexpr const char* kDefaultEndpoint = "unix:///run/pbox/pbox.sock";
-
-std::string Getenv(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
-}
 
 }  // namespace
 
@@ -42,7 +38,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   std::unique_ptr<Client> c(new Client());
   c->endpoint_ = options.endpoint;
   if (c->endpoint_.empty()) {
-    c->endpoint_ = Getenv("PBOX_ENDPOINT");
+    c->endpoint_ = bragg::GetEnv("PBOX_ENDPOINT");
   }
   if (c->endpoint_.empty()) {
     c->endpoint_ = kDefaultEndpoint;
@@ -51,10 +47,10 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   std::random_device random;
   c->client_id_ = fmt::format("cc-{}-{:08x}{:08x}", ::getpid(), random(), random());
   if (c->token_.empty()) {
-    c->token_ = Getenv("PBOX_TOKEN");
+    c->token_ = bragg::GetEnv("PBOX_TOKEN");
   }
-  if (c->token_.empty() && !Getenv("PBOX_TOKEN_FILE").empty()) {
-    BRAGG_ASSIGN_OR_RETURN(c->token_, ReadFileToString(Getenv("PBOX_TOKEN_FILE")));
+  if (c->token_.empty() && !bragg::GetEnv("PBOX_TOKEN_FILE").empty()) {
+    BRAGG_ASSIGN_OR_RETURN(c->token_, ReadFileToString(bragg::GetEnv("PBOX_TOKEN_FILE")));
     while (!c->token_.empty() && (c->token_.back() == '\n' || c->token_.back() == ' ')) {
       c->token_.pop_back();
     }

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <thread>
 
+#include "common/process.h"
 #include "fmt/format.h"
 
 namespace bragg::pbox::client {
@@ -56,11 +58,6 @@ std::string Reason(const Status& s) {
 // Prefixes the node's name, keeping the code.
 Status OnNode(const std::string& node, const Status& s) {
   return s.ok() ? s : Status(s.code(), fmt::format("node {}: {}", node, Reason(s)));
-}
-
-std::string Getenv(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
 }
 
 }  // namespace
@@ -128,6 +125,7 @@ Result<std::unique_ptr<ClusterClient>> ClusterClient::Connect(const ClusterOptio
   c->health_timeout_ms_ = options.health_timeout_ms;
   c->session_open_timeout_ms_ = options.session_open_timeout_ms;
   c->refresh_ = std::chrono::milliseconds(options.refresh_ms);
+  std::map<std::string, std::string> tokens;  // token file -> token: nodes usually share one
   for (auto& ep : eps) {
     if (std::find(c->names_.begin(), c->names_.end(), ep.node) != c->names_.end()) {
       return absl::InvalidArgumentError(fmt::format("duplicate node name \"{}\"", ep.node));
@@ -135,7 +133,12 @@ Result<std::unique_ptr<ClusterClient>> ClusterClient::Connect(const ClusterOptio
     auto node = std::make_unique<Node>();
     std::string token = options.token;
     if (token.empty() && !ep.token_file.empty()) {
-      BRAGG_ASSIGN_OR_RETURN(token, ReadTokenFile(ep.token_file));
+      auto it = tokens.find(ep.token_file);
+      if (it == tokens.end()) {
+        BRAGG_ASSIGN_OR_RETURN(std::string read, ReadTokenFile(ep.token_file));
+        it = tokens.emplace(ep.token_file, std::move(read)).first;
+      }
+      token = it->second;
     }
     if (!ep.cpuset.empty()) {
       BRAGG_ASSIGN_OR_RETURN(node->weight, CountCpuList(ep.cpuset));
@@ -430,7 +433,7 @@ Result<std::map<std::string, std::vector<v1::Sandbox>>> ClusterClient::List(
 
 Result<std::unique_ptr<ClusterSession>> ClusterClient::OpenSession(const std::string& client_name,
                                                                    const std::string& job_id) {
-  std::string job = job_id.empty() ? Getenv("SLURM_JOB_ID") : job_id;
+  std::string job = job_id.empty() ? bragg::GetEnv("SLURM_JOB_ID") : job_id;
   std::string name = client_name.empty() ? fmt::format("cpp:{}", ::getpid()) : client_name;
   std::vector<Result<std::unique_ptr<Session>>> res(nodes_.size());
   ParallelFor(nodes_.size(), [&](size_t i) {

@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/fs.h"
 #include "common/memory.h"
+#include "common/process.h"
 #include "common/units.h"
 #include "fmt/format.h"
 #include "pbox/client/client.h"
@@ -37,11 +38,6 @@ using bragg::Status;
 namespace v1 = bragg::pbox::v1;
 using bragg::pbox::client::Client;
 using bragg::pbox::client::ClusterClient;
-
-std::string Getenv(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
-}
 
 int Fail(const Status& s) {
   std::cerr << "pbox: " << s.message() << "\n";
@@ -170,8 +166,8 @@ int main(int argc, char** argv) {
   // One agent, or every agent of a job.
   std::unique_ptr<Client> single;
   std::unique_ptr<ClusterClient> cluster;
-  if (endpoints.empty() && options.endpoint.empty() && Getenv("PBOX_ENDPOINT").empty()) {
-    endpoints = Getenv(bragg::pbox::client::kEndpointsEnv);
+  if (endpoints.empty() && options.endpoint.empty() && bragg::GetEnv("PBOX_ENDPOINT").empty()) {
+    endpoints = bragg::GetEnv(bragg::pbox::client::kEndpointsEnv);
   }
   if (!endpoints.empty()) {
     if (!options.endpoint.empty()) {
