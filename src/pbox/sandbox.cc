@@ -118,7 +118,7 @@ Result<std::unique_ptr<RunningCommand>> Sandbox::Start(const CommandSpec& spec) 
   cmd->started_ = std::chrono::steady_clock::now();
   InitClient* init = runtime_->init();
   if (init == nullptr || !init->alive()) {
-    if (ooms.ok() && *ooms > 0) {
+    if (ooms.ok() && *ooms > oom_kills_survived_.load()) {
       // gVisor: the kernel's OOM killer ended the sandbox's kernel (the sentry), and with it
       // every process; retrying cannot help, hence not Unavailable.
       return absl::FailedPreconditionError(fmt::format(
@@ -287,11 +287,18 @@ CommandResult RunningCommand::Pump(OutputSink& sink) {
     result.exit_code = 127;
     result.signal = 0;
   }
+  // pbox-init reported this exit, so it outlived every OOM kill counted before the command
+  // started, and (but for a kill in the instant since) those counted now.
+  uint64_t survived = oom_kills_before_;
   if (exit->signal == SIGKILL && !result.timed_out) {
     auto ooms = sandbox_->cgroup_->OomKills();
     if (ooms.ok() && *ooms > oom_kills_before_) {
       result.oom_killed = true;
+      survived = *ooms;
     }
+  }
+  uint64_t seen = sandbox_->oom_kills_survived_.load();
+  while (seen < survived && !sandbox_->oom_kills_survived_.compare_exchange_weak(seen, survived)) {
   }
   return result;
 }

@@ -142,6 +142,9 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   std::atomic<int64_t> last_used_unix_ms_;
   std::atomic<uint32_t> running_{0};
   std::atomic<bool> destroying_{false};
+  // OOM kills of the cgroup seen while pbox-init lived on (a native command killed alone): once
+  // init is gone, only kills beyond these say that the OOM killer ended the sandbox.
+  std::atomic<uint64_t> oom_kills_survived_{0};
   std::mutex destroy_mu_;
   std::unique_ptr<Cgroup> cgroup_;
   std::unique_ptr<RuntimeSandbox> runtime_;

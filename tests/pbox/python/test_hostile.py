@@ -41,6 +41,51 @@ def test_memory_bomb_is_oom_killed_alone(agent, client, session, other) -> None:
     assert_agent_fine(agent, client, other)
 
 
+def _sandbox_init_pids(sandbox_id: str) -> list:
+    """Host pids of the pbox-init whose cgroup is the sandbox's."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() != "pbox-init":
+                    continue
+            with open(f"/proc/{entry}/cgroup") as f:
+                if sandbox_id in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def test_init_death_after_a_survived_oom_is_not_blamed_on_memory(agent, client, session,
+                                                                 other) -> None:
+    if on_gvisor():
+        pytest.skip("on gVisor an OOM kill ends the whole sandbox (test_memory_bomb_...)")
+    sb = session.create(memory="256M")
+    r = sb.run(["/usr/bin/python3", "-c", "x = bytearray(1 << 30)"], timeout=120)
+    assert r.oom_killed, r
+    assert sb.run("true").ok  # pbox-init outlived that OOM kill
+    pids = _sandbox_init_pids(sb.id)
+    assert len(pids) == 1, pids
+    os.kill(pids[0], 9)  # pbox-init dies of something other than memory
+    deadline = time.monotonic() + 30
+    errors = 0
+    while errors < 3:  # the first call may meet the dying channel, later ones a dead init
+        try:
+            sb.run("true", timeout=10)
+        except pbox.FailedPrecondition as e:
+            raise AssertionError(f"an init killed by SIGKILL was blamed on memory: {e}")
+        except pbox.PboxError as e:
+            assert "memory" not in str(e), e
+            errors += 1
+            continue
+        assert time.monotonic() < deadline, "the sandbox still runs commands without its init"
+        time.sleep(0.1)
+    assert_agent_fine(agent, client, other)
+
+
 def test_fork_bomb_is_contained_by_pids(agent, client, session, other) -> None:
     sb = session.create(pids=64, memory="256M")
     t0 = time.monotonic()
