@@ -415,6 +415,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "client threads for creation and concurrent phases")
       ->capture_default_str();
   app.add_option("--json", json_out, "write results here");
+  uint32_t cpus = 0;
+  app.add_option("--cpus", cpus, "CPUs per sandbox (default: the agent's, 1)");
   std::string tools_dir = PBOX_BENCH_TOOLS_DIR;
   int tool_samples = 5;
   app.add_option("--tools", tools_dir, "directory of tool scripts (NAME.py SEED)")
@@ -476,6 +478,7 @@ int main(int argc, char** argv) {
   ParallelFor(sandboxes, 1, [&](size_t i) {
     v1::SandboxSpec spec;
     spec.set_runtime(runtime);
+    spec.set_cpus(cpus);
     spec.set_memory_bytes(256 << 20);
     spec.set_disk_bytes(256 << 20);
     auto t0 = Clock::now();

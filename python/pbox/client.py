@@ -83,14 +83,19 @@ class Client:
 
     # ---- images ----
 
-    def import_image(self, name: str, path: Union[str, os.PathLike, IO[bytes]]) -> im.ImageInfo:
-        """Imports a root filesystem tarball (plain, gzip or zstd) or a ``docker save`` /
-        ``podman save`` archive, read from a local path or a binary file object, as image
-        ``name`` (replacing an imported image of that name). Layers the agent's node already
-        has are reused. Raises InvalidArgument for a hostile or malformed archive (the message
-        names the entry), ResourceExhausted past the agent's ``--max-image-bytes``."""
+    def import_image(self, name: str, path: Union[str, os.PathLike, IO[bytes]],
+                     ref: str = "") -> im.ImageInfo:
+        """Imports a root filesystem tarball (plain, gzip or zstd), a ``docker save`` /
+        ``podman save`` archive or an OCI image layout (``podman save --format oci-archive``,
+        or a layout directory), read from a local path or a binary file object, as image
+        ``name`` (replacing an imported image of that name). ``ref`` picks one image of an
+        archive holding several (a tag such as ``name:tag``, or an OCI manifest digest
+        ``sha256:...``); without it such an archive is refused with the list of its images.
+        Layers the agent's node already has are reused. Raises InvalidArgument for a hostile
+        or malformed archive (the message names the entry), ResourceExhausted past the
+        agent's ``--max-image-bytes``."""
         try:
-            return im.image_info(self._stub.ImportImage(im.import_requests(name, path),
+            return im.image_info(self._stub.ImportImage(im.import_requests(name, path, ref),
                                                         metadata=self._md))
         except grpc.RpcError as e:
             raise self._error(e, "ImportImage") from None

@@ -80,11 +80,11 @@ class CgroupV1 : public Cgroup {
   std::vector<std::string> ProcsFiles() const override {
     std::vector<std::string> out;
     if (layout_.cpuset >= 0 && !dirs_[static_cast<size_t>(layout_.cpuset)].empty()) {
-      out.push_back(dirs_[static_cast<size_t>(layout_.cpuset)] + "/cgroup.procs");
+      out.push_back(dirs_[static_cast<size_t>(layout_.cpuset)] + "/tasks");
     }
     for (size_t i = 0; i < dirs_.size(); ++i) {
       if (static_cast<int>(i) != layout_.cpuset && !dirs_[i].empty()) {
-        out.push_back(dirs_[i] + "/cgroup.procs");
+        out.push_back(dirs_[i] + "/tasks");
       }
     }
     return out;

@@ -1,6 +1,7 @@
 // cgroup v1 on the real machine (label "root"): limits, OOM kills, fork bombs, KillAll,
 // Destroy and ReapAll against the kernel.
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -169,6 +170,58 @@ TEST_F(CgroupV1Test, LimitsLandInTheFilesAndProcessJoins) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->signal, SIGKILL);
   EXPECT_EQ((*cg)->Stats()->processes, 0u);
+}
+
+TEST_F(CgroupV1Test, ANewProcessMovesItselfInThroughProcsFiles) {
+  auto cg = manager_->CreateCgroup("self", {});
+  ASSERT_TRUE(cg.ok()) << cg.status();
+  std::vector<std::string> files = (*cg)->ProcsFiles();
+  ASSERT_EQ(files.size(), parents_.size());
+  // cpuset first; `tasks`, which a single-threaded process moving itself writes without the
+  // threadgroup lock's RCU grace period.
+  EXPECT_EQ(files[0], Dir("cpuset", "self") + "/tasks");
+  for (const std::string& f : files) {
+    EXPECT_TRUE(f.size() > 6 && f.compare(f.size() - 6, 6, "/tasks") == 0) << f;
+  }
+  int gate[2];
+  ASSERT_EQ(::pipe(gate), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    for (const std::string& f : files) {
+      int fd = ::open(f.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd < 0 || ::write(fd, "0", 1) != 1) {
+        _exit(1);
+      }
+      ::close(fd);
+    }
+    char c;
+    ::close(gate[1]);
+    (void)::read(gate[0], &c, 1);  // until the parent looked
+    _exit(0);
+  }
+  ::close(gate[0]);
+  auto child = ChildProcess::Adopt(pid);
+  ASSERT_TRUE(child.ok());
+  // The whole process (one thread) lands in every hierarchy, as with cgroup.procs.
+  bool in_all = false;
+  for (int i = 0; i < 200 && !in_all; ++i) {
+    std::string proc_cgroup = Read(fmt::format("/proc/{}/cgroup", pid));
+    in_all = true;
+    for (const auto& [c, dir] : parents_) {
+      std::string rel = Dir(c, "self").substr(kRoot.size() + 1 + c.size());
+      in_all = in_all && proc_cgroup.find(":" + rel + "\n") != std::string::npos;
+    }
+    if (!in_all) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  EXPECT_TRUE(in_all) << Read(fmt::format("/proc/{}/cgroup", pid));
+  EXPECT_EQ((*cg)->Stats()->processes, 1u);
+  ::close(gate[1]);
+  auto info = child->Wait(std::chrono::seconds(10));
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->exit_code, 0);
 }
 
 TEST_F(CgroupV1Test, MemoryHogIsOomKilled) {

@@ -70,6 +70,7 @@ grpc::Status PboxService::ImportImage(grpc::ServerContext* ctx,
                         "the first message of an ImportImage must be its header");
   }
   const std::string name = msg.header().name();
+  const std::string ref = msg.header().ref();
   auto spool = TempDir::Create(images_->scratch_dir(), "upload-");
   if (!spool.ok()) {
     return ToGrpc(spool.status());
@@ -102,7 +103,7 @@ grpc::Status PboxService::ImportImage(grpc::ServerContext* ctx,
       return grpc::Status(grpc::StatusCode::CANCELLED, "import cancelled by the client");
     }
   }
-  auto info = images_->Import(name, path);
+  auto info = images_->Import(name, path, ref);
   if (!info.ok()) {
     spdlog::warn("image import {} refused: {}", name, std::string(info.status().message()));
     return ToGrpc(Annotate(HideScratchPaths(info.status(), path, images_->scratch_dir()),

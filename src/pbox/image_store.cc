@@ -429,7 +429,8 @@ Result<std::pair<std::string, uint64_t>> ImageStore::AddLayer(const std::string&
   return std::make_pair(sha, stats.bytes);
 }
 
-Result<ImageInfo> ImageStore::Import(const std::string& name, const std::string& archive_path) {
+Result<ImageInfo> ImageStore::Import(const std::string& name, const std::string& archive_path,
+                                     const std::string& ref) {
   if (!ValidImageName(name)) {
     return absl::InvalidArgumentError(
         fmt::format("image name \"{}\": use 1-64 lower-case letters, digits, '.', '_', '-'", name));
@@ -441,8 +442,8 @@ Result<ImageInfo> ImageStore::Import(const std::string& name, const std::string&
   }
   auto t0 = std::chrono::steady_clock::now();
   BRAGG_ASSIGN_OR_RETURN(TempDir scratch, TempDir::Create(scratch_dir_, "import-"));
-  BRAGG_ASSIGN_OR_RETURN(ImageLayers split,
-                         SplitImageArchive(archive_path, scratch.path(), options_.max_image_bytes));
+  BRAGG_ASSIGN_OR_RETURN(ImageLayers split, SplitImageArchive(archive_path, scratch.path(),
+                                                              options_.max_image_bytes, ref));
   std::vector<std::string> shas;
   for (const std::string& layer : split.layers) {
     BRAGG_ASSIGN_OR_RETURN(std::string sha, Sha256File(layer));

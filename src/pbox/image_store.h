@@ -41,7 +41,7 @@ struct ImageStoreOptions {
 struct ImageInfo {
   std::string name;
   std::string kind;                 // "host", "directory" (--image NAME=DIR) or "imported"
-  std::string format;               // imported: "rootfs" or "docker-archive"
+  std::string format;               // imported: "rootfs", "docker-archive" or "oci-archive"
   std::vector<std::string> layers;  // imported: sha256 of each layer tarball, bottom first
   uint64_t bytes = 0;               // imported: sum of the layers' file sizes
   int64_t created_unix_ms = 0;      // imported: when
@@ -93,13 +93,15 @@ class ImageStore {
   std::vector<std::string> Names() const;
   std::vector<ImageInfo> List() const;
 
-  // Imports the archive at `archive_path` (a rootfs tarball, plain/gzip/zstd, or a docker/
-  // podman save archive) as `name`, replacing an imported image of that name (sandboxes
-  // running on the old one keep it). Layers already on this node are reused. On any error
-  // nothing new is left in the store. InvalidArgument for a bad name or a hostile or
+  // Imports the archive at `archive_path` (a rootfs tarball, plain/gzip/zstd, a docker/
+  // podman save archive or an OCI image layout in a tar; `ref` picks one image of an archive
+  // holding several, see SplitImageArchive) as `name`, replacing an imported image of that name
+  // (sandboxes running on the old one keep it). Layers already on this node are reused. On any
+  // error nothing new is left in the store. InvalidArgument for a bad name or a hostile or
   // malformed archive (naming the entry), ResourceExhausted past max_image_bytes,
   // AlreadyExists for the name of a built-in or directory image.
-  Result<ImageInfo> Import(const std::string& name, const std::string& archive_path);
+  Result<ImageInfo> Import(const std::string& name, const std::string& archive_path,
+                           const std::string& ref = "");
   // Forgets an imported image (its layers stay until Prune). NotFound if unknown,
   // FailedPrecondition if a sandbox uses it or it is not an imported image.
   Status Remove(const std::string& name);

@@ -237,7 +237,11 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   limits.pids = rt->second->HostPidsLimit(s.pids);
   limits.cpus = cpus.ToString();
   limits.cpu_quota = s.cpu_quota;
+  const auto t_cgroup = std::chrono::steady_clock::now();
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<Cgroup> cgroup, cgroups_->CreateCgroup(id, limits));
+  const double cgroup_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_cgroup)
+          .count();
 
   LaunchSpec launch;
   launch.id = id;
@@ -288,8 +292,8 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   if (hooks_.on_create) {
     hooks_.on_create(seconds);
   }
-  spdlog::debug("sandbox {} created in {:.2f} ms (session {}, cpus {})", id, seconds * 1e3,
-                session_id.empty() ? "-" : session_id, cpus.ToString());
+  spdlog::debug("sandbox {} created in {:.2f} ms (cgroup {:.2f} ms, session {}, cpus {})", id,
+                seconds * 1e3, cgroup_ms, session_id.empty() ? "-" : session_id, cpus.ToString());
   return sandbox;
 }
 

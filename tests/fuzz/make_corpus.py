@@ -110,8 +110,73 @@ def parser_corpora() -> None:
         "image_rel": b"\x02x=rel", "listen_unix": b"\x03unix:///run/pbox/pbox.sock",
         "listen_tcp": b"\x03tcp://127.0.0.1:0", "listen_bad": b"\x03http://x",
     }
+    for name, data in oci_seeds().items():
+        seeds[name] = b"\x04" + data
     for name, data in seeds.items():
         write("pbox_parsers_fuzz", name, data)
+
+
+def _tar(files: dict) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            if isinstance(data, tuple):  # (link target,): a symlink
+                ti.type, ti.linkname = tarfile.SYMTYPE, data[0]
+                t.addfile(ti)
+            else:
+                ti.size = len(data)
+                t.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def oci_seeds() -> dict:
+    """Image archives for the archive reader: a good OCI layout and hostile ones (see
+    tests/pbox/python/test_images.py for the same cases end to end)."""
+    import hashlib
+
+    def desc(data: bytes, mt: str) -> dict:
+        return {"mediaType": mt, "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
+                "size": len(data)}
+
+    def blob(d: dict) -> str:
+        return "blobs/sha256/" + d["digest"][7:]
+
+    layer = _tar({"etc/x": b"x\n"})
+    gz = gzip.compress(layer, mtime=0)
+    ld = desc(gz, "application/vnd.oci.image.layer.v1.tar+gzip")
+    manifest = json.dumps({"schemaVersion": 2, "layers": [ld], "config": ld}).encode()
+    md = desc(manifest, "application/vnd.oci.image.manifest.v1+json")
+    marker = b'{"imageLayoutVersion":"1.0.0"}'
+
+    def layout(entries: list, blobs: dict) -> bytes:
+        files = {"oci-layout": marker,
+                 "index.json": json.dumps({"schemaVersion": 2, "manifests": entries}).encode()}
+        files.update(blobs)
+        return _tar(files)
+
+    tagged = dict(md, annotations={"org.opencontainers.image.ref.name": "a:1"})
+    index = json.dumps({"schemaVersion": 2, "manifests": [md]}).encode()
+    idx = desc(index, "application/vnd.oci.image.index.v1+json")
+    fake = "sha256:" + "ab" * 32
+    loop = json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": idx["mediaType"], "digest": fake, "size": 1}]}).encode()
+    return {
+        "oci_ok": layout([md], {blob(md): manifest, blob(ld): gz}),
+        "oci_two_refs": layout([tagged, dict(md, annotations={
+            "org.opencontainers.image.ref.name": "b:2"})], {blob(md): manifest, blob(ld): gz}),
+        "oci_nested": layout([idx], {blob(idx): index, blob(md): manifest, blob(ld): gz}),
+        "oci_bad_digest": layout([md], {blob(md): manifest, blob(ld): gz[:-1] + b"!"}),
+        "oci_cycle": layout([{"mediaType": idx["mediaType"], "digest": fake,
+                              "size": len(loop)}], {"blobs/sha256/" + "ab" * 32: loop}),
+        "oci_blob_link_out": layout([md], {blob(md): manifest, "x": gz,
+                                           blob(ld): ("../../x",)}),
+        "oci_path_digest": layout([{"digest": "sha256:../../../etc/passwd", "size": 1}], {}),
+        "oci_huge": layout([dict(md, size=1 << 62)], {blob(md): manifest}),
+        "docker_two": _tar({"manifest.json": json.dumps(
+            [{"RepoTags": ["a:1"], "Layers": ["l"]}, {"RepoTags": ["b:2"], "Layers": ["l"]}])
+            .encode(), "l": layer}),
+    }
 
 
 # ---- the service: scripts of RPCs (tests/fuzz/service_fuzz.cc) ----

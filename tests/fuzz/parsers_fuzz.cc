@@ -1,6 +1,8 @@
 // Fuzzes the small parsers that read operator- or client-supplied text: sizes ("1.5GiB"),
-// CPU lists ("0-3,8"), --image NAME=DIR flags and --listen addresses. Each must accept or
-// refuse with a message, never crash, and what it accepts must round-trip.
+// CPU lists ("0-3,8"), --image NAME=DIR flags and --listen addresses, and the image archive
+// reader (docker/podman save, OCI layouts: manifests, indexes, digests, links). Each must
+// accept or refuse with a message, never crash, and what it accepts must round-trip (an
+// archive: every layer it returns is a file it copied into the scratch directory).
 //
 // Input: byte 0 selects the parser, the rest is the text.
 
@@ -9,9 +11,11 @@
 #include <iostream>
 #include <string>
 
+#include "common/fs.h"
 #include "common/units.h"
 #include "pbox/agent.h"
 #include "pbox/cpuset.h"
+#include "pbox/image_archive.h"
 #include "pbox/image_store.h"
 
 namespace pb = bragg::pbox;
@@ -99,6 +103,36 @@ void FuzzListen(const std::string& text) {
   }
 }
 
+// The archive reader, on the bytes as an uploaded archive (1 MiB limit); odd first bytes of
+// the text also pass a --ref.
+void FuzzImageArchive(const std::string& bytes) {
+  static auto dir = bragg::TempDir::Create("/tmp", "parsers-fuzz-");
+  if (!dir.ok()) {
+    Die("temp dir: " + dir.status().ToString(), "");
+  }
+  const std::string path = dir->path() + "/archive";
+  const std::string scratch = dir->path() + "/scratch";
+  if (!bragg::WriteStringToFile(path, bytes).ok() || !bragg::MakeDirs(scratch, 0700).ok()) {
+    Die("cannot write the input", "");
+  }
+  const std::string ref = !bytes.empty() && (bytes[0] & 1) ? "a:1" : "";
+  auto split = pb::SplitImageArchive(path, scratch, 1 << 20, ref);
+  if (!split.ok() && split.status().message().empty()) {
+    Die("archive refused without a message", "(binary)");
+  }
+  if (split.ok()) {
+    if (split->layers.empty()) {
+      Die("archive accepted with no layers", "(binary)");
+    }
+    for (const std::string& layer : split->layers) {
+      if (layer != path && layer.rfind(scratch + "/", 0) != 0) {
+        Die("layer outside the scratch directory: " + layer, "(binary)");
+      }
+    }
+  }
+  (void)bragg::RemoveTree(scratch);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -106,7 +140,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   std::string text(reinterpret_cast<const char*>(data + 1), size - 1);
-  switch (data[0] % 4) {
+  switch (data[0] % 5) {
     case 0:
       FuzzSize(text);
       break;
@@ -116,8 +150,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 2:
       FuzzImageFlag(text);
       break;
-    default:
+    case 3:
       FuzzListen(text);
+      break;
+    default:
+      FuzzImageArchive(text);
       break;
   }
   return 0;

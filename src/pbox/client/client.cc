@@ -500,13 +500,14 @@ Result<v1::FileInfo> Client::Move(const std::string& sandbox_id, const std::stri
   return resp;
 }
 
-Result<v1::ImageInfo> Client::ImportImage(const std::string& name, int fd) {
+Result<v1::ImageInfo> Client::ImportImage(const std::string& name, int fd, const std::string& ref) {
   grpc::ClientContext ctx;
   Prepare(&ctx, false);
   v1::ImageInfo resp;
   auto writer = stub_->ImportImage(&ctx, &resp);
   v1::ImportImageRequest msg;
   msg.mutable_header()->set_name(name);
+  msg.mutable_header()->set_ref(ref);
   bool ok = writer->Write(msg);
   Status source_error;
   std::string* chunk = msg.mutable_chunk();

@@ -120,9 +120,10 @@ class Client {
   Result<v1::FileInfo> Move(const std::string& sandbox_id, const std::string& src,
                             const std::string& dst, bool no_replace = false);
 
-  // Images. ImportImage streams the archive read from `fd` (a rootfs tarball or a docker/
-  // podman save archive) to the agent.
-  Result<v1::ImageInfo> ImportImage(const std::string& name, int fd);
+  // Images. ImportImage streams the archive read from `fd` (a rootfs tarball, a docker/
+  // podman save archive or an OCI layout tar) to the agent; `ref` picks one image of an
+  // archive holding several (see ImportImageHeader.ref).
+  Result<v1::ImageInfo> ImportImage(const std::string& name, int fd, const std::string& ref = "");
   Result<std::vector<v1::ImageInfo>> ListImages();
   Status RemoveImage(const std::string& name);
   Result<v1::PruneImagesResponse> PruneImages();

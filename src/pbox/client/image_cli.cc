@@ -1,6 +1,7 @@
 #include "pbox/client/image_cli.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -9,6 +10,7 @@
 #include "common/fs.h"
 #include "common/units.h"
 #include "fmt/format.h"
+#include "pbox/client/oci_dir_tar.h"
 
 namespace bragg::pbox::client {
 namespace {
@@ -25,10 +27,15 @@ void ImageCli::Register(CLI::App& app) {
   image_->require_subcommand(1);
   import_ = image_->add_subcommand(
       "import",
-      "import a root filesystem tarball (plain, gzip, zstd) or a docker/podman save "
-      "archive; '-' reads stdin");
+      "import a root filesystem tarball (plain, gzip, zstd), a docker/podman save archive, "
+      "an OCI image layout (podman save --format oci-archive, or its directory); '-' reads "
+      "stdin");
   import_->add_option("name", import_name_, "image name, e.g. debian12")->required();
-  import_->add_option("file", import_file_, "archive path or '-'")->required();
+  import_->add_option("file", import_file_, "archive path, OCI layout directory or '-'")
+      ->required();
+  import_->add_option("--ref", import_ref_,
+                      "which image of an archive holding several: a tag (name:tag) or an OCI "
+                      "manifest digest (sha256:...)");
   ls_ = image_->add_subcommand("ls", "list images");
   ls_->add_flag("--quiet,-q", quiet_, "names only");
   rm_ = image_->add_subcommand("rm", "remove imported images (their layers stay until prune)");
@@ -39,7 +46,15 @@ void ImageCli::Register(CLI::App& app) {
 int ImageCli::Run(Client& client) {
   if (*import_) {
     UniqueFd fd;
-    if (import_file_ != "-") {
+    std::unique_ptr<OciDirTar> dir_tar;  // a directory: sent as the tar of its OCI layout
+    struct stat st;
+    if (import_file_ != "-" && ::stat(import_file_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+      auto started = OciDirTar::Start(import_file_);
+      if (!started.ok()) {
+        return Fail(started.status());
+      }
+      dir_tar = std::move(*started);
+    } else if (import_file_ != "-") {
       auto opened = OpenFile(import_file_, O_RDONLY);
       if (!opened.ok()) {
         return Fail(opened.status());
@@ -47,7 +62,14 @@ int ImageCli::Run(Client& client) {
       fd = std::move(*opened);
     }
     auto t0 = std::chrono::steady_clock::now();
-    auto info = client.ImportImage(import_name_, fd.valid() ? fd.get() : STDIN_FILENO);
+    int source = dir_tar ? dir_tar->fd() : (fd.valid() ? fd.get() : STDIN_FILENO);
+    auto info = client.ImportImage(import_name_, source, import_ref_);
+    if (dir_tar) {
+      Status sent = dir_tar->Finish();
+      if (!sent.ok() && info.ok()) {
+        return Fail(sent);
+      }
+    }
     if (!info.ok()) {
       return Fail(info.status());
     }

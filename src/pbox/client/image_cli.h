@@ -1,6 +1,7 @@
 #pragma once
 
-// `pbox image import NAME FILE | ls | rm NAME... | prune`: the image subcommands of the CLI.
+// `pbox image import NAME FILE|DIR [--ref REF] | ls | rm NAME... | prune`: the image subcommands of
+// the CLI.
 
 #include <CLI/CLI.hpp>
 #include <string>
@@ -25,7 +26,7 @@ class ImageCli {
   CLI::App* ls_ = nullptr;
   CLI::App* rm_ = nullptr;
   CLI::App* prune_ = nullptr;
-  std::string import_name_, import_file_;
+  std::string import_name_, import_file_, import_ref_;
   std::vector<std::string> rm_names_;
   bool quiet_ = false;
 };

@@ -1,4 +1,5 @@
-"""Images: import of root filesystem tarballs and docker/podman save archives, the merged view
+"""Images: import of root filesystem tarballs, docker/podman save archives and OCI image layouts
+(archives and directories, nested indexes, --ref), the merged view
 of layers inside sandboxes, hostile archives, removal, prune, persistence across restarts.
 
 The test image is busybox (Debian's busybox-static) in a tarball built here with tarfile.
@@ -488,3 +489,304 @@ def test_base_image_from_make_base_image(make_agent: AgentFactory, tmp_path: Pat
     finally:
         sb.destroy()
     c.close()
+
+
+# ---- OCI image layouts ----
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+LAYER_TYPES = {"plain": "application/vnd.oci.image.layer.v1.tar",
+               "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
+               "zstd": "application/vnd.oci.image.layer.v1.tar+zstd"}
+
+
+class Oci:
+    """An OCI image layout built by hand: blobs by digest, index.json, oci-layout."""
+
+    def __init__(self) -> None:
+        self.blobs: Dict[str, bytes] = {}
+        self.index: List[dict] = []
+
+    def blob(self, data: bytes, media_type: str) -> dict:
+        import hashlib
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        self.blobs[digest] = data
+        return {"mediaType": media_type, "digest": digest, "size": len(data)}
+
+    def layer(self, tar: bytes, compression: str = "plain") -> dict:
+        data = tar
+        if compression == "gzip":
+            data = gzip.compress(tar)
+        elif compression == "zstd":
+            data = subprocess.run(["zstd", "-q", "-c"], input=tar, capture_output=True,
+                                  check=True).stdout
+        return self.blob(data, LAYER_TYPES[compression])
+
+    def manifest(self, layers: List[dict]) -> dict:
+        config = self.blob(b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers"}}',
+                           "application/vnd.oci.image.config.v1+json")
+        body = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": config,
+                "layers": layers}
+        return self.blob(json.dumps(body).encode(), OCI_MANIFEST)
+
+    def nested(self, entries: List[dict]) -> dict:
+        body = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}
+        return self.blob(json.dumps(body).encode(), OCI_INDEX)
+
+    def add(self, desc: dict, ref: Optional[str] = None) -> "Oci":
+        d = dict(desc)
+        if ref is not None:
+            d["annotations"] = {"org.opencontainers.image.ref.name": ref}
+        self.index.append(d)
+        return self
+
+    def files(self) -> Dict[str, bytes]:
+        out = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}',
+               "index.json": json.dumps({"schemaVersion": 2, "manifests": self.index}).encode()}
+        for digest, data in self.blobs.items():
+            out["blobs/sha256/" + digest.split(":")[1]] = data
+        return out
+
+    def archive(self, extra: Optional[Layer] = None) -> bytes:
+        out = extra or Layer()
+        out.dir("blobs").dir("blobs/sha256")
+        for name, data in self.files().items():
+            out.file(name, data)
+        return out.bytes()
+
+    def directory(self, path: Path) -> Path:
+        for name, data in self.files().items():
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_bytes(data)
+        return path
+
+
+def _layered_pair() -> Tuple[bytes, bytes]:
+    base = (Layer().busybox().file("etc/a", b"one\n").file("etc/b", b"bee\n")
+            .dir("data").file("data/old", b"o").bytes())
+    top = (Layer().file("etc/a", b"two\n").file("etc/.wh.b", b"")
+           .dir("data").file("data/.wh..wh..opq", b"").file("data/new", b"n").bytes())
+    return base, top
+
+
+def _check_layered(ic: pbox.Client, name: str) -> None:
+    sb = ic.create(image=name, memory="128M", disk="64M")
+    try:
+        assert run(sb, "cat", "/etc/a").stdout == b"two\n"
+        assert not run(sb, "test", "-e", "/etc/b").ok
+        assert run(sb, "ls", "/data").stdout.split() == [b"new"]
+    finally:
+        sb.destroy()
+
+
+@pytest.mark.parametrize("compression", ["plain", "gzip", "zstd"])
+def test_oci_archive_layers_merge(ic: pbox.Client, tmp_path: Path, compression: str) -> None:
+    base, top = _layered_pair()
+    oci = Oci()
+    oci.add(oci.manifest([oci.layer(base, compression), oci.layer(top, "gzip")]), "v1")
+    path = write(tmp_path, "oci.tar", oci.archive())
+    info = ic.import_image(f"oci-{compression}", path)
+    assert info.format == "oci-archive" and len(info.layers) == 2
+    _check_layered(ic, f"oci-{compression}")
+
+
+def test_oci_layout_directory_and_nested_index(ic: pbox.Client, img_agent: Agent,
+                                               tmp_path: Path) -> None:
+    base, top = _layered_pair()
+    oci = Oci()
+    mine = oci.manifest([oci.layer(base), oci.layer(top)])
+    other = oci.manifest([oci.layer(Layer().busybox().file("etc/a", b"arm\n").bytes())])
+    import platform
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    other["platform"] = {"os": "linux", "architecture": "s390x"}
+    mine["platform"] = {"os": "linux", "architecture": arch}
+    oci.add(oci.nested([other, mine]), "multi")
+    layout = oci.directory(tmp_path / "layout")
+    info = ic.import_image("oci-dir", layout)
+    assert info.format == "oci-archive" and len(info.layers) == 2
+    _check_layered(ic, "oci-dir")
+    # The CLI tars the directory the same way.
+    pbox_cli = Path(_find_pboxd() or "").parent / "pbox"
+    if pbox_cli.exists():
+        r = subprocess.run([str(pbox_cli), "image", "import", "oci-dir-cli", str(layout)],
+                           env=dict(os.environ, PBOX_ENDPOINT=img_agent.endpoint),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "imported oci-dir-cli (oci-archive, 2 layers" in r.stdout, r
+        _check_layered(ic, "oci-dir-cli")
+        r = subprocess.run([str(pbox_cli), "image", "import", "x", str(tmp_path)],
+                           env=dict(os.environ, PBOX_ENDPOINT=img_agent.endpoint),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "not an OCI image layout" in r.stderr, r
+
+
+def test_multi_image_archives_need_a_ref(ic: pbox.Client, tmp_path: Path) -> None:
+    one = Layer().busybox().file("etc/which", b"one\n").bytes()
+    two = Layer().busybox().file("etc/which", b"two\n").bytes()
+    oci = Oci()
+    oci.add(oci.manifest([oci.layer(one)]), "localhost/app:one")
+    second = oci.manifest([oci.layer(two)])
+    oci.add(second, "localhost/app:two")
+    oci_path = write(tmp_path, "multi-oci.tar", oci.archive())
+    # docker save of two images: a manifest.json of two entries.
+    import hashlib
+    d = Layer().dir("blobs").dir("blobs/sha256")
+    entries = []
+    for tag, data in (("app:one", one), ("app:two", two)):
+        digest = hashlib.sha256(data).hexdigest()
+        d.file(f"blobs/sha256/{digest}", data)
+        entries.append({"Config": "c", "RepoTags": [f"localhost/{tag}"],
+                        "Layers": [f"blobs/sha256/{digest}"]})
+    d.file("manifest.json", json.dumps(entries).encode())
+    docker_path = write(tmp_path, "multi-docker.tar", d.bytes())
+    for path in (oci_path, docker_path):
+        with pytest.raises(pbox.InvalidArgument) as exc:
+            ic.import_image("multi", path)
+        msg = exc.value.message
+        assert "holds 2 images" in msg and "localhost/app:one" in msg and \
+            "localhost/app:two" in msg, msg
+        with pytest.raises(pbox.InvalidArgument) as exc:
+            ic.import_image("multi", path, ref="app:three")
+        assert "names no image" in exc.value.message and "app:two" in exc.value.message
+        for ref, want in (("app:two", b"two\n"), ("localhost/app:one", b"one\n")):
+            ic.import_image("multi", path, ref=ref)
+            sb = ic.create(image="multi", memory="128M", disk="64M")
+            try:
+                assert run(sb, "cat", "/etc/which").stdout == want, (path, ref)
+            finally:
+                sb.destroy()
+    # An OCI manifest digest names its image too.
+    ic.import_image("multi", oci_path, ref=second["digest"])
+    with pytest.raises(pbox.InvalidArgument) as exc:
+        ic.import_image("single", write(tmp_path, "rootfs.tar", one), ref="x")
+    assert "root filesystem tarball" in exc.value.message
+
+
+def _hostile_oci_cases() -> Dict[str, Tuple[bytes, str]]:
+    good = Layer().busybox().bytes()
+    cases: Dict[str, Tuple[bytes, str]] = {}
+
+    oci = Oci()
+    layer = oci.layer(good)
+    oci.blobs[layer["digest"]] = good[:-512] + b"\1" * 512  # same size, other bytes
+    oci.add(oci.manifest([layer]))
+    cases["layer-digest-mismatch"] = (oci.archive(), "does not match its descriptor")
+
+    oci = Oci()
+    layer = dict(oci.layer(good))
+    layer["size"] = layer["size"] + 1
+    oci.add(oci.manifest([layer]))
+    cases["layer-size-mismatch"] = (oci.archive(), "does not match its descriptor")
+
+    oci = Oci()
+    m = oci.manifest([oci.layer(good)])
+    oci.blobs[m["digest"]] = oci.blobs[m["digest"]].replace(b'"layers"', b'"layers" ')
+    oci.add(m)
+    cases["manifest-digest-mismatch"] = (oci.archive(), "does not match its descriptor")
+
+    oci = Oci()
+    layer = oci.layer(good)
+    digest = layer["digest"].split(":")[1]
+    data = oci.blobs.pop(layer["digest"])
+    oci.add(oci.manifest([layer]))
+    cases["blob-outside-blobs"] = (
+        oci.archive(Layer().dir("elsewhere").file("elsewhere/x", data)
+                    .dir("blobs").dir("blobs/sha256")
+                    .symlink(f"blobs/sha256/{digest}", "../../elsewhere/x")),
+        "outside the layout's blobs/")
+
+    oci = Oci()
+    layer = oci.layer(good)
+    del oci.blobs[layer["digest"]]
+    oci.add(oci.manifest([layer]))
+    cases["missing-blob"] = (oci.archive(), "is not a regular file of the archive")
+
+    oci = Oci()
+    oci.add({"mediaType": OCI_MANIFEST, "digest": "sha256:../../../etc/passwd", "size": 10})
+    cases["digest-path"] = (oci.archive(), "is not sha256:<64 lower-case hex digits>")
+
+    oci = Oci()
+    layer = dict(oci.layer(good))
+    layer["size"] = 1 << 60
+    oci.add(oci.manifest([layer]))
+    cases["huge-layer"] = (oci.archive(), "larger than the agent's limit")
+
+    oci = Oci()
+    m = dict(oci.manifest([oci.layer(good)]))
+    m["size"] = 1 << 40
+    oci.add(m)
+    cases["huge-manifest"] = (oci.archive(), "more than")
+
+    oci = Oci()
+    oci.add(oci.manifest([oci.blob(b"{}", "application/vnd.oci.empty.v1+json")]))
+    cases["not-a-layer"] = (oci.archive(), "not a tar layer")
+
+    oci = Oci()
+    desc = oci.manifest([oci.layer(good)])
+    for _ in range(10):
+        desc = oci.nested([desc])
+    oci.add(desc)
+    cases["deep-nesting"] = (oci.archive(), "nested deeper than")
+
+    # An index listing itself: content addressing makes the digest wrong, and the cycle is
+    # caught before the blob is read a second time either way.
+    oci = Oci()
+    fake = "sha256:" + "ab" * 32
+    body = json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": OCI_INDEX, "digest": fake, "size": 0}]}).encode()
+    oci.blobs[fake] = body
+    oci.add({"mediaType": OCI_INDEX, "digest": fake, "size": len(body)})
+    cases["index-cycle"] = (oci.archive(), "does not match its descriptor")
+
+    oci = Oci()
+    oci.add(oci.manifest([oci.layer(Layer().file("/etc/evil", b"x").bytes())]))
+    cases["hostile-layer"] = (oci.archive(), "/etc/evil")
+
+    cases["bad-index"] = (Layer().file("oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+                          .file("index.json", b"[1,2]").bytes(), "not an OCI image index")
+    return cases
+
+
+def test_hostile_oci_archives_rejected_and_leave_nothing(ic: pbox.Client, img_agent: Agent,
+                                                         tmp_path: Path) -> None:
+    before_images = {i.name for i in ic.list_images()}
+    for case, (data, why) in _hostile_oci_cases().items():
+        path = write(tmp_path, f"{case}.tar", data)
+        with pytest.raises((pbox.InvalidArgument, pbox.ResourceExhausted)) as exc:
+            ic.import_image(f"hostile-oci-{case}", path)
+        assert why in exc.value.message, (case, exc.value.message)
+        assert scratch_entries(img_agent) == [], case
+    assert {i.name for i in ic.list_images()} == before_images
+    ic.prune_images()
+
+
+def test_real_podman_oci_archive(ic: pbox.Client, tmp_path: Path) -> None:
+    podman = shutil.which("podman")
+    if podman is None:
+        pytest.skip("podman is not installed (Debian: podman)")
+    import tempfile
+    runroot = tempfile.mkdtemp(prefix="pbx-")  # podman wants a runroot under 50 characters
+    storage = ["--root", str(tmp_path / "storage"), "--runroot", runroot,
+               "--storage-driver", "vfs"]
+    rootfs = write(tmp_path, "root.tar", Layer().busybox().file("etc/podman", b"p\n").bytes())
+    try:
+        subprocess.run([podman, *storage, "import", str(rootfs), "localhost/pbox-oci:t1"],
+                       check=True, capture_output=True, timeout=120)
+        out = tmp_path / "saved.tar"
+        subprocess.run([podman, *storage, "save", "--format", "oci-archive", "-o", str(out),
+                        "localhost/pbox-oci:t1"], check=True, capture_output=True, timeout=120)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"podman cannot import/save here: {getattr(e, 'stderr', b'')!r}")
+    finally:
+        subprocess.run([podman, *storage, "rmi", "-a", "-f"], capture_output=True, timeout=120)
+        subprocess.run(["umount", "-R", str(tmp_path / "storage")], capture_output=True)
+        shutil.rmtree(runroot, ignore_errors=True)
+    info = ic.import_image("podman-oci", out)
+    assert info.format == "oci-archive" and len(info.layers) == 1
+    sb = ic.create(image="podman-oci", memory="128M", disk="64M")
+    try:
+        assert run(sb, "cat", "/etc/podman").stdout == b"p\n"
+    finally:
+        sb.destroy()
+    with pytest.raises(pbox.InvalidArgument):
+        ic.import_image("podman-oci", out, ref="localhost/pbox-oci:other")
+    ic.import_image("podman-oci", out, ref="pbox-oci:t1")
