@@ -146,6 +146,7 @@ Status Gateway::AddWorker(Pool& pool, const std::string& url) {
     pool.clients.push_back(std::make_unique<ClientPool>(hp));
     pool.urls.push_back(canonical);
     pool.versions.push_back("");
+    pool.health_failures.push_back(0);
   }
   return absl::OkStatus();
 }
@@ -234,6 +235,20 @@ void Gateway::HealthLoop() {
         c.set_read_timeout(2, 0);
         auto r = c.Get("/health");
         bool ok = r && r->status == 200;
+        int failures = 0;
+        {
+          std::lock_guard<std::mutex> lock(pool->mu);
+          failures = ok ? 0 : ++pool->health_failures[i];
+          if (ok) {
+            pool->health_failures[i] = 0;
+          }
+        }
+        if (!ok && snap[i].healthy && failures < options_.health_failures) {
+          spdlog::info("worker {} failed health check {} of {}: {}", snap[i].url, failures,
+                       options_.health_failures,
+                       r ? fmt::format("status {}", r->status) : httplib::to_string(r.error()));
+          continue;
+        }
         std::string fleet;
         {
           std::lock_guard<std::mutex> lock(version_mu_);

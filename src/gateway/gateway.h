@@ -39,6 +39,10 @@ struct GatewayOptions {
   int dp_size = 1;
   RouterOptions router;
   int health_interval_ms = 1000;
+  // Consecutive failed health checks before a worker is taken out of rotation: one slow answer
+  // from a loaded worker must not move its rollouts. A refused connection on a request still
+  // takes it out at once.
+  int health_failures = 3;
   // Event-loop threads serving clients and proxying to workers; 0: one per core.
   int io_threads = 0;
   // Threads for handlers that block (weight updates), grown on demand up to this.
@@ -95,6 +99,7 @@ class Gateway {
     std::deque<std::unique_ptr<ClientPool>> clients;  // by worker index
     std::deque<std::string> urls;
     std::deque<std::string> versions;  // last known weight version per worker
+    std::deque<int> health_failures;   // consecutive failed health checks per worker
   };
   struct Upstream {
     httplib::Error error = httplib::Error::Success;

@@ -315,6 +315,64 @@ TEST_F(GatewayIntegrationTest, KilledWorkerRolloutsMoveOnceNoRequestLost) {
             std::string::npos);
 }
 
+TEST_F(GatewayIntegrationTest, HealthChecksTakeOutAndBringBackAWorker) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "round_robin", {"--health-failures", "3"});
+  auto c = Http(gw);
+  auto healthy = [&](const Proc& w) {
+    auto r = c->Get("/workers");
+    json j = r ? json::parse(r->body, nullptr, false) : json();
+    for (const json& x : j) {
+      if (x["url"] == w.url) {
+        return x["healthy"].get<bool>();
+      }
+    }
+    return false;
+  };
+  auto wait_for = [&](const Proc& w, bool want) {
+    for (int i = 0; i < 800; ++i) {
+      if (healthy(w) == want) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return false;
+  };
+  ASSERT_TRUE(Http(w1)->Post("/sim/config", R"({"healthy": false})", "application/json"));
+  ASSERT_TRUE(wait_for(w1, false)) << "a worker failing its health checks stayed in rotation";
+  for (int k = 0; k < 4; ++k) {
+    int status = 0;
+    std::string worker;
+    PostJson(*c, "/generate", {{"input_ids", {1, 2, 3}}}, &status, &worker);
+    EXPECT_EQ(status, 200);
+    EXPECT_EQ(worker, fmt::format("127.0.0.1:{}", w0.port));
+  }
+  // Below the threshold a failing worker stays in rotation: one slow or failed answer from a
+  // loaded worker must not move its rollouts.
+  Proc patient = Gateway({&w1}, "sticky", {"--health-failures", "1000"});
+  std::string log = fmt::format("{}/out-{}", dir_.path(), counter_ - 1);
+  bool seen = false;
+  for (int i = 0; i < 800 && !seen; ++i) {
+    auto text = ReadFileToString(log);
+    seen = text.ok() && text->find("failed health check 3 of 1000") != std::string::npos;
+    if (!seen) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  ASSERT_TRUE(seen) << "the patient gateway never checked the failing worker";
+  auto r = Http(patient)->Get("/workers");
+  ASSERT_TRUE(r);
+  EXPECT_TRUE(json::parse(r->body)[0]["healthy"].get<bool>()) << r->body;
+  ASSERT_TRUE(Http(w1)->Post("/sim/config", R"({"healthy": true})", "application/json"));
+  EXPECT_TRUE(wait_for(w1, true)) << "a recovered worker was not brought back";
+  // Bad thresholds are refused at startup.
+  auto bad = Spawn({BRAGG_GATEWAY, "--listen", "127.0.0.1:0", "--health-failures", "0"});
+  ASSERT_TRUE(bad.ok());
+  auto exit = bad->Wait(std::chrono::seconds(10));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_NE(exit->exit_code, 0);
+}
+
 TEST_F(GatewayIntegrationTest, HostileInputsAreRejected) {
   Proc w0 = Worker();
   Proc gw = Gateway({&w0}, "sticky");
@@ -407,12 +465,17 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
     EXPECT_FALSE(r);  // we hung up
     c2->stop();
   }
+  // The worker's own failed write to the closed connection may come first; the gateway counts
+  // the hang-up before it sends /abort_request, so once the worker has that, the count is in.
   auto wc = Http(w0);
   bool aborted = false;
-  for (int i = 0; i < 100 && !aborted; ++i) {
+  for (int i = 0; i < 400 && !aborted; ++i) {
     auto r = wc->Get("/sim/stats");
-    aborted = r && json::parse(r->body)["aborts"].get<int>() >= 1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    json j = r ? json::parse(r->body, nullptr, false) : json();
+    aborted = j.is_object() && j["aborts"].get<int>() >= 1 && j["aborted_rids"].size() == 1;
+    if (!aborted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
   }
   EXPECT_TRUE(aborted) << "the worker never saw the abort";
   EXPECT_NE(Metrics(*c).find("bragg_gateway_client_aborts_total 1"), std::string::npos);
