@@ -124,6 +124,8 @@ class Gateway {
   // Routes `g` (to the decode pool for a pair) and forwards it; after a refused connection,
   // routes it again.
   Action RouteAndForward(std::shared_ptr<Generate> g);
+  // Forwards `g` to the worker `d` chose; the completion accounts the request, aborts it on
+  // every worker after a hang-up, and routes it again after a refused connection.
   Action ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d);
   // Routes a prefill/decode pair, sends the prefill half, forwards the decode half.
   Action StartPd(std::shared_ptr<Generate> g);
