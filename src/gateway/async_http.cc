@@ -166,12 +166,18 @@ struct AsyncHttpServer::Impl {
 
 namespace {
 
-// One fire-and-forget upstream call.
+// One upstream call whose response is buffered; `done` (if any) sees how it ended.
 class OneShot : public std::enable_shared_from_this<OneShot> {
  public:
-  OneShot(IoThread& io, HostPort hp, std::string path, std::string body)
-      : io_(io), hp_(std::move(hp)), key_(Key(hp_)), path_(std::move(path)) {
+  OneShot(IoThread& io, HostPort hp, std::string path, std::string body,
+          std::function<void(CallResult&)> done)
+      : io_(io),
+        hp_(std::move(hp)),
+        key_(Key(hp_)),
+        path_(std::move(path)),
+        done_(std::move(done)) {
     PreparePost(req_, key_, path_, std::move(body));
+    res_.body_limit(std::numeric_limits<std::uint64_t>::max());
   }
   void Run() {
     conn_ = io_.pool.Take(key_);
@@ -181,13 +187,13 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
     }
     Result<tcp::endpoint> ep = Endpoint(io_, hp_, key_);
     if (!ep.ok()) {
-      spdlog::warn("{} to {}: {}", path_, key_, std::string(ep.status().message()));
+      Fail(std::string(ep.status().message()));
       return;
     }
     conn_ = std::make_unique<UpstreamConn>(io_.ioc);
     conn_->socket.async_connect(*ep, [self = shared_from_this()](error_code ec) {
       if (ec) {
-        spdlog::warn("{} to {}: connect: {}", self->path_, self->key_, ec.message());
+        self->Fail("connect: " + ec.message());
         return;
       }
       self->conn_->socket.set_option(tcp::no_delay(true), ec);
@@ -199,32 +205,56 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
   void Write() {
     http::async_write(conn_->socket, req_, [self = shared_from_this()](error_code ec, size_t) {
       if (ec) {
-        spdlog::warn("{} to {}: write: {}", self->path_, self->key_, ec.message());
+        self->Fail("write: " + ec.message());
         return;
       }
-      http::async_read(
-          self->conn_->socket, self->conn_->buffer, self->res_, [self](error_code ec, size_t) {
-            if (ec) {
-              spdlog::warn("{} to {}: read: {}", self->path_, self->key_, ec.message());
-              return;
-            }
-            if (self->res_.result_int() != 200) {
-              spdlog::warn("{} to {}: status {}", self->path_, self->key_, self->res_.result_int());
-            }
-            if (self->res_.keep_alive()) {
-              self->io_.pool.Put(self->key_, std::move(self->conn_));
-            }
-          });
+      http::async_read(self->conn_->socket, self->conn_->buffer, self->res_,
+                       [self](error_code ec, size_t) {
+                         if (ec) {
+                           self->Fail("read: " + ec.message());
+                           return;
+                         }
+                         auto& msg = self->res_.get();
+                         CallResult r;
+                         r.ok = true;
+                         r.status = msg.result_int();
+                         r.body = std::move(msg.body());
+                         if (msg.keep_alive()) {
+                           self->io_.pool.Put(self->key_, std::move(self->conn_));
+                         }
+                         if (!self->done_ && r.status != 200) {
+                           spdlog::warn("{} to {}: status {}", self->path_, self->key_, r.status);
+                         }
+                         self->Finish(r);
+                       });
     });
+  }
+
+  void Fail(std::string why) {
+    CallResult r;
+    r.error = std::move(why);
+    if (!done_) {
+      spdlog::warn("{} to {}: {}", path_, key_, r.error);
+    }
+    Finish(r);
+  }
+
+  void Finish(CallResult& r) {
+    if (done_) {
+      auto done = std::move(done_);
+      done_ = nullptr;
+      done(r);
+    }
   }
 
   IoThread& io_;
   HostPort hp_;
   std::string key_;
   std::string path_;
+  std::function<void(CallResult&)> done_;
   std::unique_ptr<UpstreamConn> conn_;
   http::request<http::string_body> req_;
-  http::response<http::string_body> res_;
+  http::response_parser<http::string_body> res_;
 };
 
 // One client connection: reads requests one after another (keep-alive), runs the handler, and
@@ -841,12 +871,18 @@ void AsyncHttpServer::Stop() {
 }
 
 void AsyncHttpServer::Send(const HostPort& upstream, std::string path, std::string body) {
+  Call(upstream, std::move(path), std::move(body), nullptr);
+}
+
+void AsyncHttpServer::Call(const HostPort& upstream, std::string path, std::string body,
+                           std::function<void(CallResult&)> done) {
   Impl& s = *impl_;
   if (!s.started || s.stopped) {
     return;
   }
   IoThread& io = s.NextIo();
-  auto call = std::make_shared<OneShot>(io, upstream, std::move(path), std::move(body));
+  auto call =
+      std::make_shared<OneShot>(io, upstream, std::move(path), std::move(body), std::move(done));
   net::post(io.ioc, [call] { call->Run(); });
 }
 

@@ -63,6 +63,14 @@ struct UpstreamResult {
   std::string error;
 };
 
+// How a Call ended.
+struct CallResult {
+  bool ok = false;  // a whole response arrived (any status)
+  int status = 0;
+  std::string body;
+  std::string error;  // why not ok: connect, write or read error
+};
+
 struct Action;
 
 // Forward the client's request to one worker.
@@ -147,6 +155,11 @@ class AsyncHttpServer {
   // Fire-and-forget POST of a JSON body to a worker, on an io thread (e.g. /abort_request).
   // Failures are logged.
   void Send(const HostPort& upstream, std::string path, std::string body);
+  // POST of a JSON body to a worker on an io thread, whole response buffered; `done` runs on
+  // that io thread once it ended (must not block). Dropped without running if the server stops
+  // first.
+  void Call(const HostPort& upstream, std::string path, std::string body,
+            std::function<void(CallResult&)> done);
 
   struct Impl;
 

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <future>
+#include <optional>
 
 #include "common/logging.h"
 
@@ -118,6 +119,7 @@ Gateway::Gateway(GatewayOptions options)
     : options_(std::move(options)),
       main_(std::make_unique<Pool>("main", options_.router)),
       rng_(std::random_device{}()) {
+  rid_instance_ = rng_();
   RouterOptions pd = options_.router;
   pd.policy = Policy::kSticky;
   prefill_ = std::make_unique<Pool>("prefill", pd);
@@ -144,6 +146,7 @@ Status Gateway::AddWorker(Pool& pool, const std::string& url) {
     pool.clients.push_back(std::make_unique<ClientPool>(hp));
     pool.urls.push_back(canonical);
     pool.versions.push_back("");
+    pool.health_failures.push_back(0);
   }
   return absl::OkStatus();
 }
@@ -232,6 +235,20 @@ void Gateway::HealthLoop() {
         c.set_read_timeout(2, 0);
         auto r = c.Get("/health");
         bool ok = r && r->status == 200;
+        int failures = 0;
+        {
+          std::lock_guard<std::mutex> lock(pool->mu);
+          failures = ok ? 0 : ++pool->health_failures[i];
+          if (ok) {
+            pool->health_failures[i] = 0;
+          }
+        }
+        if (!ok && snap[i].healthy && failures < options_.health_failures) {
+          spdlog::info("worker {} failed health check {} of {}: {}", snap[i].url, failures,
+                       options_.health_failures,
+                       r ? fmt::format("status {}", r->status) : httplib::to_string(r.error()));
+          continue;
+        }
         std::string fleet;
         {
           std::lock_guard<std::mutex> lock(version_mu_);
@@ -260,18 +277,38 @@ void Gateway::HealthLoop() {
   }
 }
 
+// The prefill half of a prefill/decode pair. The decode half runs as the client's exchange; the
+// prefill half as a side call whose end may come before or after it.
+struct Gateway::PdPrefill {
+  int worker = -1;
+  HostPort target;
+  std::mutex mu;
+  bool done = false;    // the prefill worker answered (or the call failed)
+  bool failed = false;  // ... with an error, answered to the client instead of the decode output
+  HttpResponse error;
+  bool decode_over = false;  // the decode exchange ended
+  std::optional<HostPort> decode_target;
+};
+
 struct Gateway::Generate {
   json body;
   std::string key;
   std::vector<int32_t> tokens;
   std::string client_salt;
   std::string path;      // upstream path
-  std::string raw_body;  // OpenAI: passed through byte for byte
+  std::string raw_body;  // OpenAI: passed through byte for byte (but for an added rid)
+  // The request id the workers know the request by (SGLang's `rid`), for /abort_request.
+  json rid;
   bool openai = false;
   bool stream = false;
   size_t attempts = 0;
   size_t max_attempts = 1;
+  std::shared_ptr<PdPrefill> prefill;  // set for a prefill/decode pair
 };
+
+std::string Gateway::NewRid() {
+  return fmt::format("gw-{:016x}-{}", rid_instance_, rid_counter_.fetch_add(1));
+}
 
 Action Gateway::HandleGenerate(HttpRequest& req) {
   json body = json::parse(req.body, nullptr, false);
@@ -318,34 +355,32 @@ Action Gateway::HandleGenerate(HttpRequest& req) {
     client_salt = body["extra_key"].get<std::string>();
   }
   if (!body.contains("rid")) {
-    body["rid"] = fmt::format("gw{}-{}", port_, rid_counter_.fetch_add(1));
+    // As SGLang's router: every request gets an id, so that a hang-up can abort it by id.
+    body["rid"] = NewRid();
   }
   if (options_.dp_size > 1 && !key.empty() && !body.contains("routed_dp_rank")) {
     // A rollout's KV lives on one DP rank: pin it there, spread rollouts by a stable hash.
     body["routed_dp_rank"] =
         static_cast<uint32_t>(static_cast<uint32_t>(-SaltToken(key)) % options_.dp_size);
   }
-  if (!options_.prefill_workers.empty()) {
-    // The pair is served with blocking calls on a thread of its own (rare, and two upstreams).
-    return Action::Blocking([this, body = std::move(body), key = std::move(key),
-                             tokens = std::move(tokens),
-                             client_salt = std::move(client_salt)]() mutable {
-      return HandleGeneratePd(std::move(body), key, tokens, client_salt);
-    });
-  }
   auto g = std::make_shared<Generate>();
   g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
+  g->rid = body["rid"];
   g->body = std::move(body);
   g->key = std::move(key);
   g->tokens = std::move(tokens);
   g->client_salt = std::move(client_salt);
   g->path = "/generate";
+  if (!options_.prefill_workers.empty()) {
+    g->max_attempts = std::max<size_t>(1, decode_->router.num_workers());
+    return StartPd(std::move(g));
+  }
   g->max_attempts = std::max<size_t>(1, main_->router.num_workers());
   return RouteAndForward(std::move(g));
 }
 
 Action Gateway::RouteAndForward(std::shared_ptr<Generate> g) {
-  Pool& pool = *main_;
+  Pool& pool = g->prefill ? *decode_ : *main_;
   if (g->attempts++ >= g->max_attempts) {
     return Action::Respond(ErrorResponse(503, "no worker accepted the request"));
   }
@@ -353,48 +388,154 @@ Action Gateway::RouteAndForward(std::shared_ptr<Generate> g) {
   if (!d.ok()) {
     return Action::Respond(ErrorResponse(503, std::string(d.status().message())));
   }
+  return ForwardTo(std::move(g), *d);
+}
+
+Action Gateway::StartPd(std::shared_ptr<Generate> g) {
+  Result<RouteDecision> p = prefill_->router.Route(g->key, g->tokens, g->client_salt);
+  if (!p.ok()) {
+    return Action::Respond(
+        ErrorResponse(503, "prefill pool: " + std::string(p.status().message())));
+  }
+  g->attempts++;
+  Result<RouteDecision> d = decode_->router.Route(g->key, g->tokens, g->client_salt);
+  if (!d.ok()) {
+    prefill_->router.Finish(p->worker, 0, 0);
+    return Action::Respond(ErrorResponse(503, "decode pool: " + std::string(d.status().message())));
+  }
+  auto pre = std::make_shared<PdPrefill>();
+  pre->worker = p->worker;
+  pre->target = Client(*prefill_, p->worker)->target();
+  // Known before the prefill half leaves: if it fails at once, its decode half is aborted.
+  pre->decode_target = Client(*decode_, d->worker)->target();
+  uint64_t room;
+  {
+    std::lock_guard<std::mutex> lock(rng_mu_);
+    room = rng_() & ((uint64_t{1} << 63) - 1);
+  }
+  if (g->client_salt.empty() && !d->salt.empty()) {
+    g->body["extra_key"] = d->salt;
+  }
+  g->body["bootstrap_host"] = pre->target.host;
+  g->body["bootstrap_port"] = options_.bootstrap_port;
+  g->body["bootstrap_room"] = room;
+  g->prefill = pre;
+  // Both halves at once: the decode worker waits for the KV the prefill worker computes.
+  server_->Call(pre->target, "/generate", g->body.dump(), [this, g](CallResult& r) {
+    PdPrefill& pre = *g->prefill;
+    uint64_t prompt = 0;
+    uint64_t cached = 0;
+    if (r.ok) {
+      ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
+    }
+    prefill_->router.Finish(pre.worker, prompt, cached);
+    HttpResponse error;
+    if (!r.ok) {
+      upstream_errors_++;
+      error = ErrorResponse(502, fmt::format("prefill worker failed: {}; /generate is not "
+                                             "retried because it is not idempotent",
+                                             r.error));
+    } else if (r.status != 200) {
+      error.status = r.status;
+      error.body = std::move(r.body);
+    }
+    std::optional<HostPort> decode;
+    {
+      std::lock_guard<std::mutex> lock(pre.mu);
+      pre.done = true;
+      if (error.status == 200) {
+        return;
+      }
+      pre.failed = true;
+      pre.error = std::move(error);
+      if (!pre.decode_over) {
+        decode = pre.decode_target;
+      }
+    }
+    if (decode) {
+      // Without its prefill the decode half would wait for KV that never comes.
+      server_->Send(*decode, "/abort_request", json{{"rid", g->rid}}.dump());
+    }
+  });
+  return ForwardTo(std::move(g), *d);
+}
+
+void Gateway::AbortUpstream(const Generate& g, const HostPort& target) {
+  std::string abort = json{{"rid", g.rid}}.dump();
+  server_->Send(target, "/abort_request", abort);
+  if (g.prefill) {
+    bool done;
+    {
+      std::lock_guard<std::mutex> lock(g.prefill->mu);
+      done = g.prefill->done;
+    }
+    if (!done) {
+      server_->Send(g.prefill->target, "/abort_request", abort);
+    }
+  }
+}
+
+Action Gateway::ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d) {
+  Pool& pool = g->prefill ? *decode_ : *main_;
   Forward f;
   if (g->openai) {
     f.body = g->raw_body;
   } else {
-    if (g->client_salt.empty() && !d->salt.empty()) {
-      g->body["extra_key"] = d->salt;
+    if (g->client_salt.empty() && !d.salt.empty()) {
+      g->body["extra_key"] = d.salt;
     }
     f.body = g->body.dump();
   }
-  f.upstream = Client(pool, d->worker)->target();
+  f.upstream = Client(pool, d.worker)->target();
   f.path = g->path;
   f.stream = g->stream;
   if (!g->openai) {
     f.response_headers.emplace_back("X-Bragg-Worker",
                                     fmt::format("{}:{}", f.upstream.host, f.upstream.port));
   }
-  int worker = d->worker;
+  if (g->prefill) {
+    std::lock_guard<std::mutex> lock(g->prefill->mu);
+    g->prefill->decode_target = f.upstream;
+  }
+  int worker = d.worker;
   HostPort target = f.upstream;
   f.done = [this, g, worker, target](UpstreamResult& r) -> Action {
-    Pool& pool = *main_;
+    Pool& pool = g->prefill ? *decode_ : *main_;
     using Outcome = UpstreamResult::Outcome;
     switch (r.outcome) {
-      case Outcome::kConnectFailed:
+      case Outcome::kConnectFailed: {
         pool.router.Finish(worker, 0, 0);
+        Action next;
         if (r.local) {
           upstream_errors_++;
-          return Action::Respond(
+          next = Action::Respond(
               ErrorResponse(503, fmt::format("gateway overloaded: {}; retry later", r.error)));
+        } else {
+          // Nothing reached the worker, so moving the request is safe.
+          MarkDown(pool, worker, r.error);
+          next = RouteAndForward(g);
         }
-        // Nothing reached the worker, so moving the request is safe.
-        MarkDown(pool, worker, r.error);
-        return RouteAndForward(g);
+        if (next.kind != Action::Kind::kForward && g->prefill) {
+          // No decode worker takes the pair: its prefill half is useless.
+          std::lock_guard<std::mutex> lock(g->prefill->mu);
+          g->prefill->decode_over = true;
+          if (!g->prefill->done) {
+            server_->Send(g->prefill->target, "/abort_request", json{{"rid", g->rid}}.dump());
+          }
+        }
+        return next;
+      }
       case Outcome::kClientGone:
         client_aborts_++;
         pool.router.Finish(worker, 0, 0);
-        if (!g->openai) {
-          server_->Send(target, "/abort_request", json{{"rid", g->body["rid"]}}.dump());
-        }
+        AbortUpstream(*g, target);
         return Action::None();
       case Outcome::kFailed: {
         pool.router.Finish(worker, 0, 0);
         upstream_errors_++;
+        if (g->prefill) {
+          AbortUpstream(*g, target);
+        }
         std::string why = fmt::format(
             "worker failed mid-request ({}); {} is not retried because it is not "
             "idempotent",
@@ -413,63 +554,32 @@ Action Gateway::RouteAndForward(std::shared_ptr<Generate> g) {
           ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
         }
         pool.router.Finish(worker, prompt, cached);
-        return Action::None();
+        if (!g->prefill) {
+          return Action::None();
+        }
+        HttpResponse error;
+        {
+          std::lock_guard<std::mutex> lock(g->prefill->mu);
+          g->prefill->decode_over = true;
+          if (!g->prefill->failed) {
+            return Action::None();
+          }
+          error = g->prefill->error;
+        }
+        // The decode half ended (aborted) because its prefill half failed: say why.
+        if (r.started) {
+          HttpResponse sse;
+          json e = json::parse(error.body, nullptr, false);
+          sse.body =
+              "data: " + (e.is_discarded() ? json{{"error", error.body}} : e).dump() + "\n\n";
+          return Action::Respond(std::move(sse));
+        }
+        return Action::Respond(std::move(error));
       }
     }
     return Action::None();
   };
   return Action::Proxy(std::move(f));
-}
-
-HttpResponse Gateway::HandleGeneratePd(json body, const std::string& key,
-                                       const std::vector<int32_t>& tokens,
-                                       const std::string& client_salt) {
-  Result<RouteDecision> p = prefill_->router.Route(key, tokens, client_salt);
-  if (!p.ok()) {
-    return ErrorResponse(503, "prefill pool: " + std::string(p.status().message()));
-  }
-  Result<RouteDecision> d = decode_->router.Route(key, tokens, client_salt);
-  if (!d.ok()) {
-    prefill_->router.Finish(p->worker, 0, 0);
-    return ErrorResponse(503, "decode pool: " + std::string(d.status().message()));
-  }
-  if (client_salt.empty() && !d->salt.empty()) {
-    body["extra_key"] = d->salt;
-  }
-  uint64_t room;
-  {
-    std::lock_guard<std::mutex> lock(rng_mu_);
-    room = rng_() & ((uint64_t{1} << 63) - 1);
-  }
-  body["bootstrap_host"] = Client(*prefill_, p->worker)->target().host;
-  body["bootstrap_port"] = options_.bootstrap_port;
-  body["bootstrap_room"] = room;
-  std::string payload = body.dump();
-  auto prefill_future = std::async(
-      std::launch::async, [&] { return Post(*prefill_, p->worker, "/generate", payload); });
-  Upstream du = Post(*decode_, d->worker, "/generate", payload);
-  Upstream pu = prefill_future.get();
-  uint64_t prompt = 0;
-  uint64_t cached = 0;
-  ReadUsage(pu.body, &prompt, &cached);
-  prefill_->router.Finish(p->worker, prompt, cached);
-  prompt = cached = 0;
-  ReadUsage(du.body, &prompt, &cached);
-  decode_->router.Finish(d->worker, prompt, cached);
-  if (pu.error != httplib::Error::Success || du.error != httplib::Error::Success) {
-    upstream_errors_++;
-    return ErrorResponse(502, fmt::format("prefill: {}, decode: {}", httplib::to_string(pu.error),
-                                          httplib::to_string(du.error)));
-  }
-  HttpResponse out;
-  if (pu.status != 200) {
-    out.status = pu.status;
-    out.body = std::move(pu.body);
-    return out;
-  }
-  out.status = du.status;
-  out.body = std::move(du.body);
-  return out;
 }
 
 Action Gateway::HandleOpenAi(HttpRequest& req) {
@@ -492,6 +602,16 @@ Action Gateway::HandleOpenAi(HttpRequest& req) {
   g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
   g->path = req.path;
   g->raw_body = std::move(req.body);
+  if (body.contains("rid")) {
+    g->rid = body["rid"];
+  } else {
+    // SGLang's OpenAI requests take a `rid` too. Spliced in after the opening brace, so the
+    // rest of the client's body goes through byte for byte.
+    g->rid = NewRid();
+    size_t brace = g->raw_body.find('{');
+    std::string field = "\"rid\":" + g->rid.dump() + (body.empty() ? "" : ",");
+    g->raw_body.insert(brace + 1, field);
+  }
   g->max_attempts = std::max<size_t>(1, main_->router.num_workers());
   return RouteAndForward(std::move(g));
 }

@@ -39,9 +39,13 @@ struct GatewayOptions {
   int dp_size = 1;
   RouterOptions router;
   int health_interval_ms = 1000;
+  // Consecutive failed health checks before a worker is taken out of rotation: one slow answer
+  // from a loaded worker must not move its rollouts. A refused connection on a request still
+  // takes it out at once.
+  int health_failures = 3;
   // Event-loop threads serving clients and proxying to workers; 0: one per core.
   int io_threads = 0;
-  // Threads for handlers that block (weight updates, PD pairs), grown on demand up to this.
+  // Threads for handlers that block (weight updates), grown on demand up to this.
   size_t max_threads = 16384;
 };
 
@@ -95,6 +99,7 @@ class Gateway {
     std::deque<std::unique_ptr<ClientPool>> clients;  // by worker index
     std::deque<std::string> urls;
     std::deque<std::string> versions;  // last known weight version per worker
+    std::deque<int> health_failures;   // consecutive failed health checks per worker
   };
   struct Upstream {
     httplib::Error error = httplib::Error::Success;
@@ -113,13 +118,21 @@ class Gateway {
   void MarkDown(Pool& pool, int worker, std::string_view why);
   std::vector<Target> HealthyTargets();
   void Register();
-  struct Generate;  // one /generate or OpenAI request being routed
+  struct Generate;   // one /generate or OpenAI request being routed
+  struct PdPrefill;  // the prefill half of a prefill/decode pair
   Action HandleGenerate(HttpRequest& req);
-  // Routes `g` and forwards it; after a refused connection, routes it again.
+  // Routes `g` (to the decode pool for a pair) and forwards it; after a refused connection,
+  // routes it again.
   Action RouteAndForward(std::shared_ptr<Generate> g);
-  HttpResponse HandleGeneratePd(nlohmann::json body, const std::string& key,
-                                const std::vector<int32_t>& tokens, const std::string& client_salt);
+  // Forwards `g` to the worker `d` chose; the completion accounts the request, aborts it on
+  // every worker after a hang-up, and routes it again after a refused connection.
+  Action ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d);
+  // Routes a prefill/decode pair, sends the prefill half, forwards the decode half.
+  Action StartPd(std::shared_ptr<Generate> g);
+  // Asks every worker `g` was sent to and that may still work on it to drop it (by its rid).
+  void AbortUpstream(const Generate& g, const HostPort& target);
   Action HandleOpenAi(HttpRequest& req);
+  std::string NewRid();
   std::string Metrics();
   void HealthLoop();
 
@@ -138,6 +151,9 @@ class Gateway {
   std::mutex update_mu_;  // one fleet update at a time
   std::mutex rng_mu_;
   std::mt19937_64 rng_;
+  // Request ids the gateway gives requests without one: "gw-<instance>-<n>", the instance
+  // random per process so that a restarted gateway does not reuse ids workers may still hold.
+  uint64_t rid_instance_ = 0;
   std::atomic<uint64_t> rid_counter_{0};
   std::atomic<uint64_t> client_aborts_{0};
   std::atomic<uint64_t> upstream_errors_{0};

@@ -23,6 +23,9 @@ int main(int argc, char** argv) {
   app.add_option("--dp-size", o.dp_size, "DP-attention ranks per worker: pin rollouts to one")
       ->check(CLI::Range(1, 1024));
   app.add_option("--health-interval-ms", o.health_interval_ms, "health check period");
+  app.add_option("--health-failures", o.health_failures,
+                 "consecutive failed health checks before a worker is taken out")
+      ->check(CLI::Range(1, 1000));
   app.add_option("--io-threads", o.io_threads, "event-loop threads (0: one per core)")
       ->check(CLI::Range(0, 1024));
   app.add_option("--cache-threshold", o.router.cache_threshold, "sgl_cache_aware match rate");

@@ -392,6 +392,10 @@ void SimWorker::Register() {
     std::lock_guard<std::mutex> lock(mu_);
     if (body.contains("rid") && body["rid"].is_string()) {
       aborted_.insert(body["rid"].get<std::string>());
+      aborted_rids_.push_back(body["rid"].get<std::string>());
+      if (aborted_rids_.size() > kAbortedRidsKept) {
+        aborted_rids_.pop_front();
+      }
       aborts_++;
     }
     Reply(res, {{"success", true}});
@@ -417,6 +421,7 @@ void SimWorker::Register() {
     std::lock_guard<std::mutex> lock(mu_);
     Reply(res, {{"requests", requests_},
                 {"aborts", aborts_},
+                {"aborted_rids", aborted_rids_},
                 {"updates", updates_},
                 {"cache_tokens", cache_.size_tokens()},
                 {"weight_version", version_},
@@ -443,28 +448,80 @@ void SimWorker::Register() {
         SetError(res, 400, chat ? "messages with string content required" : "prompt required");
         return;
       }
-      GenerateJob job;
+      auto job = std::make_shared<GenerateJob>();
       for (unsigned char c : prompt) {
-        job.input_ids.push_back(c);
+        job->input_ids.push_back(c);
       }
-      job.max_new_tokens = body.value("max_tokens", 16);
-      job.rid = fmt::format("sim-oai-{}", rid_counter_.fetch_add(1));
-      json out = Generate(job, nullptr);
-      const json& meta = out["meta_info"];
-      json choice = {{"index", 0}, {"finish_reason", "length"}};
-      if (chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", out["text"]}};
-      } else {
-        choice["text"] = out["text"];
+      if (body.contains("max_tokens")) {
+        if (!body["max_tokens"].is_number_integer() || body["max_tokens"].get<int64_t>() < 0 ||
+            body["max_tokens"].get<int64_t>() > (1 << 20)) {
+          SetError(res, 400, "max_tokens must be an integer in [0, 2^20]");
+          return;
+        }
+        job->max_new_tokens = body["max_tokens"].get<size_t>();
       }
-      Reply(res, {{"id", job.rid},
-                  {"object", chat ? "chat.completion" : "text_completion"},
-                  {"model", model_path_},
-                  {"choices", json::array({choice})},
-                  {"usage",
-                   {{"prompt_tokens", meta["prompt_tokens"]},
+      job->rid = body.contains("rid") && body["rid"].is_string()
+                     ? body["rid"].get<std::string>()
+                     : fmt::format("sim-oai-{}", rid_counter_.fetch_add(1));
+      job->stream = body.value("stream", false);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        requests_++;
+        last_request_ = body;
+      }
+      std::string object = chat ? "chat.completion" : "text_completion";
+      auto usage = [](const json& meta) {
+        return json{{"prompt_tokens", meta["prompt_tokens"]},
                     {"completion_tokens", meta["completion_tokens"]},
-                    {"prompt_tokens_details", {{"cached_tokens", meta["cached_tokens"]}}}}}});
+                    {"prompt_tokens_details", {{"cached_tokens", meta["cached_tokens"]}}}};
+      };
+      if (!job->stream) {
+        json out = Generate(*job, nullptr);
+        const json& meta = out["meta_info"];
+        json choice = {{"index", 0}, {"finish_reason", job->aborted ? "abort" : "length"}};
+        if (chat) {
+          choice["message"] = {{"role", "assistant"}, {"content", out["text"]}};
+        } else {
+          choice["text"] = out["text"];
+        }
+        Reply(res, {{"id", job->rid},
+                    {"object", object},
+                    {"model", model_path_},
+                    {"choices", json::array({choice})},
+                    {"usage", usage(meta)}});
+        return;
+      }
+      // OpenAI streaming: one chunk per token, then one with the finish reason and usage.
+      res.set_chunked_content_provider(
+          "text/event-stream", [this, job, chat, object, usage](size_t, httplib::DataSink& sink) {
+            auto piece = [&](const json& delta_or_text, const json& finish) {
+              json choice = {{"index", 0}, {"finish_reason", finish}};
+              if (chat) {
+                choice["delta"] = delta_or_text;
+              } else {
+                choice["text"] = delta_or_text;
+              }
+              return json{{"id", job->rid},
+                          {"object", object + ".chunk"},
+                          {"model", model_path_},
+                          {"choices", json::array({choice})}};
+            };
+            auto emit = [&](const json& chunk) {
+              std::string text = fmt::format(" t{}", chunk["output_ids"].back().get<int32_t>());
+              json c = piece(chat ? json{{"content", text}} : json(text), nullptr);
+              std::string s = "data: " + c.dump() + "\n\n";
+              return sink.write(s.data(), s.size());
+            };
+            json out = Generate(*job, emit);
+            if (!job->aborted) {
+              json last = piece(chat ? json::object() : json(""), "length");
+              last["usage"] = usage(out["meta_info"]);
+              std::string s = "data: " + last.dump() + "\n\ndata: [DONE]\n\n";
+              sink.write(s.data(), s.size());
+            }
+            sink.done();
+            return true;
+          });
     };
   };
   server_.Post("/v1/chat/completions", openai(true));

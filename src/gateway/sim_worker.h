@@ -1,14 +1,16 @@
 #pragma once
 
 // A simulated SGLang worker speaking the subset of the native API the gateway uses: /generate
-// (streaming and not) with a per-worker LRU prefix cache over token ids, pause/continue and
-// update_weights_from_disk in place, deterministic routed experts, and injectable failures.
+// and the OpenAI-compatible completions (streaming and not), /abort_request by rid, with a
+// per-worker LRU prefix cache over token ids, pause/continue and update_weights_from_disk in place,
+// deterministic routed experts, and injectable failures.
 
 #include <httplib.h>
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -78,6 +80,9 @@ class SimWorker {
   std::string model_path_;
   std::unordered_map<uint32_t, std::string> version_names_;  // VersionId -> name, for spans
   std::set<std::string> aborted_;
+  // The rids /abort_request named, oldest first (the last kAbortedRidsKept), for tests.
+  static constexpr size_t kAbortedRidsKept = 1024;
+  std::deque<std::string> aborted_rids_;
   std::mt19937_64 rng_;
   double error_rate_ = 0;
   bool fail_update_ = false;

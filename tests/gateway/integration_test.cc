@@ -14,6 +14,7 @@
 #include <chrono>
 #include <csignal>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -314,6 +315,64 @@ TEST_F(GatewayIntegrationTest, KilledWorkerRolloutsMoveOnceNoRequestLost) {
             std::string::npos);
 }
 
+TEST_F(GatewayIntegrationTest, HealthChecksTakeOutAndBringBackAWorker) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "round_robin", {"--health-failures", "3"});
+  auto c = Http(gw);
+  auto healthy = [&](const Proc& w) {
+    auto r = c->Get("/workers");
+    json j = r ? json::parse(r->body, nullptr, false) : json();
+    for (const json& x : j) {
+      if (x["url"] == w.url) {
+        return x["healthy"].get<bool>();
+      }
+    }
+    return false;
+  };
+  auto wait_for = [&](const Proc& w, bool want) {
+    for (int i = 0; i < 800; ++i) {
+      if (healthy(w) == want) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return false;
+  };
+  ASSERT_TRUE(Http(w1)->Post("/sim/config", R"({"healthy": false})", "application/json"));
+  ASSERT_TRUE(wait_for(w1, false)) << "a worker failing its health checks stayed in rotation";
+  for (int k = 0; k < 4; ++k) {
+    int status = 0;
+    std::string worker;
+    PostJson(*c, "/generate", {{"input_ids", {1, 2, 3}}}, &status, &worker);
+    EXPECT_EQ(status, 200);
+    EXPECT_EQ(worker, fmt::format("127.0.0.1:{}", w0.port));
+  }
+  // Below the threshold a failing worker stays in rotation: one slow or failed answer from a
+  // loaded worker must not move its rollouts.
+  Proc patient = Gateway({&w1}, "sticky", {"--health-failures", "1000"});
+  std::string log = fmt::format("{}/out-{}", dir_.path(), counter_ - 1);
+  bool seen = false;
+  for (int i = 0; i < 800 && !seen; ++i) {
+    auto text = ReadFileToString(log);
+    seen = text.ok() && text->find("failed health check 3 of 1000") != std::string::npos;
+    if (!seen) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  ASSERT_TRUE(seen) << "the patient gateway never checked the failing worker";
+  auto r = Http(patient)->Get("/workers");
+  ASSERT_TRUE(r);
+  EXPECT_TRUE(json::parse(r->body)[0]["healthy"].get<bool>()) << r->body;
+  ASSERT_TRUE(Http(w1)->Post("/sim/config", R"({"healthy": true})", "application/json"));
+  EXPECT_TRUE(wait_for(w1, true)) << "a recovered worker was not brought back";
+  // Bad thresholds are refused at startup.
+  auto bad = Spawn({BRAGG_GATEWAY, "--listen", "127.0.0.1:0", "--health-failures", "0"});
+  ASSERT_TRUE(bad.ok());
+  auto exit = bad->Wait(std::chrono::seconds(10));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_NE(exit->exit_code, 0);
+}
+
 TEST_F(GatewayIntegrationTest, HostileInputsAreRejected) {
   Proc w0 = Worker();
   Proc gw = Gateway({&w0}, "sticky");
@@ -406,12 +465,17 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
     EXPECT_FALSE(r);  // we hung up
     c2->stop();
   }
+  // The worker's own failed write to the closed connection may come first; the gateway counts
+  // the hang-up before it sends /abort_request, so once the worker has that, the count is in.
   auto wc = Http(w0);
   bool aborted = false;
-  for (int i = 0; i < 100 && !aborted; ++i) {
+  for (int i = 0; i < 400 && !aborted; ++i) {
     auto r = wc->Get("/sim/stats");
-    aborted = r && json::parse(r->body)["aborts"].get<int>() >= 1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    json j = r ? json::parse(r->body, nullptr, false) : json();
+    aborted = j.is_object() && j["aborts"].get<int>() >= 1 && j["aborted_rids"].size() == 1;
+    if (!aborted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
   }
   EXPECT_TRUE(aborted) << "the worker never saw the abort";
   EXPECT_NE(Metrics(*c).find("bragg_gateway_client_aborts_total 1"), std::string::npos);
@@ -487,6 +551,189 @@ TEST_F(GatewayIntegrationTest, NonStreamingClientDisconnectAborts) {
                {{"input_ids", {1, 2}}, {"sampling_params", {{"max_new_tokens", 2}}}}, &status);
   EXPECT_EQ(status, 200) << res.dump();
   EXPECT_EQ(res["meta_info"]["completion_tokens"], 2);
+}
+
+// GET /sim/stats of worker `w`.
+json SimStats(const Proc& w) {
+  auto r = Http(w)->Get("/sim/stats");
+  return r ? json::parse(r->body, nullptr, false) : json();
+}
+
+// Polls worker `w` (up to ~20 s) until `pred` holds for its /sim/stats.
+bool WaitStats(const Proc& w, const std::function<bool(const json&)>& pred) {
+  for (int i = 0; i < 800; ++i) {
+    json s = SimStats(w);
+    if (s.is_object() && pred(s)) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return false;
+}
+
+bool LastRidIs(const json& stats, const std::string& rid) {
+  return stats["last_request"].is_object() && stats["last_request"].value("rid", "") == rid;
+}
+
+bool Aborted(const json& stats, const std::string& rid) {
+  for (const json& r : stats["aborted_rids"]) {
+    if (r == rid) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The first "id" of an SSE stream's events (SGLang's meta_info.id and OpenAI's id: the rid).
+std::string FirstStreamId(const std::string& sse) {
+  size_t at = sse.find("data: ");
+  if (at == std::string::npos) {
+    return "";
+  }
+  size_t end = sse.find("\n\n", at);
+  json j = json::parse(sse.substr(at + 6, end == std::string::npos ? end : end - at - 6), nullptr,
+                       false);
+  if (!j.is_object()) {
+    return "";
+  }
+  if (j.contains("meta_info")) {
+    return j["meta_info"].value("id", "");
+  }
+  return j.value("id", "");
+}
+
+// Sends `req` streaming, hangs up after `chunks` chunks; returns what arrived.
+std::string StreamThenHangUp(const Proc& gw, httplib::Request req, int chunks) {
+  std::string got;
+  int seen = 0;
+  req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    got.append(d, n);
+    return ++seen < chunks;
+  };
+  auto c = Http(gw);
+  auto r = c->send(req);
+  EXPECT_FALSE(r) << "the client hung up, the request cannot have completed";
+  c->stop();
+  return got;
+}
+
+std::string RawPost(const std::string& path, const std::string& body) {
+  return fmt::format(
+      "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+      "Content-Length: {}\r\n\r\n{}",
+      path, body.size(), body);
+}
+
+TEST_F(GatewayIntegrationTest, PrefillDecodeHangUpAbortsBothHalves) {
+  // 1,000 tokens at 20 ms each on both halves: 20 s unless the gateway aborts them.
+  Proc p0 = Worker({"--decode-us", "20000"}), d0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({}, "sticky", {"--prefill", p0.url, "--decode", d0.url});
+  auto c = Http(gw);
+  // Not streaming, the client's own rid: the hang-up is seen while both halves run.
+  {
+    std::string body = json{{"input_ids", {7, 8, 9}},
+                            {"routing_key", "pd-hangup"},
+                            {"rid", "pd-hangup-1"},
+                            {"sampling_params", {{"max_new_tokens", 1000}}}}
+                           .dump();
+    UniqueFd fd = SendRaw(gw.port, RawPost("/generate", body));
+    for (const Proc* w : {&p0, &d0}) {
+      ASSERT_TRUE(WaitStats(*w, [](const json& s) { return LastRidIs(s, "pd-hangup-1"); }))
+          << "a half never reached its worker";
+    }
+  }
+  for (const Proc* w : {&p0, &d0}) {
+    EXPECT_TRUE(WaitStats(*w, [](const json& s) { return Aborted(s, "pd-hangup-1"); }))
+        << w->url << " never saw the abort: " << SimStats(*w).dump();
+  }
+  // Streaming, no rid: the gateway's own rid names the request on both halves.
+  std::string got = StreamThenHangUp(gw, StreamingGenerate({4, 5, 6}, "pd-stream", 1000), 3);
+  std::string rid = FirstStreamId(got);
+  ASSERT_FALSE(rid.empty()) << got;
+  EXPECT_EQ(rid.rfind("gw-", 0), 0u) << rid;
+  EXPECT_TRUE(WaitStats(p0, [&](const json& s) { return LastRidIs(s, rid); }));
+  for (const Proc* w : {&p0, &d0}) {
+    EXPECT_TRUE(WaitStats(*w, [&](const json& s) { return Aborted(s, rid); }))
+        << w->url << " never saw the abort of " << rid << ": " << SimStats(*w).dump();
+  }
+  bool counted = false;
+  for (int i = 0; i < 400 && !counted; ++i) {
+    counted = Metrics(*c).find("bragg_gateway_client_aborts_total 2") != std::string::npos;
+    if (!counted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  EXPECT_TRUE(counted) << Metrics(*c);
+  // The pair still serves, and a finished pair is not aborted.
+  int status = 0;
+  json res = PostJson(
+      *c, "/generate",
+      {{"input_ids", {1, 2}}, {"rid", "pd-ok"}, {"sampling_params", {{"max_new_tokens", 2}}}},
+      &status);
+  EXPECT_EQ(status, 200) << res.dump();
+  EXPECT_EQ(res["meta_info"]["completion_tokens"], 2);
+  EXPECT_FALSE(Aborted(SimStats(d0), "pd-ok"));
+}
+
+TEST_F(GatewayIntegrationTest, PrefillFailureAbortsDecodeHalf) {
+  Proc p0 = Worker(), d0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({}, "sticky", {"--prefill", p0.url, "--decode", d0.url});
+  ASSERT_TRUE(Http(p0)->Post("/sim/config", R"({"error_rate": 1.0})", "application/json"));
+  auto c = Http(gw);
+  int status = 0;
+  auto start = std::chrono::steady_clock::now();
+  json res = PostJson(*c, "/generate",
+                      {{"input_ids", {1, 2, 3}},
+                       {"rid", "pd-bad-prefill"},
+                       {"sampling_params", {{"max_new_tokens", 1000}}}},
+                      &status);
+  // The prefill worker's error, at once: not the 20 s of a decode half left waiting.
+  EXPECT_EQ(status, 500) << res.dump();
+  EXPECT_NE(res.dump().find("injected failure"), std::string::npos) << res.dump();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  EXPECT_TRUE(WaitStats(d0, [](const json& s) { return Aborted(s, "pd-bad-prefill"); }));
+}
+
+TEST_F(GatewayIntegrationTest, OpenAiHangUpAborts) {
+  Proc w0 = Worker({"--decode-us", "20000"});
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  // Streaming chat completion, no rid: the gateway gives one and aborts it by that id.
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.body = json{
+      {"model", "m"},
+      {"messages", {{{"role", "user"}, {"content", "solve it"}}}},
+      {"max_tokens", 1000},
+      {"stream",
+       true}}.dump();
+  req.set_header("Content-Type", "application/json");
+  std::string got = StreamThenHangUp(gw, req, 3);
+  EXPECT_NE(got.find("chat.completion.chunk"), std::string::npos) << got;
+  std::string rid = FirstStreamId(got);
+  ASSERT_FALSE(rid.empty()) << got;
+  EXPECT_EQ(rid.rfind("gw-", 0), 0u) << rid;
+  EXPECT_TRUE(WaitStats(w0, [&](const json& s) { return Aborted(s, rid); })) << SimStats(w0).dump();
+  // Not streaming, the client's rid: /v1/completions.
+  {
+    std::string body = json{{"prompt", "abc"}, {"max_tokens", 1000}, {"rid", "oai-hangup"}}.dump();
+    UniqueFd fd = SendRaw(gw.port, RawPost("/v1/completions", body));
+    ASSERT_TRUE(WaitStats(w0, [](const json& s) { return LastRidIs(s, "oai-hangup"); }));
+  }
+  EXPECT_TRUE(WaitStats(w0, [](const json& s) { return Aborted(s, "oai-hangup"); }))
+      << SimStats(w0).dump();
+  // Completed OpenAI requests: the rid is spliced in, the rest of the body goes through.
+  int status = 0;
+  json res =
+      PostJson(*c, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 1}, {"n", 1}}, &status);
+  EXPECT_EQ(status, 200) << res.dump();
+  json last = SimStats(w0)["last_request"];
+  EXPECT_EQ(last["n"], 1);
+  EXPECT_EQ(last["rid"], res["id"]);
+  res = PostJson(*c, "/v1/completions", json::object(), &status);
+  EXPECT_EQ(status, 400) << res.dump();
+  EXPECT_EQ(SimStats(w0)["aborted_rids"].size(), 2u);
 }
 
 TEST_F(GatewayIntegrationTest, ExpectContinueIsAnswered) {
@@ -583,15 +830,21 @@ TEST_F(GatewayIntegrationTest, PrefillDecodePairing) {
           PostJson(*c, "/generate",
                    {{"input_ids", Tokens(k, 30 + turn * 10)}, {"routing_key", key}}, &status);
       ASSERT_EQ(status, 200) << res.dump();
-      // Which pair served it: the workers whose last request has this rid.
+      // Which pair served it: the workers whose last request has this rid. The prefill half
+      // is a side call of its own: it may reach its worker after the decode half answered.
       std::string rid = res["meta_info"]["id"];
       int pi = -1, di = -1;
       json seen;
-      for (int i = 0; i < 2; ++i) {
-        json ps = last(i == 0 ? p0 : p1);
-        if (ps["last_request"].is_object() && ps["last_request"].value("rid", "") == rid) {
-          pi = i;
-          seen = ps["last_request"];
+      for (int poll = 0; poll < 400 && pi < 0; ++poll) {
+        for (int i = 0; i < 2; ++i) {
+          json ps = last(i == 0 ? p0 : p1);
+          if (ps["last_request"].is_object() && ps["last_request"].value("rid", "") == rid) {
+            pi = i;
+            seen = ps["last_request"];
+          }
+        }
+        if (pi < 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(25));
         }
       }
       for (int i = 0; i < 2; ++i) {
