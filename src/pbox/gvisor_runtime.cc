@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -95,15 +97,27 @@ std::string LogTail(const std::string& path) {
   return t;
 }
 
+// Longest wait for one of pbox-init's helpers inside a sandbox (init_helpers.h).
+constexpr auto kHelperTimeout = std::chrono::seconds(30);
+
+std::string DescribeHelperExit(const ProcessExit& exit) {
+  if (!exit.error.empty()) {
+    return exit.error;
+  }
+  return exit.signal != 0 ? fmt::format("killed by signal {}", exit.signal)
+                          : fmt::format("exit code {}", exit.exit_code);
+}
+
 class GvisorSandbox : public RuntimeSandbox {
  public:
   GvisorSandbox(std::string bundle, ScopedMount layer, ScopedMount rootfs,
-                std::vector<ScopedMount> inner, Cgroup* cgroup)
+                std::vector<ScopedMount> inner, Cgroup* cgroup, UniqueFd writable_layer)
       : bundle_(std::move(bundle)),
         layer_(std::move(layer)),
         rootfs_(std::move(rootfs)),
         inner_(std::move(inner)),
-        cgroup_(cgroup) {}
+        cgroup_(cgroup),
+        writable_layer_(std::move(writable_layer)) {}
 
   ~GvisorSandbox() override { (void)Stop(); }
 
@@ -111,11 +125,66 @@ class GvisorSandbox : public RuntimeSandbox {
   const SandboxFs& fs() const override { return *fs_; }
   pid_t init_pid() const override { return runsc_pid_; }
 
+  Result<UniqueFd> OpenWritableLayer() override {
+    std::lock_guard<std::mutex> lock(layer_mu_);
+    if (!writable_layer_.valid()) {
+      return absl::FailedPreconditionError("the sandbox was stopped");
+    }
+    int fd = ::openat(writable_layer_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+      return ErrnoError("open", "the sandbox's writable layer");
+    }
+    return UniqueFd(fd);
+  }
+
+  Status FlushWrites(std::chrono::milliseconds timeout) override {
+    // sync(2) inside gVisor: the sentry writes back what it caches of the files (pages of
+    // files it maps without a host fd; with --file-access=shared plain writes go through).
+    BRAGG_ASSIGN_OR_RETURN(ProcessExit exit, RunHelper({"--sync"}, timeout));
+    if (exit.signal != 0 || exit.exit_code != 0) {
+      return absl::InternalError(
+          fmt::format("sync inside the sandbox failed: {}", DescribeHelperExit(exit)));
+    }
+    return absl::OkStatus();
+  }
+
+  Status Remove(const std::string& path, bool recursive) override {
+    // The sentry keeps what it looked up (dentries holding the gofer's open files); a removal
+    // behind its back on the host leaves those open, and the file's blocks taken, until it
+    // happens to revalidate them and the gofer's batched closes go out. Removed through the
+    // sentry first, the files are closed at once. Best effort, with the sandbox's own rights;
+    // the agent's removal on the host then does the rest and decides the outcome.
+    std::optional<std::string> inside = GvisorHelperPath(path);
+    bool gone_inside = false;
+    if (inside.has_value()) {
+      auto exit = RunHelper({recursive ? "--remove-tree" : "--remove", *inside}, kHelperTimeout);
+      if (!exit.ok()) {
+        // Unavailable: the sandbox's processes are gone (OOM, stopped); its files stay.
+        spdlog::log(absl::IsUnavailable(exit.status()) ? spdlog::level::debug : spdlog::level::warn,
+                    "removing {} inside gVisor sandbox {}: {}", *inside, bundle_,
+                    std::string(exit.status().message()));
+      } else {
+        gone_inside = exit->signal == 0 && exit->exit_code == 0;
+      }
+    }
+    Status removed = fs_->Remove(path, recursive);
+    if (gone_inside && absl::IsNotFound(removed)) {
+      return absl::OkStatus();
+    }
+    return removed;
+  }
+
   Status Stop() override {
     if (stopped_) {
       return absl::OkStatus();
     }
     stopped_ = true;
+    {
+      // The fd pins the writable layer's tmpfs (and its memory): let it go with the sandbox.
+      // A clone still copying holds its own fd from OpenWritableLayer and finishes.
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      writable_layer_.Reset();
+    }
     // runsc, the sentry, the gofer and (inside the sentry) every sandboxed process.
     Status status = cgroup_->KillAll();
     if (runsc_.running()) {
@@ -148,9 +217,59 @@ class GvisorSandbox : public RuntimeSandbox {
   std::unique_ptr<InitClient> init_;
   std::optional<SandboxFs> fs_;
   bool stopped_ = false;
+
+  std::mutex layer_mu_;
+  UniqueFd writable_layer_;  // the overlay's upper directory on the host; guarded by layer_mu_
+
+ private:
+  // Runs pbox-init's one-shot helper (init_helpers.h) with `args` in the sandbox and waits
+  // at most `timeout` for it (then kills it: DeadlineExceeded).
+  Result<ProcessExit> RunHelper(std::vector<std::string> args, std::chrono::milliseconds timeout) {
+    SpawnRequest request;
+    request.argv = {kInitInSandbox};
+    request.argv.insert(request.argv.end(), args.begin(), args.end());
+    request.cwd = "/";
+    BRAGG_ASSIGN_OR_RETURN(std::shared_ptr<ProcessHandle> helper, init_->Spawn(request));
+    auto exit = helper->Wait(timeout);
+    if (!exit.ok() && absl::IsDeadlineExceeded(exit.status())) {
+      (void)init_->Kill(helper->id(), SIGKILL, /*whole_tree=*/false);
+    }
+    return exit;
+  }
 };
 
 }  // namespace
+
+std::optional<std::string> GvisorHelperPath(const std::string& path) {
+  if (path.find('\0') != std::string::npos || path.size() >= 4096) {
+    return std::nullopt;
+  }
+  std::string out;
+  std::string first;
+  size_t i = 0;
+  while (i < path.size()) {
+    size_t j = path.find('/', i);
+    if (j == std::string::npos) {
+      j = path.size();
+    }
+    std::string part = path.substr(i, j - i);
+    i = j + 1;
+    if (part.empty() || part == ".") {
+      continue;
+    }
+    if (part == "..") {
+      return std::nullopt;
+    }
+    if (first.empty()) {
+      first = part;
+    }
+    out += "/" + part;
+  }
+  if (out.empty() || first == "proc" || first == "dev") {
+    return std::nullopt;
+  }
+  return out;
+}
 
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
                                const std::string& rootfs, const GvisorSandboxPolicy& policy) {
@@ -394,7 +513,13 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                             fmt::format("size={},mode=0755", spec.disk_bytes)));
   BRAGG_RETURN_IF_ERROR(MakeDirs(layer_dir + "/upper", 0755));
   BRAGG_RETURN_IF_ERROR(MakeDirs(layer_dir + "/work", 0755));
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd upper_fd,
+                         OpenFile(layer_dir + "/upper", O_RDONLY | O_DIRECTORY | O_NOFOLLOW, 0));
   std::string lower;
+  // A clone's frozen layers (top first) above the image's.
+  for (const std::string& dir : spec.frozen_lower_dirs) {
+    lower += (lower.empty() ? "" : ":") + dir;
+  }
   for (const std::string& dir : spec.image->lower_dirs) {
     lower += (lower.empty() ? "" : ":") + dir;
   }
@@ -435,8 +560,9 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(
       bundle + "/config.json", GvisorBundleConfig(spec, options_.init_path, rootfs, policy_)));
 
-  auto sandbox = std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root),
-                                                 std::move(inner), spec.cgroup);
+  auto sandbox =
+      std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root), std::move(inner),
+                                      spec.cgroup, std::move(upper_fd));
   guard.armed = false;  // the sandbox owns the bundle now; its Stop() removes it
   sandbox->runsc_pid_ = launcher.pid();
   sandbox->runsc_ = std::move(launcher);

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -101,5 +102,13 @@ class UnavailableRuntime : public Runtime {
 // `rootfs`: the host path of the sandbox's root (the bundle's rootfs mount).
 std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_path,
                                const std::string& rootfs, const GvisorSandboxPolicy& policy = {});
+
+// The path a file-API path (relative to the sandbox root) names for the sandbox's own
+// processes, for pbox-init's helpers run inside (init_helpers.h): absolute, without "." or
+// empty components. nullopt where the agent must not act from inside: the root, paths with
+// ".." (their meaning depends on the symlinks on the way, which the host side resolves its
+// own way), and paths under /proc and /dev (gVisor's own filesystems there, not the disk).
+// Exposed for tests.
+std::optional<std::string> GvisorHelperPath(const std::string& path);
 
 }  // namespace bragg::pbox

@@ -112,5 +112,18 @@ TEST(GvisorRuntimeTest, HostPidsBoundLeavesRoomForGvisorsOwnTasks) {
   EXPECT_TRUE(RemoveTree(dir).ok());
 }
 
+TEST(GvisorHelperPathTest, NormalizesAndRefusesWhatMustNotBeTouchedFromInside) {
+  EXPECT_EQ(GvisorHelperPath("/tmp/fill"), "/tmp/fill");
+  EXPECT_EQ(GvisorHelperPath("tmp//./fill/"), "/tmp/fill");
+  EXPECT_EQ(GvisorHelperPath("/procfs/x"), "/procfs/x");
+  EXPECT_EQ(GvisorHelperPath("/tmp/proc"), "/tmp/proc");
+  for (const char* refused : {"", "/", "//", "/.", "./", "/tmp/../etc", "..", "/a/b/..", "/proc",
+                              "/proc/1/fd", "dev/null", "/./dev/shm/x"}) {
+    EXPECT_EQ(GvisorHelperPath(refused), std::nullopt) << refused;
+  }
+  EXPECT_EQ(GvisorHelperPath(std::string("/tmp/a\0b", 9)), std::nullopt);
+  EXPECT_EQ(GvisorHelperPath("/" + std::string(5000, 'a')), std::nullopt);
+}
+
 }  // namespace
 }  // namespace bragg::pbox

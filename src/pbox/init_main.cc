@@ -2,6 +2,8 @@
 //
 // Usage: pbox-init [--channel-fd=N]   (N defaults to 3)
 //        pbox-init --stream            (frames on stdin/stdout; the gVisor runtime)
+//        pbox-init --sync | --remove PATH | --remove-tree PATH
+//                                      (one-shot helpers for gVisor sandboxes: init_helpers.h)
 
 #include <fcntl.h>
 #include <sys/prctl.h>
@@ -13,9 +15,13 @@
 #include <string>
 
 #include "common/unique_fd.h"
+#include "pbox/init_helpers.h"
 #include "pbox/init_server.h"
 
 int main(int argc, char** argv) {
+  if (bragg::pbox::IsInitHelper(argc, argv)) {
+    return bragg::pbox::RunInitHelper(argc, argv);
+  }
   // Commands in the sandbox run as the same uid (0, without capabilities) as PID 1. While
   // PID 1 is dumpable they could ptrace it, read its memory, or open through /proc/1/fd and
   // /proc/1/exe what it holds: the agent's log on stderr and the host's pbox-init binary.

@@ -1006,5 +1006,59 @@ TEST(StreamInitTest, SurvivesBadFramesAndStopsOnABrokenStream) {
   EXPECT_EQ(exit->exit_code, 1);
 }
 
+// The one-shot helpers (init_helpers.h), run on the host here: they are plain programs.
+int RunHelper(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {kInitPath};
+  argv.insert(argv.end(), args.begin(), args.end());
+  SpawnOptions opts;
+  auto child = Spawn(argv, opts);
+  if (!child.ok()) {
+    ADD_FAILURE() << child.status();
+    return -1;
+  }
+  auto exit = child->Wait(milliseconds(30000));
+  if (!exit.ok() || exit->signal != 0) {
+    ADD_FAILURE() << "helper did not exit";
+    return -1;
+  }
+  return exit->exit_code;
+}
+
+TEST(InitHelpersTest, RemoveTreeFollowsNoSymlinkAndReportsWhatIsLeft) {
+  auto tmp = TempDir::Create("/tmp", "pbox-init-helpers-");
+  ASSERT_TRUE(tmp.ok()) << tmp.status();
+  const std::string d = tmp->path();
+  ASSERT_TRUE(MakeDirs(d + "/outside/keep", 0755).ok());
+  ASSERT_TRUE(WriteStringToFile(d + "/outside/keep/f", "keep").ok());
+  ASSERT_TRUE(MakeDirs(d + "/tree/a/b", 0755).ok());
+  ASSERT_TRUE(WriteStringToFile(d + "/tree/a/b/f", "x").ok());
+  ASSERT_TRUE(WriteStringToFile(d + "/tree/.hidden", "x").ok());
+  ASSERT_EQ(::symlink((d + "/outside").c_str(), (d + "/tree/a/link").c_str()), 0);
+  ASSERT_EQ(::symlink((d + "/outside").c_str(), (d + "/dirlink").c_str()), 0);
+
+  // Not recursive: a non-empty directory stays (exit 1), a file and an empty dir go.
+  EXPECT_EQ(RunHelper({"--remove", d + "/tree"}), 1);
+  ASSERT_TRUE(MakeDirs(d + "/empty", 0755).ok());
+  EXPECT_EQ(RunHelper({"--remove", d + "/empty"}), 0);
+  EXPECT_EQ(RunHelper({"--remove", d + "/missing"}), 1);
+  // A symlink to a directory is removed as a link, its target untouched.
+  EXPECT_EQ(RunHelper({"--remove-tree", d + "/dirlink"}), 0);
+  EXPECT_EQ(RunHelper({"--remove-tree", d + "/tree"}), 0);
+  struct stat st;
+  EXPECT_NE(::lstat((d + "/tree").c_str(), &st), 0);
+  EXPECT_NE(::lstat((d + "/dirlink").c_str(), &st), 0);
+  EXPECT_EQ(ReadFileToString(d + "/outside/keep/f").value_or(""), "keep");
+  EXPECT_EQ(RunHelper({"--remove-tree", d + "/tree"}), 1);  // nothing there: not "removed"
+
+  // Bad usage: relative paths, missing or extra arguments.
+  EXPECT_EQ(RunHelper({"--remove", "relative"}), 2);
+  EXPECT_EQ(RunHelper({"--remove-tree"}), 2);
+  EXPECT_EQ(RunHelper({"--remove", d, d}), 2);
+  EXPECT_EQ(RunHelper({"--sync"}), 0);
+  EXPECT_EQ(RunHelper({"--sync", "x"}), 2);
+  EXPECT_EQ(RunHelper({"--sync", d + "/outside"}), 2);
+  EXPECT_EQ(ReadFileToString(d + "/outside/keep/f").value_or(""), "keep");
+}
+
 }  // namespace
 }  // namespace bragg::pbox

@@ -3,6 +3,7 @@
 // The runtime interface: what turns a sandbox spec into isolated processes. The native
 // runtime (native_runtime.h) uses Linux namespaces directly; others (gVisor) plug in here.
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -49,6 +50,18 @@ class RuntimeSandbox {
   virtual Result<UniqueFd> OpenWritableLayer() {
     return absl::UnimplementedError("this runtime cannot clone sandboxes");
   }
+  // Removes `path` (the tree below it with `recursive`) from the sandbox's filesystem for the
+  // agent's file API, with SandboxFs::Remove's semantics and errors. A runtime whose kernel
+  // caches the files (gVisor) removes them through that kernel too, so that it lets go of
+  // them (and of their disk space) at once.
+  virtual Status Remove(const std::string& path, bool recursive) {
+    return fs().Remove(path, recursive);
+  }
+  // Makes what the sandbox's processes wrote so far reach the writable layer on the host
+  // (what a copy through OpenWritableLayer sees), for CloneSandbox before it freezes the
+  // sandbox. OK at once where the processes' writes land there directly (the native runtime:
+  // the host kernel's page cache is the layer). Blocks at most about `timeout`.
+  virtual Status FlushWrites(std::chrono::milliseconds /*timeout*/) { return absl::OkStatus(); }
 };
 
 class Runtime {

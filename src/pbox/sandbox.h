@@ -113,6 +113,10 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   bool destroying() const { return destroying_.load(); }
   Result<CgroupStats> Stats() const { return cgroup_->Stats(); }
   const SandboxFs& fs() const { return runtime_->fs(); }
+  // Removes a path for the file API (RuntimeSandbox::Remove): use this, not fs().Remove.
+  Status Remove(const std::string& path, bool recursive) {
+    return runtime_->Remove(path, recursive);
+  }
 
   // Marks the sandbox used now (idle TTL).
   void Touch();
@@ -129,6 +133,8 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   std::shared_ptr<const FrozenLayer> frozen_layer() const;
   // A read-only fd of the writable layer (RuntimeSandbox::OpenWritableLayer).
   Result<UniqueFd> OpenWritableLayer() { return runtime_->OpenWritableLayer(); }
+  // RuntimeSandbox::FlushWrites.
+  Status FlushWrites(std::chrono::milliseconds timeout) { return runtime_->FlushWrites(timeout); }
   // Stops or resumes every process of the sandbox (its cgroup's freezer).
   Status Freeze(bool frozen) { return cgroup_->Freeze(frozen); }
 

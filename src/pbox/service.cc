@@ -770,7 +770,7 @@ grpc::Status PboxService::Remove(grpc::ServerContext* ctx, const v1::RemoveReque
   if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
-  return ToGrpc(sb->fs().Remove(req->path(), req->recursive()));
+  return ToGrpc(sb->Remove(req->path(), req->recursive()));
 }
 
 grpc::Status PboxService::Move(grpc::ServerContext* ctx, const v1::MoveRequest* req,

@@ -4,6 +4,7 @@ isolation, sessions, argument checks and errors."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -81,3 +82,32 @@ def test_aio_clone(agent) -> None:
                 await src.destroy(missing_ok=True)
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_writes_just_before_the_call_are_in_the_clones(session: pbox.Session) -> None:
+    """A file just written, one still open in a live process and a shared mapping never
+    msync'ed: all in the clones (under gVisor the mapping's pages may sit in the sentry
+    until the clone's sync)."""
+    src = session.create(memory="128M", disk="64M")
+    src.run("mkdir -p /w && (exec 3>/w/open; echo held >&3; exec sleep 1000) "
+            ">/dev/null 2>&1 &").check()
+    with src.exec(["python3", "-c",
+                   "import mmap, os, sys, time\n"
+                   "fd = os.open('/w/mapped', os.O_RDWR | os.O_CREAT, 0o644)\n"
+                   "os.ftruncate(fd, 4096)\n"
+                   "m = mmap.mmap(fd, 4096)\n"
+                   "m[:7] = b'mapped!'\n"
+                   "print('ready', flush=True)\n"
+                   "time.sleep(1000)\n"]) as writer:
+        assert next(iter(writer.stdout_iter())) == b"ready\n"
+        deadline = time.monotonic() + 60
+        while not src.exists("/w/open") or src.read_file("/w/open") != b"held\n":
+            assert time.monotonic() < deadline, "the background writer never wrote"
+            time.sleep(0.02)
+        src.run("echo last > /w/closed").check()
+        clones = src.clone(2)
+        for c in clones:
+            assert c.read_file("/w/closed") == b"last\n"
+            assert c.read_file("/w/open") == b"held\n"
+            assert c.read_file("/w/mapped")[:7] == b"mapped!"
+            assert c.run("head -c 7 /w/mapped; cat /w/closed").stdout == b"mapped!last\n"

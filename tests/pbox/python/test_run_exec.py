@@ -10,6 +10,7 @@ import time
 import pytest
 
 import pbox
+from conftest import on_gvisor
 
 
 def test_run_exit_codes_and_streams(sandbox: pbox.Sandbox) -> None:
@@ -59,6 +60,18 @@ def test_run_python_with_numpy(sandbox: pbox.Sandbox) -> None:
     r = sandbox.run(["/usr/bin/python3", "-c", "import numpy; print(int(numpy.arange(10).sum()))"])
     r.check()
     assert r.stdout == b"45\n"
+
+
+def test_coreutils_stat_and_python_stat(sandbox: pbox.Sandbox) -> None:
+    """`stat`/`ls` use statx with AT_NO_AUTOMOUNT, which gVisor 20221219 rejects (EINVAL);
+    Python's os.stat (fstatat) works on both runtimes (docs/pbox.md, "The gVisor runtime")."""
+    py = sandbox.run(["python3", "-c", "import os; print(oct(os.stat('/etc/passwd').st_mode))"])
+    assert py.ok and py.stdout == b"0o100644\n", py
+    r = sandbox.run(["stat", "-c", "%a", "/etc/passwd"])
+    if on_gvisor():
+        assert not r.ok and b"Invalid argument" in r.stderr, r
+    else:
+        assert r.ok and r.stdout == b"644\n", r
 
 
 def test_run_timeout(sandbox: pbox.Sandbox) -> None:
