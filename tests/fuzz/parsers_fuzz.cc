@@ -1,5 +1,7 @@
 // Fuzzes the small parsers that read operator- or client-supplied text: sizes ("1.5GiB"),
-// CPU lists ("0-3,8"), --image NAME=DIR flags and --listen addresses. Each must accept or
+// CPU lists ("0-3,8"), --image NAME=DIR flags, --listen addresses, and the binary request and
+// status headers of the data channel (pbox/data_protocol.h), which anyone who can reach the
+// data socket may send. Each must accept or
 // refuse with a message, never crash, and what it accepts must round-trip.
 //
 // Input: byte 0 selects the parser, the rest is the text.
@@ -12,6 +14,7 @@
 #include "common/units.h"
 #include "pbox/agent.h"
 #include "pbox/cpuset.h"
+#include "pbox/data_protocol.h"
 #include "pbox/image_store.h"
 
 namespace pb = bragg::pbox;
@@ -99,6 +102,40 @@ void FuzzListen(const std::string& text) {
   }
 }
 
+void FuzzDataRequest(const std::string& bytes) {
+  auto r = pb::ParseDataRequest(bytes);
+  if (!r.ok()) {
+    if (r.status().message().empty()) {
+      Die("data request refused without a message", bytes);
+    }
+    return;
+  }
+  if (r->op != pb::DataOp::kUpload && r->op != pb::DataOp::kDownload) {
+    Die("data request accepted with an unknown op", bytes);
+  }
+  if (pb::EncodeDataRequest(*r) != bytes) {
+    Die("data request does not re-encode to its bytes", bytes);
+  }
+}
+
+void FuzzDataStatus(const std::string& bytes) {
+  pb::DataStatus st;
+  auto len = pb::ParseDataStatusHead(bytes.substr(0, pb::kDataStatusHeadBytes), &st);
+  if (!len.ok()) {
+    return;
+  }
+  if (*len > pb::kMaxMessageBytes) {
+    Die("data status message length beyond the bound", bytes);
+  }
+  st.message = bytes.substr(std::min(bytes.size(), pb::kDataStatusHeadBytes), *len);
+  std::string again = pb::EncodeDataStatus(st);
+  pb::DataStatus back;
+  auto len2 = pb::ParseDataStatusHead(again.substr(0, pb::kDataStatusHeadBytes), &back);
+  if (!len2.ok() || *len2 != st.message.size() || back.code != st.code || back.bytes != st.bytes) {
+    Die("data status round trip", bytes);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -106,7 +143,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   std::string text(reinterpret_cast<const char*>(data + 1), size - 1);
-  switch (data[0] % 4) {
+  switch (data[0] % 6) {
     case 0:
       FuzzSize(text);
       break;
@@ -116,8 +153,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 2:
       FuzzImageFlag(text);
       break;
-    default:
+    case 3:
       FuzzListen(text);
+      break;
+    case 4:
+      FuzzDataRequest(text);
+      break;
+    default:
+      FuzzDataStatus(text);
       break;
   }
   return 0;
