@@ -7,7 +7,11 @@
 // Output contract (scripts depend on it; bench/peers/*_peer.py write the same shape): one JSON
 // object with "runtime", "sandboxes", "metrics" {create_ms, exec_true_ms, exec_python_ms,
 // rtt_1mib_ms, rtt_1mib_concurrent_ms: {"p50", "p99", "n"}}, "throughput_gbps", and "tools"
-// {NAME: {"p50", "p99", "n", "ms": [wall ms of execution k, run with seed k]}}. "floor" holds
+// {NAME: {"p50", "p99", "n", "ms": [wall ms of execution k, run with seed k]}}. The rtt and
+// throughput metrics are those of the client's default transfer path, named by "transfer"
+// ("data": the agent's data channel, "grpc": the WriteFile/ReadFile streams);
+// "transfer_paths" {PATH: {rtt_1mib_ms, rtt_1mib_concurrent_ms, throughput_gbps}} holds both,
+// measured interleaved in the same run (--transfer-ab). "floor" holds
 // the same shape with "runtime": "floor" (no create_ms: the host creates nothing).
 // Exit status 3: the agent does not offer the runtime asked for.
 
@@ -424,6 +428,10 @@ int main(int argc, char** argv) {
   app.add_option("--tool-samples", tool_samples,
                  "executions of each tool (seeds 0..K-1), spread over the sandboxes; 0: none")
       ->capture_default_str();
+  bool transfer_ab = true;
+  app.add_option("--transfer-ab", transfer_ab,
+                 "also measure the gRPC file streams beside the data channel, interleaved")
+      ->capture_default_str();
   uint32_t clone_count = 0;
   size_t clone_setup_mib = 8;
   app.add_option("--clone", clone_count,
@@ -524,13 +532,21 @@ int main(int argc, char** argv) {
     uint64_t x = rng();
     std::memcpy(payload.data() + i, &x, 8);
   }
-  auto round_trip = [&](const std::string& id) {
+  // The client's default transfer path (the data channel when the agent offers it) and the
+  // gRPC streams, measured interleaved (A B A B ...) so both see the same machine load.
+  options.data_channel = false;
+  auto grpc_client_or = Client::Connect(options);
+  if (!grpc_client_or.ok()) {
+    Die(grpc_client_or.status(), "connect");
+  }
+  Client& grpc_client = **grpc_client_or;
+  auto round_trip = [&](Client& c, const std::string& id) {
     auto t0 = Clock::now();
-    auto w = client.WriteFile(id, "/tmp/bench.bin", payload);
+    auto w = c.WriteFile(id, "/tmp/bench.bin", payload);
     if (!w.ok()) {
       Die(w.status(), "WriteFile");
     }
-    auto r = client.ReadFile(id, "/tmp/bench.bin");
+    auto r = c.ReadFile(id, "/tmp/bench.bin");
     if (!r.ok()) {
       Die(r.status(), "ReadFile");
     }
@@ -540,28 +556,54 @@ int main(int argc, char** argv) {
     }
     return ms;
   };
-  Stats rtt;
+  // One warm-up round trip each: the first learns whether the agent offers the data channel.
+  (void)round_trip(client, ids[0]);
+  (void)round_trip(grpc_client, ids[0]);
+  struct Path {
+    const char* name;
+    Client* client;
+    Stats rtt, rtt_conc;
+    double bytes = 0, seconds = 0;
+  };
+  std::vector<Path> paths = {{client.uses_data_channel() ? "data" : "grpc", &client}};
+  if (transfer_ab && client.uses_data_channel()) {
+    paths.push_back({"grpc", &grpc_client});
+  }
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < sandboxes; ++i) {
-      rtt.v.push_back(round_trip(ids[i]));
+      for (Path& p : paths) {
+        p.rtt.v.push_back(round_trip(*p.client, ids[i]));
+      }
     }
   }
-  std::cerr << fmt::format("  1 MiB round trip p50 {:.3f} ms\n", rtt.Pct(50));
-  Stats rtt_conc;
-  double bytes_moved = 0;
-  auto t_conc = Clock::now();
-  for (int r = 0; r < rounds; ++r) {
-    ParallelFor(sandboxes, sandboxes, [&](size_t i) {
-      double ms = round_trip(ids[i]);
-      std::lock_guard<std::mutex> lock(mu);
-      rtt_conc.v.push_back(ms);
-      bytes_moved += 2.0 * kMiB;
-    });
+  for (Path& p : paths) {
+    std::cerr << fmt::format("  1 MiB round trip ({}) p50 {:.3f} ms\n", p.name, p.rtt.Pct(50));
   }
-  double conc_s = Ms(t_conc) / 1000.0;
-  double gbps = bytes_moved / conc_s / 1e9;
-  std::cerr << fmt::format("  concurrent 1 MiB round trips p50 {:.3f} ms, {:.2f} GB/s\n",
-                           rtt_conc.Pct(50), gbps);
+  for (int r = 0; r < rounds; ++r) {
+    for (Path& p : paths) {
+      auto t_conc = Clock::now();
+      ParallelFor(sandboxes, sandboxes, [&](size_t i) {
+        double ms = round_trip(*p.client, ids[i]);
+        std::lock_guard<std::mutex> lock(mu);
+        p.rtt_conc.v.push_back(ms);
+        p.bytes += 2.0 * kMiB;
+      });
+      p.seconds += Ms(t_conc) / 1000.0;
+    }
+  }
+  for (Path& p : paths) {
+    std::cerr << fmt::format("  concurrent 1 MiB round trips ({}) p50 {:.3f} ms, {:.2f} GB/s\n",
+                             p.name, p.rtt_conc.Pct(50), p.bytes / p.seconds / 1e9);
+  }
+  Stats rtt = paths[0].rtt;
+  Stats rtt_conc = paths[0].rtt_conc;
+  double gbps = paths[0].bytes / paths[0].seconds / 1e9;
+  nlohmann::json transfer_paths = nlohmann::json::object();
+  for (Path& p : paths) {
+    transfer_paths[p.name] = {{"rtt_1mib_ms", p.rtt.Json()},
+                              {"rtt_1mib_concurrent_ms", p.rtt_conc.Json()},
+                              {"throughput_gbps", p.bytes / p.seconds / 1e9}};
+  }
 
   // Tool executions: each script uploaded once to every sandbox; execution k of tool t runs
   // with seed k in sandbox (k * tools + t) mod N, timed from the call to its result.
@@ -629,6 +671,8 @@ int main(int argc, char** argv) {
         {"rtt_1mib_ms", rtt.Json()},
         {"rtt_1mib_concurrent_ms", rtt_conc.Json()}}},
       {"throughput_gbps", gbps},
+      {"transfer", paths[0].name},
+      {"transfer_paths", transfer_paths},
       {"tools", tool_times.Json()},
       {"floor",
        {{"runtime", "floor"},

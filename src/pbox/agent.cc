@@ -13,6 +13,7 @@
 #include "fmt/format.h"
 #include "pbox/cgroup.h"
 #include "pbox/cpuset.h"
+#include "pbox/data_server.h"
 #include "pbox/gvisor_runtime.h"
 #include "pbox/image_store.h"
 #include "pbox/metrics.h"
@@ -239,6 +240,23 @@ Status RunAgent(const AgentConfig& config) {
       builder.AddListeningPort(addr, grpc::InsecureServerCredentials());
     }
   }
+  // Declared after the service: tickets hold slots of its limiter, and the data server's
+  // connections hold tickets' grants, so both go before the service does.
+  TransferTickets tickets(
+      TransferTicketOptions{.ttl = std::chrono::milliseconds(config.transfer_ticket_ttl_ms)});
+  std::unique_ptr<DataServer> data_server;
+  if (config.data_channel) {
+    std::vector<std::string> tcp_hosts;
+    for (const auto& [addr, port] : tcp_ports) {
+      tcp_hosts.push_back(addr.substr(0, addr.rfind(':')));
+    }
+    DataServerOptions data_options;
+    data_options.max_connections = config.max_data_connections;
+    BRAGG_ASSIGN_OR_RETURN(data_server,
+                           DataServer::Start(&tickets, unix_paths, tcp_hosts, config.data_port,
+                                             data_options, &metrics));
+    service.EnableDataChannel(&tickets, data_server->unix_endpoint(), data_server->tcp_port());
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) {
     return absl::UnavailableError(
@@ -260,6 +278,12 @@ Status RunAgent(const AgentConfig& config) {
   spdlog::info("pboxd {} serving on {} (cpus {}, cgroup {}, max {} sandboxes, state {})", kVersion,
                fmt::join(endpoints, ", "), sandbox_cpus.ToString(), cgroups->version(),
                config.max_sandboxes, config.state_dir);
+  if (data_server) {
+    spdlog::info("data channel on {}{}", data_server->unix_endpoint(),
+                 data_server->tcp_port() != 0
+                     ? fmt::format(" and TCP port {}", data_server->tcp_port())
+                     : std::string());
+  }
   if (!config.ready_file.empty()) {
     nlohmann::json ready = {{"pid", ::getpid()},
                             {"endpoints", endpoints},
@@ -277,6 +301,7 @@ Status RunAgent(const AgentConfig& config) {
   spdlog::info("signal {}: destroying {} sandboxes and stopping", sig, manager.live());
   manager.DestroyAll();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  data_server.reset();
   manager.DestroyAll();
   for (const std::string& path : unix_paths) {
     ::unlink(path.c_str());

@@ -34,6 +34,11 @@ struct AgentConfig {
   uint32_t keepalive_ms = 10000;
   uint64_t max_image_bytes = 4ull << 30;  // largest image import (archive, and unpacked)
   ClientLimits client_limits;             // per-client caps and refusal pacing
+  // Data channel (docs/pbox.md "Data channel"): a socket beside each listener for file bytes.
+  bool data_channel = true;
+  uint16_t data_port = 0;                   // TCP port of the data channel; 0: a free one
+  uint32_t transfer_ticket_ttl_ms = 10000;  // an unused transfer ticket lapses after this
+  uint32_t max_data_connections = 1024;
 };
 
 // Runs the agent until a termination signal. Returns the error that stopped it from starting

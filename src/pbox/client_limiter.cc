@@ -80,7 +80,7 @@ void ClientLimiter::Refill(State* st, Clock::time_point now) const {
 
 void ClientLimiter::MaybeForget(std::map<std::string, State>::iterator it, Clock::time_point now) {
   State& st = it->second;
-  if (st.creates != 0 || st.execs != 0 || st.held != 0) {
+  if (st.creates != 0 || st.execs != 0 || st.transfers != 0 || st.held != 0) {
     return;
   }
   Refill(&st, now);
@@ -113,20 +113,54 @@ ClientLimiter::State& ClientLimiter::Find(const std::string& client, Clock::time
 Result<ClientLimiter::Slot> ClientLimiter::Admit(const std::string& client, Kind kind) {
   std::lock_guard<std::mutex> lock(mu_);
   State& st = Find(client, now_());
-  uint32_t& count = kind == Kind::kCreate ? st.creates : st.execs;
-  uint32_t cap = kind == Kind::kCreate ? limits_.max_creates : limits_.max_execs;
+  uint32_t& count = CountOf(st, kind);
+  uint32_t cap = CapOf(kind);
   if (cap != 0 && count >= cap) {
-    return absl::ResourceExhaustedError(
-        kind == Kind::kCreate
-            ? fmt::format("this client already has {} sandbox creations in flight, the agent's "
-                          "per-client limit (pboxd --client-max-creates): wait for some to finish",
-                          cap)
-            : fmt::format("this client already has {} commands running, the agent's per-client "
-                          "limit (pboxd --client-max-execs): wait for some to finish",
-                          cap));
+    switch (kind) {
+      case Kind::kCreate:
+        return absl::ResourceExhaustedError(
+            fmt::format("this client already has {} sandbox creations in flight, the agent's "
+                        "per-client limit (pboxd --client-max-creates): wait for some to finish",
+                        cap));
+      case Kind::kExec:
+        return absl::ResourceExhaustedError(
+            fmt::format("this client already has {} commands running, the agent's per-client "
+                        "limit (pboxd --client-max-execs): wait for some to finish",
+                        cap));
+      case Kind::kTransfer:
+        return absl::ResourceExhaustedError(
+            fmt::format("this client already has {} file transfers open, the agent's per-client "
+                        "limit (pboxd --client-max-transfers): finish or abandon some first "
+                        "(an unused ticket lapses when it expires)",
+                        cap));
+    }
   }
   ++count;
   return Slot(this, client, kind);
+}
+
+uint32_t& ClientLimiter::CountOf(State& st, Kind kind) {
+  switch (kind) {
+    case Kind::kCreate:
+      return st.creates;
+    case Kind::kExec:
+      return st.execs;
+    case Kind::kTransfer:
+      break;
+  }
+  return st.transfers;
+}
+
+uint32_t ClientLimiter::CapOf(Kind kind) const {
+  switch (kind) {
+    case Kind::kCreate:
+      return limits_.max_creates;
+    case Kind::kExec:
+      return limits_.max_execs;
+    case Kind::kTransfer:
+      break;
+  }
+  return limits_.max_transfers;
 }
 
 void ClientLimiter::Release(const std::string& client, Kind kind) {
@@ -135,7 +169,7 @@ void ClientLimiter::Release(const std::string& client, Kind kind) {
   if (it == clients_.end()) {
     return;
   }
-  uint32_t& count = kind == Kind::kCreate ? it->second.creates : it->second.execs;
+  uint32_t& count = CountOf(it->second, kind);
   if (count > 0) {
     --count;
   }

@@ -24,6 +24,9 @@ struct ClientLimits {
   uint32_t max_creates = 64;
   // Exec and Run calls one client may have in flight; 0: no cap.
   uint32_t max_execs = 1024;
+  // Data-channel transfers (OpenTransfer tickets not yet used up, and transfers moving) one
+  // client may hold at once; 0: no cap.
+  uint32_t max_transfers = 256;
   // Refusals (RESOURCE_EXHAUSTED) one client gets at once per second, with a burst of as
   // many; beyond that each refusal is held until the client's budget allows it, at most
   // refusal_hold_ms. 0 (or negative, infinite, NaN): refusals are never held.
@@ -38,7 +41,7 @@ struct ClientLimits {
 class ClientLimiter {
  public:
   using Clock = std::chrono::steady_clock;
-  enum class Kind { kCreate, kExec };
+  enum class Kind { kCreate, kExec, kTransfer };
 
   // `now` is the clock (tests pass a fake one); `sleep` holds a refusal (tests record it).
   explicit ClientLimiter(
@@ -90,6 +93,7 @@ class ClientLimiter {
   struct State {
     uint32_t creates = 0;
     uint32_t execs = 0;
+    uint32_t transfers = 0;
     uint32_t held = 0;
     double tokens = 0;
     Clock::time_point refilled;
@@ -102,6 +106,9 @@ class ClientLimiter {
   // Counts one refusal in `st` and returns its hold. Called with mu_ held.
   std::chrono::microseconds DelayLocked(State* st, Clock::time_point now) const;
   void Release(const std::string& client, Kind kind);
+  // The count and the cap of `kind` in `st`.
+  uint32_t& CountOf(State& st, Kind kind);
+  uint32_t CapOf(Kind kind) const;
 
   const ClientLimits limits_;
   const std::function<Clock::time_point()> now_;

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
   app.add_option("--client-max-execs", cl.max_execs,
                  "commands one client may have running (0: no cap)")
       ->capture_default_str();
+  app.add_option("--client-max-transfers", cl.max_transfers,
+                 "data-channel file transfers one client may have open (0: no cap)")
+      ->capture_default_str();
   app.add_option("--client-refusals-per-second", cl.refusals_per_second,
                  "refusals one client gets at once per second; beyond, each is held (0: never)")
       ->capture_default_str()
@@ -75,6 +78,20 @@ int main(int argc, char** argv) {
                  "write {pid, endpoints, metrics_port} as JSON here once serving");
   app.add_option("--keepalive-ms", config.keepalive_ms, "HTTP/2 keepalive ping interval")
       ->capture_default_str();
+  app.add_option("--data-channel", config.data_channel,
+                 "offer the data channel for file transfers (a socket beside each listener)")
+      ->capture_default_str();
+  app.add_option("--data-port", config.data_port,
+                 "TCP port of the data channel for TCP listeners (0: a free port)")
+      ->capture_default_str();
+  app.add_option("--transfer-ticket-ttl-ms", config.transfer_ticket_ttl_ms,
+                 "how long an unused data-channel transfer ticket stays valid")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 600000u));
+  app.add_option("--max-data-connections", config.max_data_connections,
+                 "data-channel connections open at once")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 65536u));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   try {

@@ -5,6 +5,7 @@
 #include <limits.h>
 #include <linux/openat2.h>
 #include <stdio.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -529,6 +530,96 @@ Status SandboxFs::Move(std::string_view src, std::string_view dst, bool no_repla
     return ErrnoError("rename", what);
   }
   return absl::OkStatus();
+}
+
+}  // namespace bragg::pbox
+
+namespace bragg::pbox {
+
+PendingFile::PendingFile(PendingFile&& other) noexcept
+    : dir_(std::move(other.dir_)),
+      fd_(std::move(other.fd_)),
+      temp_(std::exchange(other.temp_, std::string())),
+      name_(std::move(other.name_)),
+      display_(std::move(other.display_)) {}
+
+PendingFile& PendingFile::operator=(PendingFile&& other) noexcept {
+  if (this != &other) {
+    Discard();
+    dir_ = std::move(other.dir_);
+    fd_ = std::move(other.fd_);
+    temp_ = std::exchange(other.temp_, std::string());
+    name_ = std::move(other.name_);
+    display_ = std::move(other.display_);
+  }
+  return *this;
+}
+
+PendingFile::~PendingFile() { Discard(); }
+
+void PendingFile::Discard() {
+  fd_.Reset();
+  if (!temp_.empty() && dir_.valid()) {
+    // Best effort: the name is ours (created O_EXCL), so nothing else is removed with it.
+    (void)::unlinkat(dir_.get(), temp_.c_str(), 0);
+  }
+  temp_.clear();
+}
+
+Status PendingFile::Commit(uint32_t mode) {
+  if (temp_.empty()) {
+    return absl::FailedPreconditionError(
+        fmt::format("{}: the upload was already committed or discarded", display_));
+  }
+  if (::fchmod(fd_.get(), mode & 07777) != 0) {
+    return ErrnoError("fchmod", display_);
+  }
+  if (::renameat(dir_.get(), temp_.c_str(), dir_.get(), name_.c_str()) != 0) {
+    if (errno == EISDIR) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: is a directory; only regular files can be written", display_));
+    }
+    return ErrnoError("rename", display_);
+  }
+  temp_.clear();
+  return absl::OkStatus();
+}
+
+Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_parents) const {
+  BRAGG_ASSIGN_OR_RETURN(ParsedPath p, ParsePath(path));
+  if (p.is_root()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: is the root directory; only regular files can be written", p.display));
+  }
+  UniqueFd dir;
+  if (make_parents) {
+    BRAGG_ASSIGN_OR_RETURN(dir, MakeParents(root_.get(), p, p.components.size() - 1));
+  } else {
+    BRAGG_ASSIGN_OR_RETURN(dir, ResolveParent(root_.get(), p));
+  }
+  struct stat st;
+  if (::fstatat(dir.get(), p.last().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: is a directory; only regular files can be written", p.display));
+  }
+  for (int attempt = 0;; ++attempt) {
+    uint64_t random = 0;
+    if (::getrandom(&random, sizeof(random), 0) != sizeof(random)) {
+      return ErrnoError("getrandom", p.display);
+    }
+    std::string temp = fmt::format(".pbox-upload-{:016x}", random);
+    // A single component in a directory fd we hold, created O_EXCL without following
+    // symlinks: whatever the sandbox puts there, this is a new regular file of ours.
+    int fd = ::openat(dir.get(), temp.c_str(),
+                      O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY, 0600);
+    if (fd >= 0) {
+      return PendingFile(std::move(dir), UniqueFd(fd), std::move(temp), p.last(), p.display);
+    }
+    if (errno != EEXIST || attempt >= kMaxRetries) {
+      return ErrnoError("create", fmt::format("{} (temporary file {})", p.display, temp));
+    }
+  }
 }
 
 }  // namespace bragg::pbox

@@ -29,6 +29,43 @@ struct FileStat {
   std::string symlink_target;
 };
 
+// A regular file being written under a temporary name (".pbox-upload-<random>") in the
+// directory of its destination. Commit renames it over the destination in one step; destroyed
+// uncommitted, it removes itself, so a failed upload leaves nothing behind. Move-only; not
+// thread-safe (one owner at a time).
+class PendingFile {
+ public:
+  PendingFile(PendingFile&& other) noexcept;
+  PendingFile& operator=(PendingFile&& other) noexcept;
+  PendingFile(const PendingFile&) = delete;
+  PendingFile& operator=(const PendingFile&) = delete;
+  ~PendingFile();
+
+  // The temporary file, open for writing.
+  int fd() const { return fd_.get(); }
+  // The destination as the caller named it, for messages.
+  const std::string& display() const { return display_; }
+  // Sets the permission bits, then renames the file over the destination (replacing a file or
+  // symlink there; a directory there is an error). After an error the file is still pending.
+  Status Commit(uint32_t mode);
+
+ private:
+  friend class SandboxFs;
+  PendingFile(UniqueFd dir, UniqueFd fd, std::string temp, std::string name, std::string display)
+      : dir_(std::move(dir)),
+        fd_(std::move(fd)),
+        temp_(std::move(temp)),
+        name_(std::move(name)),
+        display_(std::move(display)) {}
+  void Discard();
+
+  UniqueFd dir_;  // O_PATH fd of the destination's directory
+  UniqueFd fd_;
+  std::string temp_;  // empty once committed or discarded
+  std::string name_;
+  std::string display_;
+};
+
 // Thread-safe: holds only an fd; every call is independent.
 class SandboxFs {
  public:
@@ -50,6 +87,10 @@ class SandboxFs {
   // missing directories are created 0755. Same refusals as OpenRead.
   Result<UniqueFd> OpenWrite(std::string_view path, uint32_t mode, bool make_parents,
                              bool append) const;
+  // A new empty file beside `path` that PendingFile::Commit later renames to `path`: the
+  // atomic form of OpenWrite. InvalidArgument if `path` names the root or a directory;
+  // errors of resolving the parent as OpenWrite.
+  Result<PendingFile> CreatePending(std::string_view path, bool make_parents) const;
   // Entries sorted by name, without "." and "..".
   Result<std::vector<FileStat>> ListDir(std::string_view path) const;
   Status MakeDir(std::string_view path, uint32_t mode, bool parents) const;

@@ -785,6 +785,114 @@ grpc::Status PboxService::Move(grpc::ServerContext* ctx, const v1::MoveRequest* 
   return StatInto(*sb, req->dst(), resp);
 }
 
+void PboxService::EnableDataChannel(TransferTickets* tickets, std::string unix_endpoint,
+                                    uint16_t tcp_port) {
+  tickets_ = tickets;
+  data_unix_endpoint_ = std::move(unix_endpoint);
+  data_tcp_port_ = tcp_port;
+}
+
+grpc::Status PboxService::OpenTransfer(grpc::ServerContext* ctx, const v1::OpenTransferRequest* req,
+                                       v1::OpenTransferResponse* resp) {
+  if (auto s = Authorize(ctx); !s.ok()) {
+    return s;
+  }
+  const bool unix_peer = ctx->peer().rfind("unix:", 0) == 0;
+  std::string endpoint;
+  if (tickets_ != nullptr) {
+    if (unix_peer) {
+      endpoint = data_unix_endpoint_;
+    } else if (data_tcp_port_ != 0) {
+      endpoint = fmt::format("tcp://:{}", data_tcp_port_);
+    }
+  }
+  if (endpoint.empty()) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        "this agent offers no data channel here: use WriteFile/ReadFile");
+  }
+  const std::string client = ClientOf(ctx);
+  auto slot = limiter_.Admit(client, ClientLimiter::Kind::kTransfer);
+  if (!slot.ok()) {
+    return Refuse(client, slot.status());
+  }
+  std::shared_ptr<Sandbox> sb;
+  if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
+    return s;
+  }
+  TransferGrant grant;
+  grant.sandbox = sb;
+  grant.path = req->path();
+  grant.slot = *std::move(slot);
+  switch (req->direction()) {
+    case v1::TRANSFER_DIRECTION_UPLOAD: {
+      uint32_t mode = req->mode() == 0 ? 0644 : req->mode();
+      if ((mode & ~07777u) != 0) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            fmt::format("mode {:o} has bits beyond 07777", mode));
+      }
+      auto pending = sb->fs().CreatePending(req->path(), req->make_parents());
+      if (!pending.ok()) {
+        return ToGrpc(pending.status());
+      }
+      if (Status s = RefusePseudoFs(pending->fd(), req->path()); !s.ok()) {
+        return ToGrpc(s);
+      }
+      // Refused now rather than after the bytes crossed: a file larger than the space left
+      // (the sandbox's disk limit) would fail with ENOSPC anyway.
+      struct statfs sfs;
+      if (::fstatfs(pending->fd(), &sfs) == 0 && sfs.f_blocks != 0) {
+        uint64_t free_bytes = static_cast<uint64_t>(sfs.f_bavail) * sfs.f_bsize;
+        if (req->size() > free_bytes) {
+          return grpc::Status(
+              grpc::StatusCode::RESOURCE_EXHAUSTED,
+              fmt::format("{}: {} bytes do not fit in the {} bytes left on the sandbox's disk "
+                          "(its disk limit)",
+                          req->path(), req->size(), free_bytes));
+        }
+      }
+      grant.op = DataOp::kUpload;
+      grant.size = req->size();
+      grant.mode = mode & 0777;
+      grant.pending.emplace(*std::move(pending));
+      break;
+    }
+    case v1::TRANSFER_DIRECTION_DOWNLOAD: {
+      auto fd = sb->fs().OpenRead(req->path());
+      if (!fd.ok()) {
+        return ToGrpc(fd.status());
+      }
+      if (Status s = RefusePseudoFs(fd->get(), req->path()); !s.ok()) {
+        return ToGrpc(s);
+      }
+      struct stat st;
+      if (::fstat(fd->get(), &st) != 0) {
+        return ToGrpc(ErrnoError("fstat", req->path()));
+      }
+      grant.op = DataOp::kDownload;
+      grant.offset = req->offset();
+      grant.size = req->length() == 0 ? UINT64_MAX : req->length();
+      uint64_t size = static_cast<uint64_t>(st.st_size);
+      resp->set_size(size > grant.offset ? std::min(size - grant.offset, grant.size) : 0);
+      grant.file = *std::move(fd);
+      break;
+    }
+    default:
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "OpenTransfer: direction must be UPLOAD or DOWNLOAD");
+  }
+  auto ticket = tickets_->Issue(std::move(grant));
+  if (!ticket.ok()) {
+    if (ticket.status().code() == absl::StatusCode::kResourceExhausted) {
+      return Refuse(client, ticket.status());
+    }
+    return ToGrpc(ticket.status());
+  }
+  resp->set_ticket(reinterpret_cast<const char*>(ticket->data()), ticket->size());
+  resp->set_data_endpoint(endpoint);
+  resp->set_expires_in_ms(static_cast<uint32_t>(tickets_->ttl().count()));
+  return grpc::Status::OK;
+}
+
 grpc::Status PboxService::Info(grpc::ServerContext* ctx, const v1::InfoRequest*,
                                v1::InfoResponse* resp) {
   if (auto s = Authorize(ctx); !s.ok()) {

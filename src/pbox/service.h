@@ -9,6 +9,7 @@
 #include "pbox/client_limiter.h"
 #include "pbox/metrics.h"
 #include "pbox/sandbox_manager.h"
+#include "pbox/transfer_tickets.h"
 
 namespace bragg::pbox {
 
@@ -82,6 +83,8 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
                       v1::RemoveResponse* resp) override;
   grpc::Status Move(grpc::ServerContext* ctx, const v1::MoveRequest* req,
                     v1::FileInfo* resp) override;
+  grpc::Status OpenTransfer(grpc::ServerContext* ctx, const v1::OpenTransferRequest* req,
+                            v1::OpenTransferResponse* resp) override;
   grpc::Status Info(grpc::ServerContext* ctx, const v1::InfoRequest* req,
                     v1::InfoResponse* resp) override;
   grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest* req,
@@ -97,6 +100,15 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
                            v1::RemoveImageResponse* resp) override;
   grpc::Status PruneImages(grpc::ServerContext* ctx, const v1::PruneImagesRequest* req,
                            v1::PruneImagesResponse* resp) override;
+
+  // Offers the data channel: OpenTransfer files tickets in `tickets` (borrowed; must outlive
+  // the service's calls) and sends unix callers to `unix_endpoint` ("unix:///p.data"), TCP
+  // callers to `tcp_port` (0: none). Without it OpenTransfer is UNIMPLEMENTED. Call before
+  // serving.
+  void EnableDataChannel(TransferTickets* tickets, std::string unix_endpoint, uint16_t tcp_port);
+
+  // The limiter OpenTransfer admits transfers with (their slots live in tickets).
+  ClientLimiter* limiter() { return &limiter_; }
 
   // Chunk size of ReadFile responses.
   static constexpr size_t kChunkBytes = 256 * 1024;
@@ -122,6 +134,9 @@ class PboxService final : public bragg::pbox::v1::Pbox::Service {
   const std::string token_;
   ImageStore* images_;
   ClientLimiter limiter_;
+  TransferTickets* tickets_ = nullptr;
+  std::string data_unix_endpoint_;
+  uint16_t data_tcp_port_ = 0;
 };
 
 // absl::Status -> grpc::Status (the canonical codes are the same numbers).

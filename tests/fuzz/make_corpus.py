@@ -109,6 +109,13 @@ def parser_corpora() -> None:
         "image_ok": b"\x02debian=/srv/images/debian", "image_bad": b"\x02Bad=/x",
         "image_rel": b"\x02x=rel", "listen_unix": b"\x03unix:///run/pbox/pbox.sock",
         "listen_tcp": b"\x03tcp://127.0.0.1:0", "listen_bad": b"\x03http://x",
+        # Data channel: a request ("PBXD", version 1, op, 0, u64 size, 32-byte ticket) and a
+        # status head ("PBXS", code, bytes, mode, 0, mtime, message length) with its message.
+        "data_upload": b"\x05PBXD\x01\x01\x00\x00" + (1 << 20).to_bytes(8, "little")
+        + bytes(range(32)),
+        "data_download": b"\x05PBXD\x01\x02\x00\x00" + bytes(8) + bytes(range(32, 64)),
+        "data_status": b"\x06PBXS" + (7).to_bytes(4, "little") + bytes(8)
+        + (0o644).to_bytes(4, "little") + bytes(12) + (4).to_bytes(4, "little") + b"nope",
     }
     for name, data in oci_seeds().items():
         seeds[name] = b"\x04" + data

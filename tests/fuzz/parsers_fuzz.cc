@@ -1,8 +1,10 @@
 // Fuzzes the small parsers that read operator- or client-supplied text: sizes ("1.5GiB"),
-// CPU lists ("0-3,8"), --image NAME=DIR flags and --listen addresses, and the image archive
-// reader (docker/podman save, OCI layouts: manifests, indexes, digests, links). Each must
-// accept or refuse with a message, never crash, and what it accepts must round-trip (an
-// archive: every layer it returns is a file it copied into the scratch directory).
+// CPU lists ("0-3,8"), --image NAME=DIR flags and --listen addresses, the image archive
+// reader (docker/podman save, OCI layouts: manifests, indexes, digests, links), and the
+// binary request and status headers of the data channel (pbox/data_protocol.h), which
+// anyone who can reach the data socket may send. Each must accept or refuse with a
+// message, never crash, and what it accepts must round-trip (an archive: every layer it
+// returns is a file it copied into the scratch directory).
 //
 // Input: byte 0 selects the parser, the rest is the text.
 
@@ -15,6 +17,7 @@
 #include "common/units.h"
 #include "pbox/agent.h"
 #include "pbox/cpuset.h"
+#include "pbox/data_protocol.h"
 #include "pbox/image_archive.h"
 #include "pbox/image_store.h"
 
@@ -133,6 +136,40 @@ void FuzzImageArchive(const std::string& bytes) {
   (void)bragg::RemoveTree(scratch);
 }
 
+void FuzzDataRequest(const std::string& bytes) {
+  auto r = pb::ParseDataRequest(bytes);
+  if (!r.ok()) {
+    if (r.status().message().empty()) {
+      Die("data request refused without a message", bytes);
+    }
+    return;
+  }
+  if (r->op != pb::DataOp::kUpload && r->op != pb::DataOp::kDownload) {
+    Die("data request accepted with an unknown op", bytes);
+  }
+  if (pb::EncodeDataRequest(*r) != bytes) {
+    Die("data request does not re-encode to its bytes", bytes);
+  }
+}
+
+void FuzzDataStatus(const std::string& bytes) {
+  pb::DataStatus st;
+  auto len = pb::ParseDataStatusHead(bytes.substr(0, pb::kDataStatusHeadBytes), &st);
+  if (!len.ok()) {
+    return;
+  }
+  if (*len > pb::kMaxMessageBytes) {
+    Die("data status message length beyond the bound", bytes);
+  }
+  st.message = bytes.substr(std::min(bytes.size(), pb::kDataStatusHeadBytes), *len);
+  std::string again = pb::EncodeDataStatus(st);
+  pb::DataStatus back;
+  auto len2 = pb::ParseDataStatusHead(again.substr(0, pb::kDataStatusHeadBytes), &back);
+  if (!len2.ok() || *len2 != st.message.size() || back.code != st.code || back.bytes != st.bytes) {
+    Die("data status round trip", bytes);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -140,7 +177,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   std::string text(reinterpret_cast<const char*>(data + 1), size - 1);
-  switch (data[0] % 5) {
+  switch (data[0] % 7) {
     case 0:
       FuzzSize(text);
       break;
@@ -153,8 +190,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 3:
       FuzzListen(text);
       break;
-    default:
+    case 4:
       FuzzImageArchive(text);
+      break;
+    case 5:
+      FuzzDataRequest(text);
+      break;
+    default:
+      FuzzDataStatus(text);
       break;
   }
   return 0;

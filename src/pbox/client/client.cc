@@ -2,10 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 #include <poll.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <thread>
@@ -14,6 +16,7 @@
 #include "common/fs.h"
 #include "common/process.h"
 #include "fmt/format.h"
+#include "pbox/client/data_client.h"
 
 namespace bragg::pbox::client {
 namespace {
@@ -79,10 +82,19 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 512 << 10);
   args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
   args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
+  if (options.data_channel && Getenv("PBOX_DATA_CHANNEL") != "0") {
+    std::string host;
+    if (c->endpoint_.rfind("tcp://", 0) == 0) {
+      host = target.substr(0, target.rfind(':'));
+    }
+    c->data_ = std::make_unique<DataPool>(host);
+  }
   c->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   c->stub_ = v1::Pbox::NewStub(c->channel_);
   return c;
 }
+
+Client::~Client() = default;
 
 void Client::Prepare(grpc::ClientContext* ctx, bool with_deadline, uint32_t timeout_ms) const {
   ctx->AddMetadata("x-pbox-client", client_id_);
@@ -359,8 +371,77 @@ Result<v1::FileInfo> Client::Upload(const std::string& sandbox_id, const std::st
   return resp;
 }
 
+Result<v1::OpenTransferResponse> Client::OpenTransfer(const v1::OpenTransferRequest& req) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, true);
+  v1::OpenTransferResponse resp;
+  BRAGG_RETURN_IF_ERROR(FromGrpc(stub_->OpenTransfer(&ctx, req, &resp)));
+  if (resp.ticket().size() != kTicketBytes) {
+    return absl::InternalError(fmt::format("OpenTransfer: a ticket of {} bytes, expected {}",
+                                           resp.ticket().size(), kTicketBytes));
+  }
+  return resp;
+}
+
+bool Client::FallBack(const Status& status) {
+  if (status.code() == absl::StatusCode::kUnimplemented) {
+    data_off_ = true;  // an agent without the data channel
+    return true;
+  }
+  if (status.code() == absl::StatusCode::kUnavailable) {
+    // A data socket this client cannot reach (another mount namespace, a firewall): after a
+    // few tries in a row, stop asking for tickets it cannot use.
+    if (data_failures_.fetch_add(1) + 1 >= 3) {
+      data_off_ = true;
+    }
+    return true;
+  }
+  return false;
+}
+
+namespace {
+
+Ticket TicketOf(const v1::OpenTransferResponse& resp) {
+  Ticket t;
+  std::memcpy(t.data(), resp.ticket().data(), t.size());
+  return t;
+}
+
+}  // namespace
+
+Result<v1::FileInfo> Client::DataUpload(const std::string& sandbox_id, const std::string& path,
+                                        uint32_t mode, bool make_parents, std::string_view data,
+                                        int fd, off_t offset, uint64_t size) {
+  v1::OpenTransferRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  req.set_direction(v1::TRANSFER_DIRECTION_UPLOAD);
+  req.set_size(size);
+  req.set_mode(mode);
+  req.set_make_parents(make_parents);
+  BRAGG_ASSIGN_OR_RETURN(v1::OpenTransferResponse resp, OpenTransfer(req));
+  Result<DataStatus> st =
+      fd >= 0 ? data_->UploadFile(resp.data_endpoint(), TicketOf(resp), fd, offset, size)
+              : data_->Upload(resp.data_endpoint(), TicketOf(resp), data);
+  BRAGG_RETURN_IF_ERROR(st.status());
+  data_failures_ = 0;
+  v1::FileInfo info;
+  info.set_path(path);
+  info.set_type(v1::FILE_TYPE_REGULAR);
+  info.set_size(st->bytes);
+  info.set_mode(st->mode);
+  info.set_mtime_unix_ns(st->mtime_ns);
+  return info;
+}
+
 Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std::string& path,
                                        std::string_view data, uint32_t mode, bool make_parents) {
+  if (uses_data_channel()) {
+    auto r = DataUpload(sandbox_id, path, mode, make_parents, data, -1, 0, data.size());
+    if (r.ok() || !FallBack(r.status())) {
+      return r;
+    }
+  }
   return Upload(sandbox_id, path, mode, make_parents, [&data](std::string* chunk) -> Result<bool> {
     if (data.empty()) {
       return false;
@@ -374,6 +455,20 @@ Result<v1::FileInfo> Client::WriteFile(const std::string& sandbox_id, const std:
 
 Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, const std::string& path,
                                              int fd, uint32_t mode, bool make_parents) {
+  struct stat st;
+  off_t at = ::lseek(fd, 0, SEEK_CUR);
+  if (uses_data_channel() && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && at >= 0) {
+    // A regular file's size is known up front: the bytes go with sendfile from its offset.
+    uint64_t size = st.st_size > at ? static_cast<uint64_t>(st.st_size - at) : 0;
+    auto r = DataUpload(sandbox_id, path, mode, make_parents, {}, fd, at, size);
+    if (r.ok()) {
+      (void)::lseek(fd, at + static_cast<off_t>(size), SEEK_SET);
+      return r;
+    }
+    if (!FallBack(r.status())) {
+      return r;
+    }
+  }
   return Upload(sandbox_id, path, mode, make_parents, [fd](std::string* chunk) -> Result<bool> {
     chunk->resize(kChunkBytes);
     for (;;) {
@@ -392,6 +487,28 @@ Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, cons
 
 Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::string& path,
                                      uint64_t offset, uint64_t length) {
+  if (uses_data_channel()) {
+    v1::OpenTransferRequest req;
+    req.set_sandbox_id(sandbox_id);
+    req.set_path(path);
+    req.set_direction(v1::TRANSFER_DIRECTION_DOWNLOAD);
+    req.set_offset(offset);
+    req.set_length(length);
+    auto resp = OpenTransfer(req);
+    Status failed = resp.status();
+    if (resp.ok()) {
+      std::string out;
+      auto st = data_->Download(resp->data_endpoint(), TicketOf(*resp), &out);
+      if (st.ok()) {
+        data_failures_ = 0;
+        return out;
+      }
+      failed = st.status();
+    }
+    if (!FallBack(failed)) {
+      return failed;
+    }
+  }
   grpc::ClientContext ctx;
   Prepare(&ctx, false);
   v1::ReadFileRequest req;
@@ -415,6 +532,25 @@ Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::s
 
 Result<uint64_t> Client::ReadFileToFd(const std::string& sandbox_id, const std::string& path,
                                       int fd) {
+  if (uses_data_channel()) {
+    v1::OpenTransferRequest req;
+    req.set_sandbox_id(sandbox_id);
+    req.set_path(path);
+    req.set_direction(v1::TRANSFER_DIRECTION_DOWNLOAD);
+    auto resp = OpenTransfer(req);
+    Status failed = resp.status();
+    if (resp.ok()) {
+      auto st = data_->Download(resp->data_endpoint(), TicketOf(*resp), nullptr, fd);
+      if (st.ok()) {
+        data_failures_ = 0;
+        return st->bytes;
+      }
+      failed = st.status();
+    }
+    if (!FallBack(failed)) {
+      return failed;
+    }
+  }
   grpc::ClientContext ctx;
   Prepare(&ctx, false);
   v1::ReadFileRequest req;

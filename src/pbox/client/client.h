@@ -9,6 +9,7 @@
 //
 // Thread-safe: one Client may be used from many threads (gRPC channels are).
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,7 +32,13 @@ struct ClientOptions {
   std::string token;
   // Deadline of unary calls other than Run/Create (ms). 0: none.
   uint32_t call_timeout_ms = 60000;
+  // File bytes over the agent's data channel (docs/pbox.md "Data channel") when it offers
+  // one, else over the WriteFile/ReadFile gRPC streams. false (or $PBOX_DATA_CHANNEL=0):
+  // always the gRPC streams.
+  bool data_channel = true;
 };
+
+class DataPool;
 
 struct RunArgs {
   std::string sandbox_id;
@@ -101,11 +108,16 @@ class Client {
   // stdin until EOF (on a helper thread). Returns the command's result.
   Result<v1::ExecResult> Exec(const v1::ExecStart& start, int stdin_fd, const OutputFn& on_output);
 
+  // File transfers use the data channel when the agent offers it (falling back to the gRPC
+  // streams when it does not, or when its data socket cannot be reached), else the gRPC
+  // streams. Either way an upload that fails leaves nothing at `path` on the data channel;
+  // the gRPC stream writes in place.
+
   // Uploads `data` (streamed in chunks).
   Result<v1::FileInfo> WriteFile(const std::string& sandbox_id, const std::string& path,
                                  std::string_view data, uint32_t mode = 0644,
                                  bool make_parents = true);
-  // Uploads everything readable from `fd`.
+  // Uploads everything readable from `fd` (a regular file: from its offset, with sendfile).
   Result<v1::FileInfo> WriteFileFromFd(const std::string& sandbox_id, const std::string& path,
                                        int fd, uint32_t mode = 0644, bool make_parents = true);
   Result<std::string> ReadFile(const std::string& sandbox_id, const std::string& path,
@@ -130,6 +142,11 @@ class Client {
 
   static constexpr size_t kChunkBytes = 256 * 1024;
 
+  // Whether transfers use the data channel now.
+  bool uses_data_channel() const { return data_ != nullptr && !data_off_.load(); }
+
+  ~Client();
+
  private:
   // Fills `chunk` with the next piece of an upload: true if it holds data, false at the end.
   using NextChunkFn = std::function<Result<bool>(std::string* chunk)>;
@@ -141,6 +158,19 @@ class Client {
   Result<v1::FileInfo> Upload(const std::string& sandbox_id, const std::string& path, uint32_t mode,
                               bool make_parents, const NextChunkFn& next);
 
+  // The data channel: opens a transfer, then runs `move` with its data endpoint and ticket.
+  // Unimplemented (and the channel is switched off for this client) when the agent offers
+  // none; Unavailable when its data socket cannot be reached.
+  Result<v1::OpenTransferResponse> OpenTransfer(const v1::OpenTransferRequest& req);
+  // True if `status` from the data channel means "use the gRPC stream instead".
+  bool FallBack(const Status& status);
+  Result<v1::FileInfo> DataUpload(const std::string& sandbox_id, const std::string& path,
+                                  uint32_t mode, bool make_parents, std::string_view data, int fd,
+                                  off_t offset, uint64_t size);
+
+  std::unique_ptr<DataPool> data_;
+  std::atomic<bool> data_off_{false};
+  std::atomic<int> data_failures_{0};  // consecutive unreachable data sockets
   std::string endpoint_;
   std::string token_;
   std::string client_id_;  // "x-pbox-client": what the agent's per-client limits count by
