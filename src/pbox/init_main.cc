@@ -34,10 +34,12 @@ int main(int argc, char** argv) {
     return bragg::pbox::HolderMain();
   }
   const std::string kIsolate = "--isolate=";
+  bool isolate = false;
   std::string seccomp_file;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
     if (i > 0 && std::string(argv[i]).rfind(kIsolate, 0) == 0) {
+      isolate = true;
       seccomp_file = argv[i] + kIsolate.size();
     } else {
       args.push_back(argv[i]);
@@ -52,13 +54,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   bragg::pbox::InitServerOptions options;
-  if (!seccomp_file.empty()) {
-    if (!stream) {
-      fprintf(stderr, "pbox-init: --isolate needs --stream\n");
+  if (isolate) {
+    if (!stream || seccomp_file.empty()) {
+      fprintf(stderr, "pbox-init: --isolate=SECCOMP_FILE needs --stream and a file\n");
       return 2;
     }
     bragg::pbox::CommandNamespace ns;
-    if (!bragg::pbox::EnterCommandNamespace(argv[0], seccomp_file.c_str(), &ns, &error)) {
+    if (!bragg::pbox::EnterCommandNamespace(seccomp_file.c_str(), &ns, &error)) {
       fprintf(stderr, "pbox-init: cannot isolate commands: %s\n", error.c_str());
       return 1;
     }

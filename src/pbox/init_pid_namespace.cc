@@ -92,12 +92,19 @@ bool ReadSeccompProgram(const char* path, std::vector<sock_filter>* out, std::st
 
 }  // namespace
 
-bool EnterCommandNamespace(const char* self_exe, const char* seccomp_file, CommandNamespace* out,
-                           std::string* error) {
+bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std::string* error) {
   std::vector<sock_filter> filter;
   if (!ReadSeccompProgram(seccomp_file, &filter, error)) {
     return false;
   }
+  // Our own binary, re-executed as the holder (argv[0] need not be a path).
+  char self_exe[4096];
+  ssize_t len = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
+  if (len <= 0) {
+    *error = ErrnoText("readlink", "/proc/self/exe", errno);
+    return false;
+  }
+  self_exe[len] = '\0';
   out->outer_proc.Reset(open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!out->outer_proc.valid()) {
     *error = ErrnoText("open", "/proc", errno);

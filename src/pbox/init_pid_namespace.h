@@ -36,13 +36,12 @@ struct CommandNamespace {
   pid_t holder = -1;
 };
 
-// Must run before anything else is forked. `self_exe`: pbox-init's path inside the sandbox,
-// re-executed (without environment) as the holder. `seccomp_file`: a classic BPF program
+// Must run before anything else is forked. pbox-init's own binary (/proc/self/exe) is
+// re-executed, without environment, as the holder. `seccomp_file`: a classic BPF program
 // (struct sock_filter[]) that is loaded last, after every capability is dropped; the file's
 // mount is removed. Returns false and sets `*error` (naming the failed call) on any failure:
 // the caller must then exit, since commands would not be isolated.
-bool EnterCommandNamespace(const char* self_exe, const char* seccomp_file, CommandNamespace* out,
-                           std::string* error);
+bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std::string* error);
 
 // main() of the holder (pbox-init started with kHolderFlag, fd 3 the readiness pipe): mounts
 // the namespace's proc on /proc, reports "ok" on fd 3, closes every fd, drops every
