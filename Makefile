@@ -55,7 +55,7 @@ fuzz: deps
 	scripts/run-fuzzers $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 # The long chaos run: 500 agent SIGKILLs and 500 client SIGKILLs (make test runs 100 + 100),
-# then 200 + 100 with every sandbox under gVisor where runsc is installed (make test: 8 + 8).
+# then 200 + 100 with every sandbox under gVisor where runsc is installed (make test: 4 + 6).
 CHAOS_AGENT_KILLS ?= 500
 CHAOS_CLIENT_KILLS ?= 500
 CHAOS_GVISOR_AGENT_KILLS ?= 200
