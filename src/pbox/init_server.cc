@@ -981,15 +981,13 @@ std::vector<InitServer::ProcEntry> InitServer::ScanProc() const {
   std::vector<ProcEntry> out;
   const int root = options_.proc_dir.valid() ? options_.proc_dir.get() : AT_FDCWD;
   const char* root_name = options_.proc_dir.valid() ? "." : options_.proc_root.c_str();
-  int dir_fd = openat(root, root_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR* dir = dir_fd < 0 ? nullptr : fdopendir(dir_fd);
+  UniqueFd dir_fd(openat(root, root_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  DIR* dir = dir_fd.valid() ? fdopendir(dir_fd.get()) : nullptr;
   if (dir == nullptr) {
     Log("opendir(%s): %s", options_.proc_root.c_str(), strerror(errno));
-    if (dir_fd >= 0) {
-      close(dir_fd);
-    }
     return out;
   }
+  (void)dir_fd.Release();  // closedir() closes it
   const pid_t self = getpid();
   while (dirent* entry = readdir(dir)) {
     int pid = 0;
