@@ -406,8 +406,16 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
     return ErrnoError("fork", "runsc");
   }
   if (pid == 0) {
-    // Into the sandbox's cgroups first: runsc, the sentry and the gofer it starts all count
-    // against the sandbox's limits (runsc runs with --ignore-cgroups and leaves them there).
+    // The agent's fds go first, its state dir lock among them: if the agent is SIGKILLed now,
+    // this child lives on, and the next agent must not find the lock held while the cgroup
+    // writes below take their time (100 ms and more on a loaded machine).
+    if (::dup2(to_init.read.get(), 0) != 0 || ::dup2(from_init.write.get(), 1) != 1 ||
+        ::dup2(log.get(), 2) != 2) {
+      _exit(126);
+    }
+    ::syscall(SYS_close_range, 3, ~0U, 0);
+    // Into the sandbox's cgroups: runsc, the sentry and the gofer it starts all count against
+    // the sandbox's limits (runsc runs with --ignore-cgroups and leaves them there).
     for (const std::string& p : procs) {
       int fd = ::open(p.c_str(), O_WRONLY | O_CLOEXEC);
       if (fd < 0 || ::write(fd, "0", 1) != 1) {
@@ -419,11 +427,6 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
     ::setsid();  // out of the agent's process group (terminal signals)
-    if (::dup2(to_init.read.get(), 0) != 0 || ::dup2(from_init.write.get(), 1) != 1 ||
-        ::dup2(log.get(), 2) != 2) {
-      _exit(126);
-    }
-    ::syscall(SYS_close_range, 3, ~0U, 0);
     ::execve(argv[0], argv.data(), const_cast<char**>(envp));
     _exit(127);
   }
