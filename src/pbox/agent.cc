@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "common/fs.h"
 #include "fmt/format.h"
@@ -102,7 +104,18 @@ Status RunAgent(const AgentConfig& config) {
   BRAGG_RETURN_IF_ERROR(MakeDirs(config.state_dir, 0700));
   BRAGG_ASSIGN_OR_RETURN(UniqueFd lock,
                          OpenFile(config.state_dir + "/agent.lock", O_RDWR | O_CREAT, 0600));
-  if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+  // A child a SIGKILLed agent forked just before its death holds a copy of the lock until it
+  // closes its inherited fds (microseconds, more on a loaded machine): wait a moment for it
+  // before calling the state dir taken.
+  const auto lock_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) {
+      return ErrnoError("flock", config.state_dir + "/agent.lock");
+    }
+    if (std::chrono::steady_clock::now() < lock_deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
     return absl::FailedPreconditionError(
         fmt::format("another pboxd is using state dir {}: stop it or pass another --state-dir",
                     config.state_dir));

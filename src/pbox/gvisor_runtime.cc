@@ -29,6 +29,8 @@ namespace {
 // Where pbox-init appears inside the sandbox (a read-only bind of the agent's binary; /dev is
 // the sentry's own tmpfs, so nothing shows up in the sandbox's root filesystem).
 constexpr char kInitInSandbox[] = "/dev/pbox-init";
+// The seccomp program pbox-init loads (GvisorSandboxPolicy::init_seccomp_file); it unmounts it.
+constexpr char kSeccompInSandbox[] = "/dev/pbox-seccomp";
 constexpr auto kReadyTimeout = std::chrono::seconds(60);
 
 Result<std::string> FindInPath(const std::string& name) {
@@ -299,15 +301,31 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                     {"type", "bind"},
                     {"source", init_path},
                     {"options", {"bind", "ro"}}});
+  const bool isolate = !policy.init_seccomp_file.empty();
+  if (isolate) {
+    mounts.push_back({{"destination", kSeccompInSandbox},
+                      {"type", "bind"},
+                      {"source", policy.init_seccomp_file},
+                      {"options", {"bind", "ro"}}});
+  }
   json no_caps = json::array();
+  // Only what pbox-init needs to set up the commands' PID namespace; it drops them before it
+  // serves, and commands never have any.
+  json init_caps = isolate ? json::array({"CAP_SYS_ADMIN", "CAP_SETPCAP"}) : no_caps;
+  json init_args = {kInitInSandbox, "--stream"};
+  if (isolate) {
+    init_args.push_back(fmt::format("--isolate={}", kSeccompInSandbox));
+  }
   json rlimits = json::array();
   if (spec.pids > 0) {
     // The sandbox's processes are tasks of the sentry, which the pids cgroup does not see
     // (it counts only the sentry's and the gofer's host threads). gVisor's own kernel enforces
     // RLIMIT_NPROC, per uid across the sandbox, for tasks without CAP_SYS_RESOURCE and
     // CAP_SYS_ADMIN (all of ours): soft = hard, so no command can raise it. pbox-init counts
-    // as one, like in the pids cgroup of the native runtime.
-    rlimits.push_back({{"type", "RLIMIT_NPROC"}, {"hard", spec.pids}, {"soft", spec.pids}});
+    // as one, like in the pids cgroup of the native runtime; the holder of the commands' PID
+    // namespace is one more.
+    const uint64_t nproc = spec.pids + (isolate ? 1 : 0);
+    rlimits.push_back({{"type", "RLIMIT_NPROC"}, {"hard", nproc}, {"soft", nproc}});
   }
   if (policy.nofile_soft != 0 || policy.nofile_hard != 0) {
     rlimits.push_back(
@@ -318,15 +336,16 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                   {{"terminal", false},
                    {"rlimits", rlimits},
                    {"user", {{"uid", 0}, {"gid", 0}}},
-                   {"args", {kInitInSandbox, "--stream"}},
+                   {"args", init_args},
                    {"env", {"PATH=/usr/local/bin:/usr/bin:/bin"}},
                    {"cwd", "/"},
-                   // No capabilities and no_new_privs, as on the native runtime.
+                   // No capabilities and no_new_privs, as on the native runtime (beyond
+                   // pbox-init's own while it sets up, see init_caps).
                    {"capabilities",
-                    {{"bounding", no_caps},
-                     {"effective", no_caps},
+                    {{"bounding", init_caps},
+                     {"effective", init_caps},
                      {"inheritable", no_caps},
-                     {"permitted", no_caps},
+                     {"permitted", init_caps},
                      {"ambient", no_caps}}},
                    {"noNewPrivileges", true}}},
                  {"root", {{"path", "rootfs"}, {"readonly", false}}},
@@ -339,7 +358,7 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                      {{"type", "ipc"}},
                      {{"type", "uts"}},
                      {{"type", "mount"}}}}}}};
-  if (!policy.denied_syscalls.empty()) {
+  if (!policy.denied_syscalls.empty() && !isolate) {
     // The native runtime's deny list, enforced by gVisor's kernel on the sandbox's tasks (it
     // never reaches the host's): EPERM for each name; clone with any namespace flag, one
     // rule per flag as in seccomp_filter.cc; clone3 ENOSYS so that libc falls back to clone.
@@ -399,6 +418,12 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
   rt->policy_.nofile_hard = options.nofile_hard;
   BRAGG_RETURN_IF_ERROR(RemoveStale(rt->dir_));
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->dir_, 0700));
+  // The same program as the native runtime's, loaded by pbox-init in every sandbox.
+  rt->policy_.init_seccomp_file = rt->dir_ + "/seccomp.bpf";
+  BRAGG_RETURN_IF_ERROR(
+      WriteStringToFile(rt->policy_.init_seccomp_file,
+                        std::string_view(reinterpret_cast<const char*>(seccomp.prog()->filter),
+                                         seccomp.prog()->len * sizeof(struct sock_filter))));
   return rt;
 }
 
@@ -458,19 +483,9 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
     return ErrnoError("fork", "runsc");
   }
   if (pid == 0) {
-    // Into the sandbox's cgroups first: runsc, the sentry and the gofer it starts all count
-    // against the sandbox's limits (runsc runs with --ignore-cgroups and leaves them there).
-    for (const std::string& p : procs) {
-      int fd = ::open(p.c_str(), O_WRONLY | O_CLOEXEC);
-      if (fd < 0 || ::write(fd, "0", 1) != 1) {
-        _exit(126);
-      }
-      ::close(fd);
-    }
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    ::setsid();  // out of the agent's process group (terminal signals)
+    // The agent's fds go first, its state dir lock among them: if the agent is SIGKILLed now,
+    // this child lives on, and the next agent must not find the lock held while the cgroup
+    // writes below take their time (100 ms and more on a loaded machine).
     // Above the final slots first (any of them may sit on 0-3), then into place.
     int moved[4];
     for (int i = 0; i < 4; ++i) {
@@ -484,6 +499,19 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
       _exit(126);
     }
     ::syscall(SYS_close_range, 4, ~0U, 0);
+    // Into the sandbox's cgroups: runsc, the sentry and the gofer it starts all count against
+    // the sandbox's limits (runsc runs with --ignore-cgroups and leaves them there).
+    for (const std::string& p : procs) {
+      int fd = ::open(p.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd < 0 || ::write(fd, "0", 1) != 1) {
+        _exit(126);
+      }
+      ::close(fd);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::setsid();  // out of the agent's process group (terminal signals)
     char byte = 0;
     ssize_t n;
     do {

@@ -81,6 +81,40 @@ TEST(GvisorBundleConfigTest, SeccompDenyListWithCloneFlagsAndClone3) {
   EXPECT_EQ(rules[8]["errnoRet"], ENOSYS);
 }
 
+TEST(GvisorBundleConfigTest, IsolatedCommandsGetTheNativeProgramThroughPboxInit) {
+  Image image{.name = "host", .lower_dirs = {"/x/lower"}};
+  LaunchSpec spec;
+  spec.id = "sb-1";
+  spec.image = &image;
+  spec.pids = 64;
+  GvisorSandboxPolicy policy{.denied_syscalls = {"mount", "unshare"},
+                             .init_seccomp_file = "/state/gvisor/seccomp.bpf"};
+  json c = json::parse(GvisorBundleConfig(spec, "/opt/pbox-init", "/b/rootfs", policy));
+  EXPECT_EQ(c["process"]["args"],
+            json({"/dev/pbox-init", "--stream", "--isolate=/dev/pbox-seccomp"}));
+  // pbox-init loads the program after its unshare: no OCI filter would let that through.
+  EXPECT_FALSE(c["linux"].contains("seccomp")) << c["linux"].dump();
+  const json& caps = c["process"]["capabilities"];
+  for (const char* set : {"bounding", "effective", "permitted"}) {
+    EXPECT_EQ(caps[set], json({"CAP_SYS_ADMIN", "CAP_SETPCAP"})) << set;
+  }
+  EXPECT_TRUE(caps["inheritable"].empty());
+  EXPECT_TRUE(caps["ambient"].empty());
+  EXPECT_EQ(c["process"]["noNewPrivileges"], true);
+  bool mounted = false;
+  for (const json& m : c["mounts"]) {
+    if (m["destination"] == "/dev/pbox-seccomp") {
+      mounted = true;
+      EXPECT_EQ(m["source"], "/state/gvisor/seccomp.bpf");
+      EXPECT_NE(std::find(m["options"].begin(), m["options"].end(), "ro"), m["options"].end());
+    }
+  }
+  EXPECT_TRUE(mounted) << c["mounts"].dump();
+  // The holder of the commands' PID namespace counts as one more process.
+  EXPECT_EQ(c["process"]["rlimits"][0]["hard"], 65);
+  EXPECT_EQ(c["process"]["rlimits"][0]["soft"], 65);
+}
+
 TEST(GvisorBundleConfigTest, TheNativeDenyListCarriesOver) {
   auto seccomp = SeccompProgram::BuildDefault();
   ASSERT_TRUE(seccomp.ok()) << seccomp.status();

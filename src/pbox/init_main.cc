@@ -1,9 +1,12 @@
 // pbox-init: PID 1 of every native sandbox. See init_server.h.
 //
 // Usage: pbox-init [--channel-fd=N]   (N defaults to 3)
-//        pbox-init --stream            (frames on stdin/stdout; the gVisor runtime)
+//        pbox-init --stream [--isolate=SECCOMP_FILE]
+//            frames on stdin/stdout (the gVisor runtime); --isolate puts commands in a PID
+//            namespace of their own and loads the seccomp program in SECCOMP_FILE
+//            (init_pid_namespace.h)
 //        pbox-init --sync | --remove PATH | --remove-tree PATH
-//                                      (one-shot helpers for gVisor sandboxes: init_helpers.h)
+//            one-shot helpers for gVisor sandboxes (init_helpers.h)
 
 #include <fcntl.h>
 #include <sys/prctl.h>
@@ -13,9 +16,11 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "pbox/init_helpers.h"
+#include "pbox/init_pid_namespace.h"
 #include "pbox/init_server.h"
 
 int main(int argc, char** argv) {
@@ -31,27 +36,57 @@ int main(int argc, char** argv) {
     fprintf(stderr, "pbox-init: prctl(PR_SET_DUMPABLE): %s\n", strerror(errno));
     return 1;
   }
+  if (argc == 2 && strcmp(argv[1], bragg::pbox::kHolderFlag) == 0) {
+    return bragg::pbox::HolderMain();
+  }
+  const std::string kIsolate = "--isolate=";
+  bool isolate = false;
+  std::string seccomp_file;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (i > 0 && std::string(argv[i]).rfind(kIsolate, 0) == 0) {
+      isolate = true;
+      seccomp_file = argv[i] + kIsolate.size();
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
   int channel_fd = 3;
   bool stream = false;
   std::string error;
-  if (!bragg::pbox::ParseInitFlags(argc, argv, &channel_fd, &error, &stream)) {
+  if (!bragg::pbox::ParseInitFlags(static_cast<int>(args.size()), args.data(), &channel_fd, &error,
+                                   &stream)) {
     fprintf(stderr, "pbox-init: %s\n", error.c_str());
     return 2;
   }
-  auto server =
-      stream ? bragg::pbox::InitServer::CreateStream(bragg::UniqueFd(0), bragg::UniqueFd(1),
-                                                     bragg::pbox::InitServerOptions{}, &error)
-             : bragg::pbox::InitServer::Create(bragg::UniqueFd(channel_fd),
-                                               bragg::pbox::InitServerOptions{}, &error);
+  bragg::pbox::InitServerOptions options;
+  if (isolate) {
+    if (!stream || seccomp_file.empty()) {
+      fprintf(stderr, "pbox-init: --isolate=SECCOMP_FILE needs --stream and a file\n");
+      return 2;
+    }
+    bragg::pbox::CommandNamespace ns;
+    if (!bragg::pbox::EnterCommandNamespace(seccomp_file.c_str(), &ns, &error)) {
+      fprintf(stderr, "pbox-init: cannot isolate commands: %s\n", error.c_str());
+      return 1;
+    }
+    options.proc_dir = std::move(ns.outer_proc);
+    options.exit_with_pid = ns.holder;
+  }
+  auto server = stream ? bragg::pbox::InitServer::CreateStream(
+                             bragg::UniqueFd(0), bragg::UniqueFd(1), std::move(options), &error)
+                       : bragg::pbox::InitServer::Create(bragg::UniqueFd(channel_fd),
+                                                         std::move(options), &error);
   if (server == nullptr) {
     fprintf(stderr, "pbox-init: %s\n", error.c_str());
     return 1;
   }
   if (stream) {
     // Under gVisor, stderr is runsc's log file on the host, and gVisor lets same-uid
-    // commands open /proc/1/fd/2 despite PR_SET_DUMPABLE: they could fill the host's disk
-    // through it. Once serving, nothing of pbox-init's goes there; its start-up errors above
-    // still do (the agent reports that log's tail when a sandbox does not start).
+    // commands open /proc/1/fd/2 despite PR_SET_DUMPABLE (unless --isolate hides pbox-init):
+    // they could fill the host's disk through it. Once serving, nothing of pbox-init's goes
+    // there; its start-up errors above still do (the agent reports that log's tail when a
+    // sandbox does not start).
     bragg::UniqueFd null_fd(open("/dev/null", O_WRONLY | O_CLOEXEC));
     if (!null_fd.valid()) {
       fprintf(stderr, "pbox-init: cannot open /dev/null: %s\n", strerror(errno));

@@ -769,6 +769,13 @@ void InitServer::ReapChildren() {
     if (pid <= 0) {
       return;
     }
+    if (pid == options_.exit_with_pid) {
+      Log("the PID namespace of commands ended (its PID 1 exited with status %d); shutting down",
+          status);
+      channel_failed_ = true;
+      channel_closed_ = true;
+      continue;
+    }
     auto pit = ids_by_pid_.find(pid);
     if (pit == ids_by_pid_.end()) {
       continue;  // an orphan that was reparented to us
@@ -972,19 +979,25 @@ void InitServer::SendError(uint64_t id, const std::string& message) {
 
 std::vector<InitServer::ProcEntry> InitServer::ScanProc() const {
   std::vector<ProcEntry> out;
-  DIR* dir = opendir(options_.proc_root.c_str());
+  const int root = options_.proc_dir.valid() ? options_.proc_dir.get() : AT_FDCWD;
+  const char* root_name = options_.proc_dir.valid() ? "." : options_.proc_root.c_str();
+  UniqueFd dir_fd(openat(root, root_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  DIR* dir = dir_fd.valid() ? fdopendir(dir_fd.get()) : nullptr;
   if (dir == nullptr) {
     Log("opendir(%s): %s", options_.proc_root.c_str(), strerror(errno));
     return out;
   }
+  (void)dir_fd.Release();  // closedir() closes it
   const pid_t self = getpid();
   while (dirent* entry = readdir(dir)) {
     int pid = 0;
     if (!ParseInt(entry->d_name, &pid) || pid <= 0 || pid == self) {
       continue;
     }
-    std::string path = options_.proc_root + "/" + entry->d_name + "/stat";
-    UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    std::string path = options_.proc_dir.valid()
+                           ? std::string(entry->d_name) + "/stat"
+                           : options_.proc_root + "/" + entry->d_name + "/stat";
+    UniqueFd fd(openat(root, path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd.valid()) {
       continue;  // exited meanwhile
     }

@@ -25,6 +25,12 @@ namespace bragg::pbox {
 struct InitServerOptions {
   // Where to scan for processes (Kill with whole_tree, shutdown). Tests may point it elsewhere.
   std::string proc_root = "/proc";
+  // When valid, scanned instead of proc_root: pbox-init's own /proc once the commands' PID
+  // namespace has its proc mounted on /proc (init_pid_namespace.h). Owned.
+  UniqueFd proc_dir;
+  // When this child is reaped, the server shuts down as after a channel error (the holder of
+  // the commands' PID namespace: without it no command can start). -1: none.
+  pid_t exit_with_pid = -1;
   // Used when a Spawn's env has no PATH.
   std::string default_path = "/usr/local/bin:/usr/bin:/bin";
 };

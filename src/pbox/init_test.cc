@@ -3,6 +3,8 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -80,8 +82,9 @@ Result<RunningInit> StartInit(bool new_pid_ns = false) {
   return RunningInit{std::move(child), std::move(agent)};
 }
 
-// Starts `pbox-init --stream` with pipes on its stdin and stdout, as the gVisor runtime does.
-Result<std::pair<RunningInit, UniqueFd>> StartStreamInit() {
+// Starts `pbox-init --stream` with pipes on its stdin and stdout, as the gVisor runtime does;
+// `extra_flag`, when given, is one more argument (e.g. --isolate=FILE).
+Result<std::pair<RunningInit, UniqueFd>> StartStreamInit(const char* extra_flag = nullptr) {
   BRAGG_ASSIGN_OR_RETURN(Pipe to_init, MakePipe());
   BRAGG_ASSIGN_OR_RETURN(Pipe from_init, MakePipe());
   pid_t pid = ::fork();
@@ -92,7 +95,7 @@ Result<std::pair<RunningInit, UniqueFd>> StartStreamInit() {
     if (::dup2(to_init.read.get(), 0) < 0 || ::dup2(from_init.write.get(), 1) < 0) {
       _exit(120);
     }
-    ::execl(kInitPath, "pbox-init", "--stream", nullptr);
+    ::execl(kInitPath, "pbox-init", "--stream", extra_flag, nullptr);
     _exit(127);
   }
   BRAGG_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Adopt(pid));
@@ -924,6 +927,145 @@ TEST(InitPid1Test, ClosingTheChannelKillsThePidNamespace) {
   auto exit = init->process.Wait(milliseconds(5000));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(exit->exit_code, 0);
+}
+
+// pbox-init --isolate (what the gVisor runtime starts), run natively as root: commands live in
+// a PID namespace of their own behind a holder, without capabilities, under the given seccomp
+// program; pbox-init still finds their trees (through its own /proc) and ends when the holder
+// dies.
+class IsolatedInitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) {
+      GTEST_SKIP() << "needs root (CAP_SYS_ADMIN) to unshare a pid namespace";
+    }
+    ::signal(SIGPIPE, SIG_IGN);
+    auto dir = TempDir::Create("/tmp", "pbox-init-isolated-");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = std::move(*dir);
+    // Allow-all: the test is about the mechanism; the agent's real program is the native one.
+    struct sock_filter allow = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    const std::string bpf = dir_.path() + "/seccomp.bpf";
+    ASSERT_TRUE(
+        WriteStringToFile(bpf, std::string(reinterpret_cast<const char*>(&allow), sizeof(allow)))
+            .ok());
+    flag_ = "--isolate=" + bpf;
+    auto init = StartStreamInit(flag_.c_str());
+    ASSERT_TRUE(init.ok()) << init.status();
+    init_ = std::move(init->first.process);
+    auto client = InitClient::CreateStream(std::move(init->second), std::move(init->first.channel));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    ASSERT_TRUE(client_->WaitReady(milliseconds(10000)).ok());
+  }
+
+  std::string RunSh(const std::string& script) {
+    auto out = MakePipe();
+    EXPECT_TRUE(out.ok());
+    SpawnRequest req;
+    req.argv = {"sh", "-c", script};
+    req.stdout_fd = out->write.get();
+    auto h = client_->Spawn(req);
+    EXPECT_TRUE(h.ok()) << h.status();
+    out->write.Reset();
+    std::string text;
+    EXPECT_TRUE(ReadToEof(out->read.get(), &text));
+    if (h.ok()) {
+      EXPECT_TRUE((*h)->Wait(milliseconds(30000)).ok());
+    }
+    return text;
+  }
+
+  // The holder: pbox-init's child running with --pid-namespace-holder.
+  pid_t Holder() {
+    for (const auto& dir : std::filesystem::directory_iterator("/proc")) {
+      std::string name = dir.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) {
+        continue;
+      }
+      pid_t pid = std::stoi(name);
+      auto cmdline = ReadFileToString(fmt::format("/proc/{}/cmdline", pid));
+      if (StatField(pid, 4) == init_.pid() && cmdline.ok() &&
+          cmdline->find("--pid-namespace-holder") != std::string::npos) {
+        return pid;
+      }
+    }
+    return -1;
+  }
+
+  TempDir dir_;
+  std::string flag_;
+  ChildProcess init_;
+  std::unique_ptr<InitClient> client_;
+};
+
+TEST_F(IsolatedInitTest, CommandsSeeOnlyTheirNamespaceWithoutCapabilities) {
+  std::string out = RunSh(
+      "echo $$; ls /proc | grep -c '^[0-9]'; cat /proc/1/environ 2>/dev/null | wc -c; "
+      "test -e /proc/" +
+      std::to_string(init_.pid()) +
+      " && echo init-visible; grep -E '^(CapEff|CapBnd|Seccomp):' /proc/self/status");
+  std::istringstream lines(out);
+  std::string line;
+  std::getline(lines, line);
+  EXPECT_LT(std::stoi(line), 10) << out;  // a small pid: the holder is 1
+  std::getline(lines, line);
+  EXPECT_LE(std::stoi(line), 5) << out;  // the holder, sh and its pipeline only
+  std::getline(lines, line);
+  EXPECT_EQ(std::stoi(line), 0) << out;  // the holder's environment is empty
+  EXPECT_EQ(out.find("init-visible"), std::string::npos) << out;
+  EXPECT_NE(out.find("CapEff:\t0000000000000000"), std::string::npos) << out;
+  EXPECT_NE(out.find("CapBnd:\t0000000000000000"), std::string::npos) << out;
+  EXPECT_NE(out.find("Seccomp:\t2"), std::string::npos) << out;
+  EXPECT_GT(Holder(), 0);
+}
+
+TEST_F(IsolatedInitTest, KillWholeTreeStillFindsTheTree) {
+  // pbox-init's pids are not the namespace's: only its own /proc lets it see the tree.
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  SpawnRequest req;
+  req.argv = {"sh", "-c", "sleep 1000 & sleep 1000 & echo up; wait"};
+  req.stdout_fd = out->write.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  out->write.Reset();
+  EXPECT_EQ(ReadLine(out->read.get()), "up");
+  ASSERT_TRUE(client_->Kill((*h)->id(), SIGKILL, /*whole_tree=*/true).ok());
+  auto exit = (*h)->Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->signal, SIGKILL);
+  // EOF: both sleeps (holding the pipe's write end) are dead too.
+  std::string rest;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(5000)));
+}
+
+TEST_F(IsolatedInitTest, HolderDeathEndsInit) {
+  auto h = client_->Spawn(SpawnRequest{.argv = {"sleep", "1000"}});
+  ASSERT_TRUE(h.ok()) << h.status();
+  pid_t holder = Holder();
+  ASSERT_GT(holder, 0);
+  ASSERT_EQ(::kill(holder, SIGKILL), 0);
+  auto exit = init_.Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 1);
+  // The namespace's end killed the command: reported as SIGKILL, or lost with pbox-init.
+  auto sleep_exit = (*h)->Wait(milliseconds(5000));
+  if (sleep_exit.ok()) {
+    EXPECT_EQ(sleep_exit->signal, SIGKILL);
+  } else {
+    EXPECT_EQ(sleep_exit.status().code(), absl::StatusCode::kUnavailable) << sleep_exit.status();
+  }
+}
+
+TEST(IsolatedInitFlagsTest, IsolateNeedsTheStreamAndAProgram) {
+  for (const char* flags : {"--isolate=/nonexistent/seccomp.bpf", "--isolate="}) {
+    auto init = StartStreamInit(flags);
+    ASSERT_TRUE(init.ok()) << init.status();
+    auto exit = init->first.process.Wait(milliseconds(10000));
+    ASSERT_TRUE(exit.ok()) << exit.status();
+    EXPECT_NE(exit->exit_code, 0) << flags;
+  }
 }
 
 // The stream transport against hostile bytes: a bad frame inside a well-formed prefix is

@@ -9,7 +9,7 @@ add_library(pbox_init_client STATIC init_client.cc)
 target_link_libraries(pbox_init_client PUBLIC pbox_init_protocol bragg_common)
 
 # Runs inside sandboxes whose root has no host libraries: fully static.
-add_executable(pbox-init init_main.cc init_server.cc init_helpers.cc)
+add_executable(pbox-init init_main.cc init_server.cc init_helpers.cc init_pid_namespace.cc)
 target_link_libraries(pbox-init PRIVATE pbox_init_protocol)
 target_link_options(pbox-init PRIVATE -static -static-libstdc++ -static-libgcc)
 

@@ -6,12 +6,15 @@ stays healthy.
 Kill counts: PBOX_CHAOS_AGENT_KILLS (default 100: about 400 operations in flight at the kills)
 and PBOX_CHAOS_CLIENT_KILLS (default 100), as `make test` runs them; `make chaos` runs
 500 + 500 (see docs/robustness.md).
-PBOX_CHAOS_SEED fixes the random delays.
+PBOX_CHAOS_SEED fixes the random delays. PBOX_TEST_RUNTIME=gvisor runs every sandbox under
+gVisor (`make chaos` runs a gVisor round too).
 
 What "nothing leaked" means here, checked after every kill:
   - no process is left in the agent's cgroup parent (sandbox pbox-init and their children),
     and no sandbox cgroup directory is left under it, in any hierarchy;
   - nothing is mounted under the state dir, and <state>/mnt holds no entries;
+  - no process names the state dir on its command line (runsc, its sentry and gofer keep
+    their --root and --bundle there), and <state>/gvisor holds no bundle;
   - the agent lists no sandbox (agent kill) / none of the dead client's session (client kill);
   - a new sandbox runs a command.
 """
@@ -35,6 +38,8 @@ AGENT_KILLS = int(os.environ.get("PBOX_CHAOS_AGENT_KILLS", "100"))
 CLIENT_KILLS = int(os.environ.get("PBOX_CHAOS_CLIENT_KILLS", "100"))
 SEED = int(os.environ.get("PBOX_CHAOS_SEED", str(int(time.time()))))
 CHAOS_CLIENT = os.environ.get("CHAOS_CLIENT", "")
+# The agents' default runtime ($PBOX_TEST_RUNTIME, as in the Python suite): native or gvisor.
+RUNTIME = os.environ.get("PBOX_TEST_RUNTIME", "") or "native"
 DEADLINE_S = 30.0
 
 
@@ -85,6 +90,31 @@ def _mounts_under(path: str) -> List[str]:
                 if line.split()[4] == path or line.split()[4].startswith(path + "/")]
 
 
+def _strays(agent) -> List[str]:
+    """Processes other than the agent whose command line names its state dir: runsc, its
+    sentry and gofer (their --root and --bundle live there), wherever their cgroup is."""
+    state = str(agent.state_dir).encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or (agent.proc is not None and int(entry) == agent.pid):
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if state in cmdline:
+            text = cmdline.replace(b"\0", b" ")[:160].decode(errors="replace")
+            out.append(f"{entry}: {text}")
+    return out
+
+
+def _bundles(agent) -> List[str]:
+    """gVisor bundles (<state>/gvisor/<id>) left on disk."""
+    gv = agent.state_dir / "gvisor"
+    return sorted(e.name for e in os.scandir(gv) if e.is_dir()) if gv.is_dir() else []
+
+
 def _wait_clean(agent, parent_dirs: List[str], what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -92,10 +122,14 @@ def _wait_clean(agent, parent_dirs: List[str], what: str) -> None:
         mounts = _mounts_under(str(agent.state_dir))
         mnt = agent.state_dir / "mnt"
         mnt_entries = sorted(os.listdir(mnt)) if mnt.is_dir() else []
-        if not left["cgroups"] and not left["processes"] and not mounts and not mnt_entries:
+        strays = _strays(agent)
+        bundles = _bundles(agent)
+        if not left["cgroups"] and not left["processes"] and not mounts and not mnt_entries \
+                and not strays and not bundles:
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: leaked {left}, mounts {mounts}, state/mnt {mnt_entries}\n"
+            pytest.fail(f"{what}: leaked {left}, mounts {mounts}, state/mnt {mnt_entries}, "
+                        f"processes naming the state dir {strays}, gVisor bundles {bundles}\n"
                         f"{agent.log()}")
         time.sleep(0.02)
 
@@ -186,8 +220,8 @@ def test_agent_sigkill_at_random_points(make_agent) -> None:
             assert c2.list() == [], "the restarted agent still lists sandboxes"
             _check_new_sandbox_works(c2)
     elapsed = time.monotonic() - started
-    print(f"\nagent chaos: {AGENT_KILLS} SIGKILLs in {elapsed:.1f} s, ops in flight at the kill: "
-          f"{dict(in_flight)} (seed {SEED})")
+    print(f"\nagent chaos ({RUNTIME}): {AGENT_KILLS} SIGKILLs in {elapsed:.1f} s, ops in flight "
+          f"at the kill: {dict(in_flight)} (seed {SEED})")
     assert agent.stop() == 0
     _wait_clean(agent, parent_dirs, "after the final stop")
 
@@ -225,6 +259,7 @@ def test_client_sigkill_mid_operation(make_agent) -> None:
                 _check_new_sandbox_works(c)
         _check_new_sandbox_works(c)
     elapsed = time.monotonic() - started
-    print(f"\nclient chaos: {CLIENT_KILLS} client SIGKILLs in {elapsed:.1f} s (seed {SEED})")
+    print(f"\nclient chaos ({RUNTIME}): {CLIENT_KILLS} client SIGKILLs in {elapsed:.1f} s "
+          f"(seed {SEED})")
     assert agent.stop() == 0
     _wait_clean(agent, parent_dirs, "after the final stop")

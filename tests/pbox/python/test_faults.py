@@ -3,8 +3,12 @@ reaps every process, mount and cgroup the dead agent left."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 import time
+
+import pytest
 
 from conftest import host_processes_with_argv, on_gvisor
 
@@ -95,3 +99,37 @@ def test_sigkill_agent_then_restart_reaps_everything(make_agent) -> None:
             assert sb.run(["echo", "alive"]).stdout == b"alive\n"
     assert agent.stop() == 0
     assert _mounts_under(state) == []
+
+
+def test_state_dir_lock_waits_for_a_dead_agents_child(make_agent) -> None:
+    """A process the SIGKILLed agent forked just before its death holds a copy of the state
+    dir lock until it closes its inherited fds: the next agent waits for that (up to 3 s)
+    instead of calling the state dir taken. A live agent on the same state dir is still
+    refused."""
+    agent = make_agent()
+    agent.kill()
+    # This process plays the dead agent's child: it holds the lock for 1 s.
+    fd = os.open(agent.state_dir / "agent.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    released = threading.Event()
+
+    def release() -> None:
+        released.set()
+        os.close(fd)
+
+    timer = threading.Timer(1.0, release)
+    timer.start()
+    try:
+        agent.start()
+        assert released.is_set(), "the agent started while the lock was still held"
+        with agent.client() as c:
+            assert c.health().serving
+    finally:
+        timer.join()
+    second = make_agent(root=agent.root, start=False)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        second.start()
+    assert "another pboxd is using state dir" in str(e.value)
+    assert time.monotonic() - t0 < 20
+    assert agent.alive()
