@@ -541,7 +541,8 @@ PendingFile::PendingFile(PendingFile&& other) noexcept
       fd_(std::move(other.fd_)),
       temp_(std::exchange(other.temp_, std::string())),
       name_(std::move(other.name_)),
-      display_(std::move(other.display_)) {}
+      display_(std::move(other.display_)),
+      keep_mode_(other.keep_mode_) {}
 
 PendingFile& PendingFile::operator=(PendingFile&& other) noexcept {
   if (this != &other) {
@@ -551,6 +552,7 @@ PendingFile& PendingFile::operator=(PendingFile&& other) noexcept {
     temp_ = std::exchange(other.temp_, std::string());
     name_ = std::move(other.name_);
     display_ = std::move(other.display_);
+    keep_mode_ = other.keep_mode_;
   }
   return *this;
 }
@@ -571,7 +573,7 @@ Status PendingFile::Commit(uint32_t mode) {
     return absl::FailedPreconditionError(
         fmt::format("{}: the upload was already committed or discarded", display_));
   }
-  if (::fchmod(fd_.get(), mode & 07777) != 0) {
+  if (::fchmod(fd_.get(), keep_mode_.value_or(mode) & 07777) != 0) {
     return ErrnoError("fchmod", display_);
   }
   if (::renameat(dir_.get(), temp_.c_str(), dir_.get(), name_.c_str()) != 0) {
@@ -587,9 +589,10 @@ Status PendingFile::Commit(uint32_t mode) {
 
 Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_parents) const {
   BRAGG_ASSIGN_OR_RETURN(ParsedPath p, ParsePath(path));
+  const std::string display = p.display;
   if (p.is_root()) {
     return absl::InvalidArgumentError(
-        fmt::format("{}: is the root directory; only regular files can be written", p.display));
+        fmt::format("{}: is the root directory; only regular files can be written", display));
   }
   UniqueFd dir;
   if (make_parents) {
@@ -597,11 +600,43 @@ Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_pa
   } else {
     BRAGG_ASSIGN_OR_RETURN(dir, ResolveParent(root_.get(), p));
   }
+  // As WriteFile's open() does, a symlink in the last place is followed (inside the root, hop
+  // by hop, at most 40 as the kernel allows): the upload replaces what the link names, a
+  // dangling link included, and the link stays.
   struct stat st;
-  if (::fstatat(dir.get(), p.last().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-      S_ISDIR(st.st_mode)) {
+  bool exists = false;
+  for (int hops = 0;; ++hops) {
+    exists = ::fstatat(dir.get(), p.last().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+    if (!exists || !S_ISLNK(st.st_mode)) {
+      break;
+    }
+    if (hops >= 40) {
+      return ErrnoError("resolve", display, ELOOP);
+    }
+    char target[PATH_MAX];
+    ssize_t n = ::readlinkat(dir.get(), p.last().c_str(), target, sizeof(target) - 1);
+    if (n < 0) {
+      return ErrnoError("readlink", display);
+    }
+    std::string next(target, static_cast<size_t>(n));
+    if (next.empty() || next[0] != '/') {
+      next = "/" + p.Parent() + "/" + next;
+    }
+    BRAGG_ASSIGN_OR_RETURN(p, ParsePath(next));
+    if (p.is_root()) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: is the root directory; only regular files can be written", display));
+    }
+    BRAGG_ASSIGN_OR_RETURN(dir, ResolveParent(root_.get(), p));
+  }
+  if (exists && S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(
-        fmt::format("{}: is a directory; only regular files can be written", p.display));
+        fmt::format("{}: is a directory; only regular files can be written", display));
+  }
+  // A file that exists keeps its permission bits, as when WriteFile truncates it.
+  std::optional<uint32_t> keep_mode;
+  if (exists && S_ISREG(st.st_mode)) {
+    keep_mode = st.st_mode & 07777;
   }
   for (int attempt = 0;; ++attempt) {
     uint64_t random = 0;
@@ -614,10 +649,12 @@ Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_pa
     int fd = ::openat(dir.get(), temp.c_str(),
                       O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY, 0600);
     if (fd >= 0) {
-      return PendingFile(std::move(dir), UniqueFd(fd), std::move(temp), p.last(), p.display);
+      PendingFile pending(std::move(dir), UniqueFd(fd), std::move(temp), p.last(), display);
+      pending.keep_mode_ = keep_mode;
+      return pending;
     }
     if (errno != EEXIST || attempt >= kMaxRetries) {
-      return ErrnoError("create", fmt::format("{} (temporary file {})", p.display, temp));
+      return ErrnoError("create", fmt::format("{} (temporary file {})", display, temp));
     }
   }
 }

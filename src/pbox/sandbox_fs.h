@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,8 +46,9 @@ class PendingFile {
   int fd() const { return fd_.get(); }
   // The destination as the caller named it, for messages.
   const std::string& display() const { return display_; }
-  // Sets the permission bits, then renames the file over the destination (replacing a file or
-  // symlink there; a directory there is an error). After an error the file is still pending.
+  // Sets the permission bits (`mode` for a new file; a file that existed keeps its own), then
+  // renames the file over the destination (a symlink in the last place was followed when the
+  // file was created; a directory there is an error). After an error the file is still pending.
   Status Commit(uint32_t mode);
 
  private:
@@ -64,6 +66,7 @@ class PendingFile {
   std::string temp_;  // empty once committed or discarded
   std::string name_;
   std::string display_;
+  std::optional<uint32_t> keep_mode_;  // the permission bits of the file it replaces
 };
 
 // Thread-safe: holds only an fd; every call is independent.

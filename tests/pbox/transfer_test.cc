@@ -235,6 +235,51 @@ class TransferTest : public ::testing::Test {
 };
 TestAgent* TransferTest::agent_ = nullptr;
 
+// Both paths write what a symlink in the last place names (inside the sandbox, a dangling link
+// included) and leave the link; a file that exists keeps its permission bits.
+TEST_F(TransferTest, BothPathsFollowLinksAndKeepAnExistingFilesMode) {
+  std::string id = NewSandbox();
+  ASSERT_TRUE(client_->uses_data_channel());
+  auto sh = [&](const std::string& script) {
+    auto r = client_->Run({.sandbox_id = id, .argv = {"/bin/sh", "-c", script}});
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->result().exit_code() : -1;
+  };
+  for (auto* c : {client_.get(), grpc_client_.get()}) {
+    const bool data = c == client_.get();
+    SCOPED_TRACE(data ? "data channel" : "gRPC");
+    const std::string d = data ? "/tmp/ln-d" : "/tmp/ln-g";
+    ASSERT_EQ(sh(fmt::format("mkdir -p {0}/sub && printf old > {0}/sub/target && chmod 600 "
+                             "{0}/sub/target && ln -s sub/target {0}/rel && ln -s {0}/rel "
+                             "{0}/chain && ln -s {0}/sub/new {0}/dangling && ln -s "
+                             "../../../../../{0}/sub/up {0}/climb",
+                             d)),
+              0);
+    auto w = c->WriteFile(id, d + "/chain", "through two links", 0644);
+    ASSERT_TRUE(w.ok()) << w.status();
+    auto back = c->ReadFile(id, d + "/sub/target");
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, "through two links");
+    auto st = c->Stat(id, d + "/sub/target");
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->mode() & 07777, 0600u) << "an existing file keeps its mode";
+    EXPECT_EQ(sh(fmt::format("test -L {0}/chain && test -L {0}/rel", d)), 0)
+        << "the links are still links";
+    ASSERT_TRUE(c->WriteFile(id, d + "/dangling", "made", 0640).ok());
+    back = c->ReadFile(id, d + "/sub/new");
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, "made");
+    st = c->Stat(id, d + "/sub/new");
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->mode() & 07777, 0640u) << "a new file gets the requested mode";
+    // A relative link that climbs past the root stops at the sandbox's root.
+    ASSERT_TRUE(c->WriteFile(id, d + "/climb", "inside", 0644).ok());
+    back = c->ReadFile(id, d + "/sub/up");
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, "inside");
+  }
+}
+
 TEST_F(TransferTest, RoundTripsEverySizeBothWays) {
   std::string id = NewSandbox();
   ASSERT_TRUE(client_->uses_data_channel());

@@ -82,7 +82,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 512 << 10);
   args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
   args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
-  if (options.data_channel && Getenv("PBOX_DATA_CHANNEL") != "0") {
+  if (options.data_channel && bragg::GetEnv("PBOX_DATA_CHANNEL") != "0") {
     std::string host;
     if (c->endpoint_.rfind("tcp://", 0) == 0) {
       host = target.substr(0, target.rfind(':'));
