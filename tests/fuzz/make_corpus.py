@@ -192,7 +192,7 @@ OPS = {"Session": 0, "CreateSandbox": 1, "DestroySandbox": 2, "GetSandbox": 3,
        "ListSandboxes": 4, "Exec": 5, "Run": 6, "WriteFile": 7, "ReadFile": 8, "ListDir": 9,
        "Stat": 10, "MakeDir": 11, "Remove": 12, "Move": 13, "Info": 14, "Health": 15,
        "CloneSandbox": 16, "ImportImage": 17, "ListImages": 18, "RemoveImage": 19,
-       "PruneImages": 20}
+       "PruneImages": 20, "OpenTransfer": 21}
 
 
 def call(op: str, msg, noauth: bool = False) -> bytes:
@@ -353,6 +353,29 @@ def service_corpora() -> None:
                          call("ListImages", pb.ListImagesRequest(), noauth=True) +
                          call("RemoveImage", pb.RemoveImageRequest(name="host"), noauth=True) +
                          call("PruneImages", pb.PruneImagesRequest(), noauth=True),
+        "transfer_both_ways": call("OpenTransfer", pb.OpenTransferRequest(
+            sandbox_id="SB", path="/tmp/t/up.bin", direction=pb.TRANSFER_DIRECTION_UPLOAD,
+            size=1 << 20, mode=0o640, make_parents=True)) +
+            call("OpenTransfer", pb.OpenTransferRequest(
+                sandbox_id="SB", path="/etc/hostname", direction=pb.TRANSFER_DIRECTION_DOWNLOAD,
+                offset=3, length=5)),
+        "transfer_hostile": call("OpenTransfer", pb.OpenTransferRequest(
+            sandbox_id="SB", path="/../../../etc/shadow", direction=pb.TRANSFER_DIRECTION_DOWNLOAD)) +
+            call("OpenTransfer", pb.OpenTransferRequest(
+                sandbox_id="SB", path="/proc/self/mem", direction=pb.TRANSFER_DIRECTION_UPLOAD,
+                size=8)) +
+            call("OpenTransfer", pb.OpenTransferRequest(
+                sandbox_id="SB", path="/tmp/huge", direction=pb.TRANSFER_DIRECTION_UPLOAD,
+                size=(1 << 64) - 1, make_parents=True)) +
+            call("OpenTransfer", pb.OpenTransferRequest(
+                sandbox_id="SB", path="/tmp/m", direction=pb.TRANSFER_DIRECTION_UPLOAD,
+                size=1, mode=0o177777)) +
+            call("OpenTransfer", pb.OpenTransferRequest(sandbox_id="SB", path="/tmp/x",
+                                                        direction=7)) +
+            call("OpenTransfer", pb.OpenTransferRequest(sandbox_id="nope", path="/tmp/x",
+                                                        direction=pb.TRANSFER_DIRECTION_UPLOAD)) +
+            call("OpenTransfer", pb.OpenTransferRequest(
+                sandbox_id="SB", path="/tmp", direction=pb.TRANSFER_DIRECTION_UPLOAD), noauth=True),
     }
     for name, data in seeds.items():
         write("pbox_service_fuzz", name, data)

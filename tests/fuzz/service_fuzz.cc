@@ -8,8 +8,10 @@
 //
 // Input: records  u8 op, u16 length (LE), `length` bytes.
 //   op & 0x1f: the RPC, in the order of the proto's service (0 Session .. 15 Health, 16
-//   CloneSandbox, 17 ImportImage, 18 ListImages, 19 RemoveImage, 20 PruneImages; 21-31
-//   Health); op & 0x80: send no token.
+//   CloneSandbox, 17 ImportImage, 18 ListImages, 19 RemoveImage, 20 PruneImages, 21
+//   OpenTransfer; 22-31 Health); op & 0x80: send no token. The agent offers its data
+//   channel, so OpenTransfer runs for real: it opens files and issues tickets, which must all
+//   be gone (their temporary files and fds with them) once they expire.
 //   unary RPCs: the bytes are the request message;
 //   client-streaming RPCs (Session, Exec, WriteFile, ImportImage): the bytes are a sequence
 //   of u16-length-prefixed request messages.
@@ -23,6 +25,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -41,6 +44,7 @@
 #include "pbox/metrics.h"
 #include "pbox/sandbox_manager.h"
 #include "pbox/service.h"
+#include "pbox/transfer_tickets.h"
 #include "spdlog/spdlog.h"
 
 namespace pb = bragg::pbox;
@@ -73,6 +77,7 @@ struct World {
   pb::Registry registry;
   pb::AgentMetrics metrics;
   std::unique_ptr<pb::SandboxManager> manager;
+  std::unique_ptr<pb::TransferTickets> tickets;
   std::unique_ptr<pb::PboxService> service;
   std::unique_ptr<grpc::Server> server;
   std::shared_ptr<grpc::Channel> channel;
@@ -81,6 +86,9 @@ struct World {
 };
 
 World* world = nullptr;
+
+// The tickets' clock: moved past every ticket's expiry when an input's script is done.
+std::atomic<int64_t> ticket_clock_ms{0};
 
 void Init() {
   world = new World();  // lives until exit: the fuzzer never tears it down
@@ -123,6 +131,11 @@ void Init() {
   pb::ServiceInfo info{.version = "fuzz", .default_runtime = "native", .runtimes = {"native"}};
   world->service = std::make_unique<pb::PboxService>(world->manager.get(), &world->metrics, info,
                                                      kToken, world->images.get());
+  world->tickets = std::make_unique<pb::TransferTickets>(pb::TransferTicketOptions{}, [] {
+    return pb::TransferTickets::Clock::time_point(std::chrono::milliseconds(ticket_clock_ms));
+  });
+  // In process, callers are not unix peers: the (never dialled) TCP port is what they get.
+  world->service->EnableDataChannel(world->tickets.get(), "unix:///pbox-fuzz.sock.data", 65000);
   grpc::ServerBuilder builder;
   builder.RegisterService(world->service.get());
   builder.SetMaxReceiveMessageSize(16 << 20);
@@ -437,6 +450,18 @@ void Call(uint8_t op, std::string_view bytes, const std::string& id) {
       }
       return;
     }
+    case 21: {
+      v1::OpenTransferRequest req;
+      v1::OpenTransferResponse resp;
+      if (Parse(bytes, id, &req)) {
+        grpc::Status st = stub.OpenTransfer(&ctx, req, &resp);
+        Check(st, authed, "OpenTransfer");
+        if (st.ok() && (resp.ticket().size() != 32 || resp.data_endpoint().empty())) {
+          Die("OpenTransfer succeeded without a 32-byte ticket and an endpoint");
+        }
+      }
+      return;
+    }
     default: {
       v1::HealthRequest req;
       v1::HealthResponse resp;
@@ -471,6 +496,13 @@ std::string CreateSandboxForInput() {
 
 void CleanUp(const std::string& id) {
   if (!world->real) {
+    // Every ticket of the script lapses; dropping it discards what it held open.
+    ticket_clock_ms += world->tickets->ttl().count() + 1000;
+    world->tickets->Sweep();
+    if (world->tickets->outstanding() != 0) {
+      Die("transfer tickets outstanding after their expiry: " +
+          std::to_string(world->tickets->outstanding()));
+    }
     world->manager->DestroyAll();
     // Imported images outlive a call by design: each input starts from an empty store.
     for (const pb::ImageInfo& info : world->images->List()) {
