@@ -129,14 +129,7 @@ class GvisorSandbox : public RuntimeSandbox {
 
   Result<UniqueFd> OpenWritableLayer() override {
     std::lock_guard<std::mutex> lock(layer_mu_);
-    if (!writable_layer_.valid()) {
-      return absl::FailedPreconditionError("the sandbox was stopped");
-    }
-    int fd = ::openat(writable_layer_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-      return ErrnoError("open", "the sandbox's writable layer");
-    }
-    return UniqueFd(fd);
+    return ReopenLayer(writable_layer_);
   }
 
   Status FlushWrites(std::chrono::milliseconds timeout) override {

@@ -3,6 +3,8 @@
 // The runtime interface: what turns a sandbox spec into isolated processes. The native
 // runtime (native_runtime.h) uses Linux namespaces directly; others (gVisor) plug in here.
 
+#include <fcntl.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -50,6 +52,22 @@ class RuntimeSandbox {
   virtual Result<UniqueFd> OpenWritableLayer() {
     return absl::UnimplementedError("this runtime cannot clone sandboxes");
   }
+
+ protected:
+  // OpenWritableLayer for a runtime that holds an O_PATH or directory fd of the layer in
+  // `layer` (closed once stopped); the caller holds whatever guards `layer`.
+  static Result<UniqueFd> ReopenLayer(const UniqueFd& layer) {
+    if (!layer.valid()) {
+      return absl::FailedPreconditionError("the sandbox was stopped");
+    }
+    int fd = ::openat(layer.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+      return ErrnoError("open", "the sandbox's writable layer");
+    }
+    return UniqueFd(fd);
+  }
+
+ public:
   // Removes `path` (the tree below it with `recursive`) from the sandbox's filesystem for the
   // agent's file API, with SandboxFs::Remove's semantics and errors. A runtime whose kernel
   // caches the files (gVisor) removes them through that kernel too, so that it lets go of
