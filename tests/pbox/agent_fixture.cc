@@ -13,6 +13,22 @@
 
 namespace bragg::pbox::testing {
 
+bool OnGvisor() {
+  const char* r = ::getenv("PBOX_TEST_RUNTIME");
+  return r != nullptr && std::string(r) == "gvisor";
+}
+
+std::string AgentTestSkipReason() {
+  if (geteuid() != 0) {
+    return "pboxd needs root (namespaces, mounts, cgroups)";
+  }
+  if (OnGvisor() && ::access("/usr/bin/runsc", X_OK) != 0 &&
+      ::access("/usr/sbin/runsc", X_OK) != 0) {
+    return "runsc is not installed (Debian package runsc): no gVisor runtime here";
+  }
+  return "";
+}
+
 Result<std::unique_ptr<TestAgent>> TestAgent::Start(const AgentOptions& options) {
   std::unique_ptr<TestAgent> a(new TestAgent());
   BRAGG_ASSIGN_OR_RETURN(a->dir_, TempDir::Create("/tmp", "pbox-test-"));

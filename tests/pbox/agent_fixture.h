@@ -18,6 +18,12 @@ struct AgentOptions {
   bool tcp = false;  // also listen on tcp://127.0.0.1:0 with a token
 };
 
+// True when the suite runs its sandboxes on gVisor (PBOX_TEST_RUNTIME=gvisor).
+bool OnGvisor();
+// Why the agent's integration tests cannot run here, "" when they can: pboxd needs root, and
+// PBOX_TEST_RUNTIME=gvisor needs runsc installed.
+std::string AgentTestSkipReason();
+
 // One pboxd process. Destruction SIGTERMs it and waits.
 class TestAgent {
  public:

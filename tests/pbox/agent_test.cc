@@ -26,16 +26,10 @@ using Clock = std::chrono::steady_clock;
 namespace v1 = bragg::pbox::v1;
 
 // PBOX_TEST_RUNTIME=gvisor: the agent's default runtime is gVisor (see agent_fixture.cc).
-bool OnGvisor() {
-  const char* r = ::getenv("PBOX_TEST_RUNTIME");
-  return r != nullptr && std::string(r) == "gvisor";
-}
-
 class AgentTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (geteuid() != 0 || (OnGvisor() && ::access("/usr/bin/runsc", X_OK) != 0 &&
-                           ::access("/usr/sbin/runsc", X_OK) != 0)) {
+    if (!AgentTestSkipReason().empty()) {
       return;
     }
     auto a = TestAgent::Start({.extra_flags = {"--max-sandboxes", "64"}, .tcp = true});
@@ -47,12 +41,8 @@ class AgentTest : public ::testing::Test {
     agent_ = nullptr;
   }
   void SetUp() override {
-    if (geteuid() != 0) {
-      GTEST_SKIP() << "pboxd needs root (namespaces, mounts, cgroups)";
-    }
-    if (OnGvisor() && ::access("/usr/bin/runsc", X_OK) != 0 &&
-        ::access("/usr/sbin/runsc", X_OK) != 0) {
-      GTEST_SKIP() << "runsc is not installed (Debian package runsc): no gVisor runtime here";
+    if (std::string why = AgentTestSkipReason(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
     client_ = agent_->NewClient();
     ASSERT_NE(client_, nullptr);

@@ -88,16 +88,6 @@ bool WaitForLayers(const TestAgent& agent, size_t n) {
 
 // PBOX_TEST_RUNTIME=gvisor: the agent's default runtime is gVisor (agent_fixture.cc), and the
 // clones are gVisor sandboxes too (a clone has its source's runtime).
-bool OnGvisor() {
-  const char* r = ::getenv("PBOX_TEST_RUNTIME");
-  return r != nullptr && std::string(r) == "gvisor";
-}
-
-bool OnGvisorWithoutRunsc() {
-  return OnGvisor() && ::access("/usr/bin/runsc", X_OK) != 0 &&
-         ::access("/usr/sbin/runsc", X_OK) != 0;
-}
-
 // Inside the sandbox: `stat -c '%i %h' PATH...`, `stat -c '%a %u' PATH` and `ls -A DIR` in
 // Python (os.stat uses fstatat), since coreutils' statx flags fail under gVisor 20221219
 // (docs/pbox.md, "The gVisor runtime").
@@ -115,7 +105,7 @@ std::string PyListDir(const std::string& dir) {
 class CloneTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (geteuid() != 0 || OnGvisorWithoutRunsc()) {
+    if (!AgentTestSkipReason().empty()) {
       return;
     }
     auto a = TestAgent::Start(
@@ -128,11 +118,8 @@ class CloneTest : public ::testing::Test {
     agent_ = nullptr;
   }
   void SetUp() override {
-    if (geteuid() != 0) {
-      GTEST_SKIP() << "pboxd needs root (namespaces, mounts, cgroups)";
-    }
-    if (OnGvisorWithoutRunsc()) {
-      GTEST_SKIP() << "runsc is not installed (Debian package runsc): no gVisor runtime here";
+    if (std::string why = AgentTestSkipReason(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
     ASSERT_NE(agent_, nullptr);
     client_ = agent_->NewClient();

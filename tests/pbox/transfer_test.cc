@@ -29,14 +29,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 namespace v1 = bragg::pbox::v1;
 
-bool HaveRuntime() {
-  const char* r = ::getenv("PBOX_TEST_RUNTIME");
-  if (r != nullptr && std::string(r) == "gvisor") {
-    return ::access("/usr/bin/runsc", X_OK) == 0 || ::access("/usr/sbin/runsc", X_OK) == 0;
-  }
-  return true;
-}
-
 std::string RandomBytes(size_t n, uint64_t seed) {
   std::string s(n, '\0');
   std::mt19937_64 rng(seed);
@@ -141,7 +133,7 @@ class Raw {
 class TransferTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (geteuid() != 0 || !HaveRuntime()) {
+    if (!AgentTestSkipReason().empty()) {
       return;
     }
     auto a = TestAgent::Start(
@@ -154,11 +146,8 @@ class TransferTest : public ::testing::Test {
     agent_ = nullptr;
   }
   void SetUp() override {
-    if (geteuid() != 0) {
-      GTEST_SKIP() << "pboxd needs root (namespaces, mounts, cgroups)";
-    }
-    if (!HaveRuntime()) {
-      GTEST_SKIP() << "runsc is not installed: no gVisor runtime here";
+    if (std::string why = AgentTestSkipReason(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
     client_ = agent_->NewClient();
     auto grpc_only =
@@ -632,11 +621,8 @@ TEST_F(TransferTest, OpenTransferChecksLikeWriteFileAndReadFile) {
 }
 
 TEST(TransferFallbackTest, AgentWithoutDataChannelUsesGrpc) {
-  if (geteuid() != 0) {
-    GTEST_SKIP() << "pboxd needs root";
-  }
-  if (!HaveRuntime()) {
-    GTEST_SKIP() << "runsc is not installed";
+  if (std::string why = AgentTestSkipReason(); !why.empty()) {
+    GTEST_SKIP() << why;
   }
   auto a = TestAgent::Start({.extra_flags = {"--data-channel=false"}});
   ASSERT_TRUE(a.ok()) << a.status();
