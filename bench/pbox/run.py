@@ -320,6 +320,32 @@ def report(args, systems, notes, commands, meta):
     lines += [f"### Targets ({args.sandboxes} sandboxes, native runtime, median over runs)", "",
               "| target | measured | |", "|---|---|---|"] + tg + [""]
 
+    # gVisor: create no worse than runsc run by hand (at equal CPUs: the pinned peer), exec
+    # overhead reported as it is.
+    gv = "pbox gvisor"
+    gvisor_peers = [s for s in systems if s["kind"] == "peer" and s["runs"]
+                    and s["runs"][0].get("peer_of") == "gvisor"]
+    if gv in med and med[gv]["create_ms"] and gvisor_peers:
+        gl = []
+        for s in gvisor_peers:
+            m = med[s["label"]]
+            if not m["create_ms"]:
+                continue
+            pinned = s["label"].endswith("-pinned")
+            r = med[gv]["create_ms"] / m["create_ms"]
+            gl.append(f"| create p50 no worse than {s['label']}"
+                      f"{' (equal CPUs)' if pinned else ' (unpinned: all CPUs each)'} | "
+                      f"{fmt_ms(med[gv]['create_ms'])} ms against {fmt_ms(m['create_ms'])} ms "
+                      f"({r:.2f}x) | {'met' if r <= 1.0 else '**missed**'} |")
+            for key, what in (("exec_true_ms", "exec `true`"),
+                              ("exec_python_ms", "exec `python3 -c pass`")):
+                if m[key] and med[gv][key]:
+                    gl.append(f"| {what} overhead against {s['label']} (reported) | "
+                              f"{med[gv][key] - m[key]:+.1f} ms ({fmt_ms(med[gv][key])} against "
+                              f"{fmt_ms(m[key])} ms) | |")
+        lines += ["### Targets (gVisor runtime, median over runs)", "",
+                  "| target | measured | |", "|---|---|---|"] + gl + [""]
+
     for key, heading, _ in METRICS:
         lines += [f"### {heading}", "",
                   "| system | sandboxes | p50 ms min / median / max | p99 ms median | "

@@ -12,6 +12,9 @@ pbox-init --stream as PID 1; this script speaks pbox-init's stream protocol
 (src/pbox/init_protocol.h) over runsc's stdin and stdout itself, which is the least any
 program driving runsc must do to run commands in a live sandbox.
 
+With --pin each sandbox's runsc (and so its gofer and sentry) is pinned to one CPU, in turn,
+the CPUs pbox gives a sandbox by default (runsc_pinned_peer.py runs this in `make bench`).
+
 - create: `runsc run` until pbox-init's Ready frame;
 - exec: Spawn of `true` / `python3 -c pass` until its Exited frame;
 - 1 MiB round trip: `cat > /tmp/bench.bin` fed by Stdin frames, then `cat /tmp/bench.bin`
@@ -107,13 +110,23 @@ class Sandbox:
         }
         with open(self.dir + "/config.json", "w") as f:
             json.dump(config, f)
+        # --pin: this sandbox's runsc, and the gofer and sentry it starts, on one CPU, as
+        # pbox gives each sandbox one CPU of its set by default (round-robin here; pbox picks
+        # the least loaded). The sentry sizes the sandbox's vCPUs from it, as under pbox.
+        pin = None
+        if args.pin_cpus:
+            cpu = args.pin_cpus[args.pin_next % len(args.pin_cpus)]
+            args.pin_next += 1
+
+            def pin():
+                os.sched_setaffinity(0, {cpu})
         t = time.monotonic()
         with open(self.dir + "/runsc.log", "w") as log:
             self.proc = subprocess.Popen(
                 [args.runsc, "--root", self.dir + "/runsc-root", "--platform", args.platform,
                  "--network=none", "--file-access=shared", "--ignore-cgroups", "run",
                  "--bundle", self.dir, name],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, preexec_fn=pin)
         typ, _, _ = self.read()
         if typ != READY:
             raise RuntimeError(f"expected Ready from pbox-init, got {typ:#x}")
@@ -192,7 +205,11 @@ def main():
     ap.add_argument("--init", default="", help="the static pbox-init binary")
     ap.add_argument("--runsc", default="runsc")
     ap.add_argument("--platform", default="ptrace")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin each sandbox to one CPU (round-robin), as pbox does by default")
     args = ap.parse_args()
+    args.pin_cpus = sorted(os.sched_getaffinity(0)) if args.pin else []
+    args.pin_next = 0
     if args.sandboxes <= 0 or args.rounds <= 0 or args.tool_samples < 0:
         sys.exit("runsc_peer: --sandboxes and --rounds must be positive")
     if os.geteuid() != 0:
@@ -259,14 +276,17 @@ def main():
         version = subprocess.run([args.runsc, "--version"], capture_output=True,
                                  text=True).stdout.splitlines()[0]
         peerlib.write_result(
-            args.json, "runsc-by-hand", n,
+            args.json, "runsc-by-hand-pinned" if args.pin else "runsc-by-hand", n,
             {"create_ms": peerlib.summary(create), "exec_true_ms": peerlib.summary(exec_true),
              "exec_python_ms": peerlib.summary(exec_python), "rtt_1mib_ms": peerlib.summary(rtt),
              "rtt_1mib_concurrent_ms": peerlib.summary(rtt_conc)},
             gbps, peerlib.tools_json(names, tool_ms),
             [f"{version}, --platform={args.platform} --network=none --file-access=shared "
              f"--ignore-cgroups (no memory limit), {n} sandboxes, pbox-init --stream driven "
-             "directly, /usr bound read-only; files travel as stdin/stdout of cat"],
+             "directly, /usr bound read-only; files travel as stdin/stdout of cat"
+             + (f"; each sandbox pinned to one of CPUs {args.pin_cpus} in turn "
+                "(sched_setaffinity of runsc)" if args.pin else "; not pinned: every sandbox "
+                "may use every CPU")],
             peer_of="gvisor")
     finally:
         for b in boxes:

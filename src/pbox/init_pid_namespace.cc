@@ -18,6 +18,8 @@
 
 #include <vector>
 
+#include "pbox/init_fds.h"
+
 namespace bragg::pbox {
 namespace {
 
@@ -71,23 +73,41 @@ bool ReadSeccompProgram(const char* path, std::vector<sock_filter>* out, std::st
   return true;
 }
 
-// The forked child, PID 1 of the new namespace: mounts its proc, then becomes the holder.
-[[noreturn]] void HolderChild(const char* self_exe, int ready_write) {
+// What the holder's child is started with, and where it leaves the step that failed: under
+// vfork the child shares the parent's memory until it execs, so the parent reads it there.
+struct HolderLaunch {
+  const char* self_exe = nullptr;
+  int ready_write = -1;
+  const char* volatile failed_call = nullptr;
+  const char* volatile failed_what = nullptr;
+  volatile int failed_errno = 0;
+};
+
+// Leaves the failed step for the parent (see HolderLaunch) and ends the vforked child.
+[[noreturn]] void HolderChildFailed(HolderLaunch* launch, const char* call, const char* what) {
+  launch->failed_errno = errno;
+  launch->failed_what = what;
+  launch->failed_call = call;
+  _exit(1);
+}
+
+// The vforked child, PID 1 of the new namespace: mounts its proc, then execs the holder. It
+// runs on the parent's memory and stack (the parent waits until the execve): system calls
+// only, no allocation, no stdio.
+[[noreturn]] void HolderChild(HolderLaunch* launch) {
   if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
-    fprintf(stderr, "pbox-init: %s\n", ErrnoText("mount", "proc on /proc", errno).c_str());
-    _exit(1);
+    HolderChildFailed(launch, "mount", "proc on /proc");
   }
-  if (ready_write == kReadyFd ? fcntl(kReadyFd, F_SETFD, 0) != 0
-                              : dup2(ready_write, kReadyFd) != kReadyFd) {
-    _exit(1);
+  if (launch->ready_write == kReadyFd ? fcntl(kReadyFd, F_SETFD, 0) != 0
+                                      : dup2(launch->ready_write, kReadyFd) != kReadyFd) {
+    HolderChildFailed(launch, "dup2", "the holder's readiness pipe");
   }
   // A fresh image without environment: /proc/1/environ and the memory behind it hold nothing
   // of pbox-init's.
   char* const argv[] = {const_cast<char*>("pbox-init"), const_cast<char*>(kHolderFlag), nullptr};
   char* const envp[] = {nullptr};
-  execve(self_exe, argv, envp);
-  fprintf(stderr, "pbox-init: %s\n", ErrnoText("execve", self_exe, errno).c_str());
-  _exit(1);
+  execve(launch->self_exe, argv, envp);
+  HolderChildFailed(launch, "execve", launch->self_exe);
 }
 
 }  // namespace
@@ -123,31 +143,38 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
   }
   UniqueFd ready_read(ready[0]);
   UniqueFd ready_write(ready[1]);
-  pid_t pid = fork();
+  // vfork: no copy of our address space for a child that only mounts and execs (under
+  // gVisor's ptrace platform a new address space is a new host stub process).
+  HolderLaunch launch;
+  launch.self_exe = self_exe;
+  launch.ready_write = ready_write.get();
+  pid_t pid = vfork();
   if (pid < 0) {
-    *error = ErrnoText("fork", "holder", errno);
+    *error = ErrnoText("vfork", "holder", errno);
     return false;
   }
   if (pid == 0) {
-    HolderChild(self_exe, ready_write.get());
+    HolderChild(&launch);
   }
   out->holder = pid;
   ready_write.Reset();
-  char buf[2] = {0, 0};
-  ssize_t n;
-  do {
-    n = read(ready_read.get(), buf, sizeof(buf));
-  } while (n < 0 && errno == EINTR);
-  if (n != 2 || buf[0] != 'o' || buf[1] != 'k') {
+  if (launch.failed_call != nullptr) {
     int status = 0;
     (void)waitpid(pid, &status, 0);
-    *error = "the PID namespace holder did not start (its error is above)";
+    *error = "the PID namespace holder did not start: " +
+             ErrnoText(launch.failed_call, launch.failed_what, launch.failed_errno);
     return false;
   }
-  // The program's file is no business of commands'.
+  // The rest of our own set-up runs while the holder's image loads; commands only start once
+  // it has said "ok" (below), when it holds no fd of ours any more. The program's file is no
+  // business of commands'.
   (void)umount2(seccomp_file, MNT_DETACH);
+  // Capabilities are numbered from 0 without gaps; EINVAL is the first past the last one.
   for (int cap = 0; cap <= 63; ++cap) {
-    if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) {
+    if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) {
+      if (errno == EINVAL) {
+        break;
+      }
       *error = ErrnoText("prctl", "PR_CAPBSET_DROP " + std::to_string(cap), errno);
       return false;
     }
@@ -163,6 +190,17 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
   struct sock_fprog prog = {static_cast<unsigned short>(filter.size()), filter.data()};
   if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
     *error = ErrnoText("prctl", "PR_SET_SECCOMP", errno);
+    return false;
+  }
+  char buf[2] = {0, 0};
+  ssize_t n;
+  do {
+    n = read(ready_read.get(), buf, sizeof(buf));
+  } while (n < 0 && errno == EINTR);
+  if (n != 2 || buf[0] != 'o' || buf[1] != 'k') {
+    int status = 0;
+    (void)waitpid(pid, &status, 0);
+    *error = "the PID namespace holder did not start (its error is above)";
     return false;
   }
   return true;
@@ -190,11 +228,7 @@ int HolderMain() {
   // 0 and 1 (its channel) goes first, stderr (runsc's log) before the report.
   close(0);
   close(1);
-  if (syscall(SYS_close_range, kReadyFd + 1, ~0U, 0) != 0) {
-    for (int fd = kReadyFd + 1; fd < 1024; ++fd) {
-      close(fd);
-    }
-  }
+  CloseFdsFrom(kReadyFd + 1);
   close(2);
   if (write(kReadyFd, "ok", 2) != 2) {
     return 1;

@@ -22,6 +22,8 @@
 #include <set>
 #include <thread>
 
+#include "pbox/init_fds.h"
+
 namespace bragg::pbox {
 namespace {
 
@@ -112,66 +114,6 @@ ExecPlan MakePlan(proto::SpawnFrame& frame, const std::string& default_path) {
   _exit(127);
 }
 
-bool ParseInt(const char* s, int* out);
-
-void CloseFrom(int first) {
-  if (syscall(SYS_close_range, first, ~0U, 0) == 0) {
-    return;
-  }
-  // Kernels without close_range (and gVisor versions without it): close what
-  // /proc/self/fd lists (read with getdents64, no allocation), which costs a system call per
-  // open fd instead of one per possible fd (a million under a high RLIMIT_NOFILE, seconds
-  // under gVisor's ptrace platform). Closing while listing is safe: entries are only
-  // removed behind the cursor, and a second pass catches anything missed.
-  for (int pass = 0; pass < 2; ++pass) {
-    int dir = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir < 0) {
-      break;
-    }
-    alignas(8) char buf[4096];
-    bool ok = true;
-    while (true) {
-      long n = syscall(SYS_getdents64, dir, buf, sizeof(buf));
-      if (n < 0) {
-        ok = false;
-        break;
-      }
-      if (n == 0) {
-        break;
-      }
-      for (long off = 0; off < n;) {
-        struct Dirent64 {
-          uint64_t ino;
-          int64_t off;
-          unsigned short reclen;
-          unsigned char type;
-          char name[1];
-        };
-        auto* d = reinterpret_cast<Dirent64*>(buf + off);
-        off += d->reclen;
-        int fd = 0;
-        if (ParseInt(d->name, &fd) && fd >= first && fd != dir) {
-          close(fd);
-        }
-      }
-    }
-    close(dir);
-    if (!ok) {
-      break;
-    }
-    if (pass == 1) {
-      return;
-    }
-  }
-  long max = sysconf(_SC_OPEN_MAX);
-  if (max < 0 || max > 65536) {
-    max = 65536;
-  }
-  for (int fd = first; fd < max; ++fd) {
-    close(fd);
-  }
-}
-
 // Runs in the forked child; never returns.
 [[noreturn]] void ChildMain(ExecPlan& plan, const int stdio[3], int err_write) {
   sigset_t none;
@@ -228,7 +170,7 @@ void CloseFrom(int first) {
     ChildFail(err_moved, errno, "dup3", "3");
   }
   const int err_fd = 3;
-  CloseFrom(4);
+  CloseFdsFrom(4);
 
   if (chdir(plan.cwd.c_str()) != 0) {
     ChildFail(err_fd, errno, "chdir", plan.cwd.c_str());
