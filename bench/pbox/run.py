@@ -4,8 +4,8 @@ in bench/peers/ (podman with runc; runsc by hand, the gVisor runtime's peer) in 
 run, repeats each configuration, and writes the pbox part of docs/benchmarks.md (between the
 pbox-bench markers; the other sections are kept) with charts in docs/img/.
 
-    bench/pbox/run.py --build build [--sandboxes 100] [--repeat 4] [--rounds 2]
-                      [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 600]
+    bench/pbox/run.py --build build [--sandboxes 100] [--gvisor-sandboxes 50] [--repeat 4]
+                      [--rounds 2] [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 600]
 
 Per metric: min / median / max over the runs of each run's p50, the median p99, and the ratio
 of each system's median p50 to pbox's; the floor (the host without isolation, loopback TCP) is
@@ -258,10 +258,12 @@ def report(args, systems, notes, commands, meta):
     nruns = len(pbox["runs"])
     lines = ["## pbox", "", BEGIN, "",
              f"pbox (native runtime, host image, 256 MiB per sandbox) with "
-             f"{args.sandboxes} live sandboxes on one pboxd, beside the peers a user would "
+             f"{args.sandboxes} live sandboxes on one pboxd (the gVisor runtime with "
+             f"{args.gvisor_sandboxes}, as many as its runsc peers run), beside the peers a user would "
              "otherwise pick, measured on the same machine in the same run: podman with runc "
              "(`podman run -d`, `podman exec`, `podman cp`), runsc used directly on pbox's kind "
-             "of bundle (the peer of `pbox gvisor`, its ratios are to that), and the floor (the "
+             "of bundle, unpinned and pinned to one CPU per sandbox as pbox pins its own (the "
+             "peers of `pbox gvisor`, their ratios are to that), and the floor (the "
              "same commands spawned on "
              "the host without isolation; the same bytes over loopback TCP). Each configuration "
              f"ran {nruns} times, one after the other; each run reports its p50 and p99, and the "
@@ -276,15 +278,17 @@ def report(args, systems, notes, commands, meta):
         if s["runs"]:
             lines.append(f"- {s['label']}: {s['desc']}")
     for s in systems:
-        if s["kind"] == "peer" and s["runs"] and s["runs"][0]["sandboxes"] < args.sandboxes:
+        want = (args.gvisor_sandboxes if s["runs"] and s["runs"][0].get("peer_of") == "gvisor"
+                else args.sandboxes)
+        if s["kind"] == "peer" and s["runs"] and s["runs"][0]["sandboxes"] < want:
             # What the same configuration as pbox's would cost, from this run's p50 per call
             # (the concurrent phase scaled by the number of containers: it is CPU-bound).
             n = s["runs"][0]["sandboxes"]
             m = med[s["label"]]
             per = (m["create_ms"] + m["exec_true_ms"] + m["exec_python_ms"] + m["rtt_1mib_ms"])
-            est = (args.sandboxes * per + m["rtt_1mib_concurrent_ms"] * args.sandboxes / n) / 1000
-            lines.append(f"- {s['label']} ran {n} containers, not {args.sandboxes}: from its "
-                         f"p50 per call here, {args.sandboxes} containers would take about "
+            est = (want * per + m["rtt_1mib_concurrent_ms"] * want / n) / 1000
+            lines.append(f"- {s['label']} ran {n} containers, not {want}: from its "
+                         f"p50 per call here, {want} containers would take about "
                          f"{est:.0f} s per repeat ({4 * est / 60:.0f} min for 4)"
                          + (", past the 15-minute bound of `make bench`." if 4 * est > 900
                             else "."))
@@ -463,6 +467,9 @@ def main():
                     help="pbox runtimes to measure; one the agent does not offer is skipped")
     ap.add_argument("--peers", default="",
                     help="comma-separated peer names (bench/peers/NAME_peer.py); default: all")
+    ap.add_argument("--gvisor-sandboxes", type=int, default=50,
+                    help="live sandboxes of pbox's gVisor runtime and of its runsc peers (the "
+                         "same count on both sides: idle sandboxes cost CPU under gVisor)")
     ap.add_argument("--peer-sandboxes", type=int, default=10,
                     help="live containers per peer (each podman call costs ~0.2-1 s here)")
     ap.add_argument("--peer-rounds", type=int, default=1)
@@ -495,18 +502,20 @@ def main():
         results[name] = []
     notes, peer_argv = [], {}
     tmp = tempfile.mkdtemp(prefix="pbox-bench-")
-    proc, endpoint, pboxd_argv = start_agent(build, tmp, args.sandboxes, args.pboxd_arg)
+    proc, endpoint, pboxd_argv = start_agent(build, tmp, max(args.sandboxes, args.gvisor_sandboxes),
+                                             args.pboxd_arg)
     pbox_argv = {}
     repeats_done = 0
     try:
         for i in range(args.repeat):
             t_rep = time.monotonic()
             for rt in list(runtimes):
-                argv = [bench, "--endpoint", endpoint, "--sandboxes", str(args.sandboxes),
+                n_rt = args.gvisor_sandboxes if rt == "gvisor" else args.sandboxes
+                argv = [bench, "--endpoint", endpoint, "--sandboxes", str(n_rt),
                         "--rounds", str(args.rounds), "--tool-samples", str(args.tool_samples),
                         "--runtime", rt]
                 pbox_argv[rt] = argv
-                log(f"run {i + 1}/{args.repeat}: pbox {rt}, {args.sandboxes} sandboxes "
+                log(f"run {i + 1}/{args.repeat}: pbox {rt}, {n_rt} sandboxes "
                     f"(load {loadavg()})")
                 res, skip = run_json(argv, os.path.join(tmp, f"pbox-{rt}-{i}.json"),
                                      f"pbox runtime {rt}")
@@ -519,11 +528,13 @@ def main():
                 if len(results["floor"]) == i:  # the floor of this repeat: its first pbox run
                     results["floor"].append(res["floor"])
             for name, path in list(peers):
-                argv = ["/usr/bin/python3", path, "--sandboxes", str(args.peer_sandboxes),
+                # runsc peers: the gVisor runtime's count; others (podman): --peer-sandboxes.
+                n_peer = args.gvisor_sandboxes if name.startswith("runsc") else args.peer_sandboxes
+                argv = ["/usr/bin/python3", path, "--sandboxes", str(n_peer),
                         "--rounds", str(args.peer_rounds), "--tool-samples",
                         str(args.tool_samples), "--tools", TOOLS_DIR]
                 peer_argv[name] = argv
-                log(f"run {i + 1}/{args.repeat}: peer {name}, {args.peer_sandboxes} "
+                log(f"run {i + 1}/{args.repeat}: peer {name}, {n_peer} "
                     f"containers (load {loadavg()})")
                 res, note = run_json(argv, os.path.join(tmp, f"{name}-{i}.json"),
                                      f"peer {name}", fatal=False)
@@ -560,7 +571,8 @@ def main():
 
     cmd = (f"bench/pbox/run.py --build {rel(build)} --sandboxes {args.sandboxes} --repeat "
            f"{args.repeat} --rounds {args.rounds} --tool-samples {args.tool_samples} "
-           f"--peer-sandboxes {args.peer_sandboxes} --peer-rounds {args.peer_rounds}")
+           f"--gvisor-sandboxes {args.gvisor_sandboxes} --peer-sandboxes {args.peer_sandboxes} "
+           f"--peer-rounds {args.peer_rounds}")
     commands = [cmd, "# which runs, per repeat:",
                 show(pboxd_argv).replace(tmp, "$TMP") + "   # once, for all repeats"]
     commands += [show(a).replace(tmp, "$TMP") + " --json OUT" for a in pbox_argv.values()
@@ -570,7 +582,8 @@ def main():
     systems = []
     for rt in runtimes:
         systems.append({"label": f"pbox {rt}", "kind": "pbox", "runs": results[f"pbox-{rt}"],
-                        "desc": f"{args.sandboxes} sandboxes, `--runtime {rt}`, "
+                        "desc": f"{args.gvisor_sandboxes if rt == 'gvisor' else args.sandboxes} "
+                                f"sandboxes, `--runtime {rt}`, "
                                 f"{args.rounds} round(s) per sandbox and metric, "
                                 f"{args.tool_samples} executions per tool."})
     for name, _ in peers:
