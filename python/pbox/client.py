@@ -438,7 +438,8 @@ class Sandbox:
     :meth:`Client.get`; as a context manager it destroys the sandbox on exit.
 
     Paths are inside the sandbox; the agent resolves them within the sandbox's root, so ``..``
-    and symlinks cannot reach the host. File data is streamed in 256 KiB chunks.
+    and symlinks cannot reach the host. File bytes move on the agent's data channel, or on the
+    gRPC streams in 256 KiB chunks (see :meth:`write_file`).
     """
 
     def __init__(self, client: Client, info: SandboxInfo) -> None:
@@ -528,7 +529,8 @@ class Sandbox:
             raise self._client._error(e, "WriteFile") from None
 
     def iter_read(self, path: str, offset: int = 0, length: int = 0) -> Iterator[bytes]:
-        """Streams ``length`` bytes (0: to the end) of ``path`` from ``offset``, chunk by chunk."""
+        """Streams ``length`` bytes (0: to the end) of ``path`` from ``offset``, chunk by chunk,
+        on the gRPC stream (:meth:`read_file` and :meth:`download` use the data channel)."""
         if offset < 0 or length < 0:
             raise ValueError("offset and length must be >= 0")
         call = self._client._stub.ReadFile(

@@ -513,3 +513,29 @@ def test_aio_client_on_the_data_channel(agent, tmp_path) -> None:
                 assert ac._data.failures == 0 and ac._pool.idle == 1
 
     asyncio.run(main())
+
+
+def test_tcp_clients_use_the_data_port_at_the_host_they_reached(make_agent) -> None:
+    a = make_agent(tcp_token="tok-0123456789abcdef")
+    payload = os.urandom((1 << 20) + 3)
+    with pbox.Client(a.tcp_endpoint, token="tok-0123456789abcdef") as cl, cl.session() as s:
+        sb = s.create()
+        assert sb.write_file("/tmp/t", payload).size == len(payload)
+        assert sb.read_file("/tmp/t", 1) == payload[1:]
+        assert _used_data_channel(cl)
+        ep, sock, _ = cl._pool._idle.items[-1]
+        assert ep.startswith("tcp://:") and sock.getpeername()[0] == "127.0.0.1"
+
+        async def aio() -> None:
+            async with pbox.aio.Client(a.tcp_endpoint, token="tok-0123456789abcdef") as ac:
+                asb = await ac.get(sb.id)
+                await asb.write_file("/tmp/u", payload)
+                assert await asb.read_file("/tmp/u") == payload
+                assert _used_data_channel(ac)
+
+        asyncio.run(aio())
+    # A wrong token gets no ticket: Unauthenticated, as on the gRPC path.
+    with pbox.Client(a.tcp_endpoint, token="wrong-token-000000") as bad:
+        with pytest.raises(pbox.Unauthenticated) as e:
+            pbox.Sandbox(bad, sb.info).read_file("/tmp/t")
+        assert e.value.method == "ReadFile" and not bad._data.off
