@@ -239,7 +239,8 @@ def test_both_paths_keep_the_same_semantics(clients, sandbox: pbox.Sandbox) -> N
     for name, sb in via.items():
         d = f"/tmp/sem-{name}"
         sb.run(f"mkdir -p {d}/dir && printf old > {d}/target && chmod 600 {d}/target && "
-               f"ln -s target {d}/link && ln -s made {d}/dangling").check()
+               f"ln -s target {d}/link && ln -s made {d}/dangling && mkfifo {d}/fifo && "
+               f"ln -s fifo {d}/to-fifo").check()
         info = sb.write_file(f"{d}/link", b"new", mode=0o644)
         assert info.size == 3 and info.mode == 0o600, name  # the existing file's mode stays
         assert sb.stat(f"{d}/link").is_symlink and sb.read_file(f"{d}/target") == b"new"
@@ -274,6 +275,11 @@ def test_both_paths_keep_the_same_semantics(clients, sandbox: pbox.Sandbox) -> N
     errors(lambda sb, d: sb.write_file(f"{d}/dir", b"x"))
     errors(lambda sb, d: sb.read_file(f"{d}/dir"))
     errors(lambda sb, d: sb.read_file("/proc/self/status"))
+    # Devices and FIFOs are refused, not replaced by a regular file.
+    assert errors(lambda sb, d: sb.write_file("/dev/null", b"x")) is pbox.InvalidArgument
+    assert errors(lambda sb, d: sb.write_file(f"{d}/fifo", b"x")) is pbox.InvalidArgument
+    assert errors(lambda sb, d: sb.write_file(f"{d}/to-fifo", b"x")) is pbox.InvalidArgument
+    assert sandbox.run("test -c /dev/null && test -p /tmp/sem-data/fifo").ok
     errors(lambda sb, d: sb.write_file("/usr/bin/pbox-test", b"x"))  # read-only image
     with pytest.raises(pbox.NotFound) as e:
         data_c.get(sandbox.id)._client._data_download("sb-missing", "/x", 0, 0)
