@@ -35,6 +35,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from .errors import (DataLoss, DeadlineExceeded, Internal, PboxError, Unavailable, Unimplemented,
                      error_from_code)
+from .types import FileInfo, FileType
 
 TICKET_BYTES = 32
 MAX_MESSAGE_BYTES = 4096
@@ -74,6 +75,12 @@ class DataStatus(NamedTuple):
     size: int
     mode: int
     mtime_ns: int
+
+
+def file_info(path: str, st: DataStatus) -> FileInfo:
+    """The info of the file an upload wrote (as WriteFile returns it)."""
+    return FileInfo(path=path, type=FileType.REGULAR, size=st.size, mode=st.mode,
+                    mtime_unix_ns=st.mtime_ns, symlink_target="")
 
 
 def encode_request(op: int, size: int, ticket: bytes) -> bytes:

@@ -34,7 +34,7 @@ from ._proto import pbox_pb2_grpc as pb_grpc
 from .client import Data
 from .errors import (Internal, NotFound, PboxError, SessionClosed, Unavailable, error_from_rpc,
                      with_method)
-from .types import AgentInfo, FileInfo, FileType, Health, RunResult, SandboxInfo
+from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
 
 __all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
 
@@ -117,8 +117,7 @@ class Client:
             src.close()
         src.sent()
         self._data.succeeded()
-        return FileInfo(path=path, type=FileType.REGULAR, size=st.size, mode=st.mode,
-                        mtime_unix_ns=st.mtime_ns, symlink_target="")
+        return _data.file_info(path, st)
 
     async def _data_download(self, sandbox_id: str, path: str, offset: int, length: int,
                              out: Any = None) -> Any:
@@ -200,7 +199,7 @@ class Client:
         sessions, self._sessions = self._sessions, []
         for s in sessions:
             await s.close()
-        self._pool.close()
+        self._pool.clear()  # the client may be used again, as its channel is reopened
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -23,7 +23,7 @@ from ._proto import pbox_pb2 as pb
 from ._proto import pbox_pb2_grpc as pb_grpc
 from .errors import (Internal, PboxError, SessionClosed, error_from_rpc, NotFound, Unavailable,
                      with_method)
-from .types import AgentInfo, FileInfo, FileType, Health, RunResult, SandboxInfo
+from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
 from . import images as im
 
 __all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
@@ -121,7 +121,7 @@ class Client:
             src.close()
         src.sent()
         self._data.succeeded()
-        return _data_file_info(path, st)
+        return _data.file_info(path, st)
 
     def _data_download(self, sandbox_id: str, path: str, offset: int, length: int,
                        out: Any = None) -> Any:
@@ -261,11 +261,6 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _data_file_info(path: str, st: _data.DataStatus) -> FileInfo:
-    return FileInfo(path=path, type=FileType.REGULAR, size=st.size, mode=st.mode,
-                    mtime_unix_ns=st.mtime_ns, symlink_target="")
 
 
 class Session:
