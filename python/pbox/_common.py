@@ -75,6 +75,14 @@ def resolve_endpoint(endpoint: Optional[str]) -> Tuple[str, str]:
     )
 
 
+def tcp_host(endpoint: str, target: str) -> str:
+    """The host a client reached the agent at, for the agent's ``tcp://:PORT`` data endpoints
+    ("" for a unix endpoint)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return target.rsplit(":", 1)[0]
+
+
 def resolve_token(token: Optional[str]) -> Optional[str]:
     """The token from the argument, ``$PBOX_TOKEN`` or the file named by ``$PBOX_TOKEN_FILE``."""
     if token:

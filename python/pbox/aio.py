@@ -28,23 +28,31 @@ import grpc
 import grpc.aio
 
 from . import _common as c
+from . import _data
 from ._proto import pbox_pb2 as pb
 from ._proto import pbox_pb2_grpc as pb_grpc
 from .client import Data
-from .errors import NotFound, PboxError, SessionClosed, Unavailable, error_from_rpc
+from .errors import (Internal, NotFound, PboxError, SessionClosed, Unavailable, error_from_rpc,
+                     with_method)
 from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
 
 __all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
 
 
 class Client:
-    """An asyncio connection to one pboxd; arguments as :class:`pbox.Client`."""
+    """An asyncio connection to one pboxd; arguments as :class:`pbox.Client`.
+
+    File bytes move on the agent's data channel as in :class:`pbox.Client`, on non-blocking
+    sockets of the client's event loop (never blocking it, except for local disk reads and
+    writes of ``upload``/``download``)."""
 
     def __init__(self, endpoint: Optional[str] = None, token: Optional[str] = None, *,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, data_channel: bool = True) -> None:
         self.endpoint, self._target = c.resolve_endpoint(endpoint)
         self._md = c.metadata_for(c.resolve_token(token))
         self._timeout = timeout
+        self._data = _data.FallbackState(data_channel)
+        self._pool = _data.AsyncDataPool(c.tcp_host(self.endpoint, self._target))
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub_obj: Optional[pb_grpc.PboxStub] = None
         self._sessions: List["Session"] = []
@@ -69,6 +77,73 @@ class Client:
                 request, metadata=self._md, timeout=self._timeout if deadline else None)
         except grpc.RpcError as e:
             raise self._error(e, method) from None
+
+    async def _open_transfer(self, req: pb.OpenTransferRequest,
+                             method: str) -> pb.OpenTransferResponse:
+        try:
+            resp = await self._stub.OpenTransfer(req, metadata=self._md, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise self._error(e, method) from None
+        if len(resp.ticket) != _data.TICKET_BYTES:
+            raise Internal(f"OpenTransfer: a ticket of {len(resp.ticket)} bytes, expected "
+                           f"{_data.TICKET_BYTES}", method=method)
+        return resp
+
+    async def _data_upload(self, sandbox_id: str, path: str, mode: int, make_parents: bool,
+                           data: Any) -> Optional[FileInfo]:
+        """As :meth:`pbox.Client._data_upload`."""
+        if self._data.off:
+            return None
+        src = _data.upload_source(data)
+        if src is None:
+            return None
+        try:
+            req = pb.OpenTransferRequest(
+                sandbox_id=sandbox_id, path=path, direction=pb.TRANSFER_DIRECTION_UPLOAD,
+                size=src.size, mode=mode, make_parents=make_parents)
+            try:
+                resp = await self._open_transfer(req, "WriteFile")
+            except PboxError as e:
+                if self._data.fall_back(e, data_socket=False):
+                    return None
+                raise
+            try:
+                st = await self._pool.upload(resp.data_endpoint, resp.ticket, src)
+            except PboxError as e:
+                if self._data.fall_back(e, data_socket=True):
+                    return None
+                raise with_method(e, "WriteFile") from None
+        finally:
+            src.close()
+        src.sent()
+        self._data.succeeded()
+        return _data.file_info(path, st)
+
+    async def _data_download(self, sandbox_id: str, path: str, offset: int, length: int,
+                             out: Any = None) -> Any:
+        """As :meth:`pbox.Client._data_download`."""
+        if self._data.off:
+            return None
+        req = pb.OpenTransferRequest(
+            sandbox_id=sandbox_id, path=path, direction=pb.TRANSFER_DIRECTION_DOWNLOAD,
+            offset=offset, length=length)
+        try:
+            resp = await self._open_transfer(req, "ReadFile")
+        except PboxError as e:
+            if self._data.fall_back(e, data_socket=False):
+                return None
+            raise
+        try:
+            if out is None:
+                got = await self._pool.download(resp.data_endpoint, resp.ticket)
+            else:
+                got = await self._pool.download_to(resp.data_endpoint, resp.ticket, out)
+        except PboxError as e:
+            if self._data.fall_back(e, data_socket=True):
+                return None
+            raise with_method(e, "ReadFile") from None
+        self._data.succeeded()
+        return got
 
     async def info(self) -> AgentInfo:
         return c.agent_info(await self._unary("Info", pb.InfoRequest()))
@@ -124,6 +199,7 @@ class Client:
         sessions, self._sessions = self._sessions, []
         for s in sessions:
             await s.close()
+        self._pool.clear()  # the client may be used again, as its channel is reopened
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -340,9 +416,13 @@ class Sandbox:
 
     async def write_file(self, path: str, data: Data, mode: int = 0o644,
                          make_parents: bool = True, append: bool = False) -> FileInfo:
-        """Streams data to ``path``; see :meth:`pbox.Sandbox.write_file`. A file object is read
+        """Writes data to ``path``; see :meth:`pbox.Sandbox.write_file`. A file object is read
         synchronously (a local disk read)."""
         c.check_mode(mode)
+        if not append:
+            info = await self._client._data_upload(self.id, path, mode, make_parents, data)
+            if info is not None:
+                return info
         call = self._client._stub.WriteFile(metadata=self._client._md)
         try:
             for req in c.write_requests(self.id, path, data, mode, make_parents, append):
@@ -375,6 +455,12 @@ class Sandbox:
             call.cancel()
 
     async def read_file(self, path: str, offset: int = 0, length: int = 0) -> bytes:
+        """See :meth:`pbox.Sandbox.read_file`."""
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        got = await self._client._data_download(self.id, path, offset, length)
+        if got is not None:
+            return got
         parts = [chunk async for chunk in self.iter_read(path, offset, length)]
         return b"".join(parts)
 
@@ -390,9 +476,15 @@ class Sandbox:
         tmp = f"{os.fspath(local_path)}.pbox-part"
         try:
             with open(tmp, "wb") as f:
-                async for chunk in self.iter_read(remote_path):
-                    f.write(chunk)
-                    n += len(chunk)
+                got = await self._client._data_download(self.id, remote_path, 0, 0, f)
+                if got is not None:
+                    n = got
+                else:
+                    f.seek(0)
+                    f.truncate()
+                    async for chunk in self.iter_read(remote_path):
+                        f.write(chunk)
+                        n += len(chunk)
             os.replace(tmp, local_path)
         except BaseException:
             try:

@@ -18,9 +18,11 @@ from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, T
 import grpc
 
 from . import _common as c
+from . import _data
 from ._proto import pbox_pb2 as pb
 from ._proto import pbox_pb2_grpc as pb_grpc
-from .errors import PboxError, SessionClosed, error_from_rpc, NotFound, Unavailable
+from .errors import (Internal, PboxError, SessionClosed, error_from_rpc, NotFound, Unavailable,
+                     with_method)
 from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
 from . import images as im
 
@@ -40,18 +42,26 @@ class Client:
         timeout: deadline in seconds for control calls (create, list, stat...); None waits
             as long as the agent takes. Commands and transfers are never given a deadline
             (use ``run(timeout=...)``).
+        data_channel: move file bytes (``write_file``, ``upload``, ``read_file``,
+            ``download``) on the agent's data channel (docs/pbox.md "Data channel"); False,
+            or ``$PBOX_DATA_CHANNEL=0``, keeps them on the gRPC streams. The client falls back
+            to the streams by itself for an agent without the channel, or when its data
+            socket cannot be reached.
 
-    The client owns a gRPC channel; ``close()`` it (or use ``with``) when done. Closing the
-    client closes its open sessions, which destroys their sandboxes.
+    The client owns a gRPC channel and a few pooled data connections; ``close()`` it (or use
+    ``with``) when done. Closing the client closes its open sessions, which destroys their
+    sandboxes.
     """
 
     def __init__(self, endpoint: Optional[str] = None, token: Optional[str] = None, *,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, data_channel: bool = True) -> None:
         self.endpoint, target = c.resolve_endpoint(endpoint)
         self._md = c.metadata_for(c.resolve_token(token))
         self._timeout = timeout
         self._channel = grpc.insecure_channel(target, options=c.channel_options())
         self._stub = pb_grpc.PboxStub(self._channel)
+        self._data = _data.FallbackState(data_channel)
+        self._pool = _data.DataPool(c.tcp_host(self.endpoint, target))
         self._sessions: List["Session"] = []
         self._lock = threading.Lock()
 
@@ -70,6 +80,75 @@ class Client:
                 request, metadata=self._md, timeout=self._timeout if deadline else None)
         except grpc.RpcError as e:
             raise self._error(e, method) from None
+
+    # ---- data channel (docs/pbox.md "Data channel") ----
+
+    def _open_transfer(self, req: pb.OpenTransferRequest, method: str) -> pb.OpenTransferResponse:
+        try:
+            resp = self._stub.OpenTransfer(req, metadata=self._md, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise self._error(e, method) from None
+        if len(resp.ticket) != _data.TICKET_BYTES:
+            raise Internal(f"OpenTransfer: a ticket of {len(resp.ticket)} bytes, expected "
+                           f"{_data.TICKET_BYTES}", method=method)
+        return resp
+
+    def _data_upload(self, sandbox_id: str, path: str, mode: int, make_parents: bool,
+                     data: Any) -> Optional[FileInfo]:
+        """Writes ``data`` on the data channel; None when the gRPC stream is to take it."""
+        if self._data.off:
+            return None
+        src = _data.upload_source(data)
+        if src is None:
+            return None
+        try:
+            req = pb.OpenTransferRequest(
+                sandbox_id=sandbox_id, path=path, direction=pb.TRANSFER_DIRECTION_UPLOAD,
+                size=src.size, mode=mode, make_parents=make_parents)
+            try:
+                resp = self._open_transfer(req, "WriteFile")
+            except PboxError as e:
+                if self._data.fall_back(e, data_socket=False):
+                    return None
+                raise
+            try:
+                st = self._pool.upload(resp.data_endpoint, resp.ticket, src)
+            except PboxError as e:
+                if self._data.fall_back(e, data_socket=True):
+                    return None
+                raise with_method(e, "WriteFile") from None
+        finally:
+            src.close()
+        src.sent()
+        self._data.succeeded()
+        return _data.file_info(path, st)
+
+    def _data_download(self, sandbox_id: str, path: str, offset: int, length: int,
+                       out: Any = None) -> Any:
+        """The bytes of ``path`` (or their count, written to the file ``out``) from the data
+        channel; None when the gRPC stream is to bring them (``out`` may then hold a part)."""
+        if self._data.off:
+            return None
+        req = pb.OpenTransferRequest(
+            sandbox_id=sandbox_id, path=path, direction=pb.TRANSFER_DIRECTION_DOWNLOAD,
+            offset=offset, length=length)
+        try:
+            resp = self._open_transfer(req, "ReadFile")
+        except PboxError as e:
+            if self._data.fall_back(e, data_socket=False):
+                return None
+            raise
+        try:
+            if out is None:
+                got = self._pool.download(resp.data_endpoint, resp.ticket)
+            else:
+                got = self._pool.download_to(resp.data_endpoint, resp.ticket, out)
+        except PboxError as e:
+            if self._data.fall_back(e, data_socket=True):
+                return None
+            raise with_method(e, "ReadFile") from None
+        self._data.succeeded()
+        return got
 
     # ---- agent ----
 
@@ -174,6 +253,7 @@ class Client:
             sessions, self._sessions = self._sessions, []
         for s in sessions:
             s.close()
+        self._pool.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -353,7 +433,8 @@ class Sandbox:
     :meth:`Client.get`; as a context manager it destroys the sandbox on exit.
 
     Paths are inside the sandbox; the agent resolves them within the sandbox's root, so ``..``
-    and symlinks cannot reach the host. File data is streamed in 256 KiB chunks.
+    and symlinks cannot reach the host. File bytes move on the agent's data channel, or on the
+    gRPC streams in 256 KiB chunks (see :meth:`write_file`).
     """
 
     def __init__(self, client: Client, info: SandboxInfo) -> None:
@@ -421,10 +502,21 @@ class Sandbox:
 
     def write_file(self, path: str, data: Data, mode: int = 0o644, make_parents: bool = True,
                    append: bool = False) -> FileInfo:
-        """Writes bytes, a str (UTF-8) or a binary file object to ``path``, streamed in 256 KiB
-        chunks. Returns the written file's info. Raises NotFound (missing parent and
-        ``make_parents=False``), ResourceExhausted (disk full), PermissionDenied."""
+        """Writes bytes, a str (UTF-8) or a binary file object to ``path``. Returns the
+        written file's info. Raises NotFound (missing parent and ``make_parents=False``),
+        ResourceExhausted (disk full), PermissionDenied.
+
+        A symlink at ``path`` is followed inside the sandbox; an existing file keeps its
+        permission bits, a new one gets ``mode``. On the data channel (the default) the file
+        is replaced atomically and a regular file object goes out with ``sendfile`` from its
+        position (which then moves to its end); ``append``, and file objects that are neither
+        regular files nor ``BytesIO``, are streamed on gRPC in 256 KiB chunks, written in
+        place."""
         c.check_mode(mode)
+        if not append:
+            info = self._client._data_upload(self.id, path, mode, make_parents, data)
+            if info is not None:
+                return info
         reqs = c.write_requests(self.id, path, data, mode, make_parents, append)
         try:
             return c.file_info(self._client._stub.WriteFile(reqs, metadata=self._client._md))
@@ -432,7 +524,8 @@ class Sandbox:
             raise self._client._error(e, "WriteFile") from None
 
     def iter_read(self, path: str, offset: int = 0, length: int = 0) -> Iterator[bytes]:
-        """Streams ``length`` bytes (0: to the end) of ``path`` from ``offset``, chunk by chunk."""
+        """Streams ``length`` bytes (0: to the end) of ``path`` from ``offset``, chunk by chunk,
+        on the gRPC stream (:meth:`read_file` and :meth:`download` use the data channel)."""
         if offset < 0 or length < 0:
             raise ValueError("offset and length must be >= 0")
         call = self._client._stub.ReadFile(
@@ -447,8 +540,14 @@ class Sandbox:
             call.cancel()
 
     def read_file(self, path: str, offset: int = 0, length: int = 0) -> bytes:
-        """The contents of ``path`` (``length`` bytes from ``offset``; 0: to the end).
-        Raises NotFound for a missing file."""
+        """The contents of ``path`` (``length`` bytes from ``offset``; 0: to the end), on the
+        data channel unless the client falls back to gRPC. Raises NotFound for a missing
+        file."""
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        got = self._client._data_download(self.id, path, offset, length)
+        if got is not None:
+            return got
         return b"".join(self.iter_read(path, offset, length))
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
@@ -470,9 +569,15 @@ class Sandbox:
         tmp = f"{os.fspath(local_path)}.pbox-part"
         try:
             with open(tmp, "wb") as f:
-                for chunk in self.iter_read(remote_path):
-                    f.write(chunk)
-                    n += len(chunk)
+                got = self._client._data_download(self.id, remote_path, 0, 0, f)
+                if got is not None:
+                    n = got
+                else:
+                    f.seek(0)
+                    f.truncate()
+                    for chunk in self.iter_read(remote_path):
+                        f.write(chunk)
+                        n += len(chunk)
             os.replace(tmp, local_path)
         except BaseException:
             try:

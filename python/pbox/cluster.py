@@ -295,6 +295,7 @@ class ClusterClient:
             endpoints file, else ``$PBOX_TOKEN`` / ``$PBOX_TOKEN_FILE``.
         timeout: deadline in seconds of control calls, as in :class:`pbox.Client`.
         refresh: seconds a node's Health (its live sandbox count) is trusted for placement.
+        data_channel: as in :class:`pbox.Client` (file bytes on each agent's data channel).
 
     Placement: :meth:`ClusterSession.create` (and :meth:`create`) put a sandbox on the named
     ``node``, else on the node with the fewest sandboxes per sandbox CPU (counting both the
@@ -308,7 +309,8 @@ class ClusterClient:
 
     def __init__(self, endpoints: Union[str, Sequence[str], None] = None, *,
                  endpoints_file: Optional[str] = None, token: Optional[str] = None,
-                 timeout: Optional[float] = None, refresh: float = 1.0) -> None:
+                 timeout: Optional[float] = None, refresh: float = 1.0,
+                 data_channel: bool = True) -> None:
         if endpoints is not None and endpoints_file is not None:
             raise ValueError("pass endpoints or endpoints_file, not both")
         eps = load_endpoints(endpoints_file if endpoints_file is not None else endpoints)
@@ -319,8 +321,8 @@ class ClusterClient:
             for ep in eps:
                 tok = token or (_read_token(ep.token_file) if ep.token_file else None)
                 weight = len(parse_cpu_list(ep.cpuset)) if ep.cpuset else 1
-                self._nodes[ep.node] = _Node(ep, Client(ep.endpoint, tok, timeout=timeout),
-                                             weight)
+                client = Client(ep.endpoint, tok, timeout=timeout, data_channel=data_channel)
+                self._nodes[ep.node] = _Node(ep, client, weight)
         except BaseException:
             self.close()
             raise

@@ -32,6 +32,7 @@ __all__ = [
     "SessionClosed",
     "CommandError",
     "error_from_rpc",
+    "error_from_code",
 ]
 
 
@@ -197,3 +198,22 @@ def error_from_rpc(err: grpc.RpcError, method: Optional[str] = None) -> PboxErro
         details = code.name.lower().replace("_", " ") if code is not None else "unknown error"
     cls = _BY_CODE.get(code, PboxError)
     return cls(details, code=code, method=method)
+
+
+_BY_NUMBER: Dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_code(code: int, message: str, method: Optional[str] = None) -> PboxError:
+    """The :class:`PboxError` subclass of a canonical status code given as a number (the data
+    channel's status frames carry them so)."""
+    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    if not message:
+        message = status.name.lower().replace("_", " ")
+    return _BY_CODE.get(status, PboxError)(message, code=status, method=method)
+
+
+def with_method(err: PboxError, method: str) -> PboxError:
+    """``err`` as raised by ``method`` (same class, code and message)."""
+    if err.method == method or isinstance(err, CommandError):
+        return err
+    return type(err)(err.message, code=err.code, method=method)

@@ -633,6 +633,12 @@ Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_pa
     return absl::InvalidArgumentError(
         fmt::format("{}: is a directory; only regular files can be written", display));
   }
+  // As OpenWrite refuses them: the rename would otherwise replace a device, FIFO or socket
+  // (the sandbox's /dev/null) with a regular file.
+  if (exists && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: is {}; only regular files can be read or written", display, TypeName(st.st_mode)));
+  }
   // A file that exists keeps its permission bits, as when WriteFile truncates it.
   std::optional<uint32_t> keep_mode;
   if (exists && S_ISREG(st.st_mode)) {

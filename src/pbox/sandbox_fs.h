@@ -91,7 +91,8 @@ class SandboxFs {
   Result<UniqueFd> OpenWrite(std::string_view path, uint32_t mode, bool make_parents,
                              bool append) const;
   // A new empty file beside `path` that PendingFile::Commit later renames to `path`: the
-  // atomic form of OpenWrite. InvalidArgument if `path` names the root or a directory;
+  // atomic form of OpenWrite. InvalidArgument if `path` names the root, a directory, or
+  // (after symlinks) anything else but a regular file, as OpenWrite refuses them;
   // errors of resolving the parent as OpenWrite.
   Result<PendingFile> CreatePending(std::string_view path, bool make_parents) const;
   // Entries sorted by name, without "." and "..".

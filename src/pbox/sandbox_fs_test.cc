@@ -503,11 +503,21 @@ TEST_F(SandboxFsTest, RefusesDirectoriesSocketsAndDevices) {
   EXPECT_EQ(fs_->OpenRead("/sock").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(fs_->OpenWrite("/sock", 0644, false, false).status().code(),
             StatusCode::kInvalidArgument);
+  // An upload (the data channel) refuses them alike instead of renaming over them.
+  EXPECT_EQ(fs_->CreatePending("/sock", false).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_EQ(::mkfifo((root_ + "/fifo").c_str(), 0600), 0);
+  EXPECT_EQ(fs_->CreatePending("/fifo", false).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_EQ(::symlink("fifo", (root_ + "/to-fifo").c_str()), 0);
+  EXPECT_EQ(fs_->CreatePending("/to-fifo", false).status().code(), StatusCode::kInvalidArgument);
+  struct stat st;
+  ASSERT_EQ(::lstat((root_ + "/fifo").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
 
   if (::mknod((root_ + "/null").c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0) {
     EXPECT_EQ(fs_->OpenRead("/null").status().code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(fs_->OpenWrite("/null", 0644, false, false).status().code(),
               StatusCode::kInvalidArgument);
+    EXPECT_EQ(fs_->CreatePending("/null", false).status().code(), StatusCode::kInvalidArgument);
   }
 }
 
