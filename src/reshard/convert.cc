@@ -3,9 +3,11 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <linux/magic.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -398,8 +400,7 @@ Status CopyRuns(const WorkItem& w, const std::vector<CopyRun>& runs, int out_fd,
   const std::string path = sh->src_dir + "/" + c.file;
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
   BRAGG_ASSIGN_OR_RETURN(TensorRef ref, sh->refs.Get(w, fd.get(), path));
-  const bool kernel =
-      !verify && (sh->method == CopyMethod::kAuto || sh->method == CopyMethod::kCopyFileRange);
+  const bool kernel = !verify && sh->method == CopyMethod::kCopyFileRange;
   // A chunk smaller than the window never costs the whole window's memory.
   const uint64_t window = std::min<uint64_t>(sh->window, ref.bytes > 0 ? ref.bytes : 1);
   Window win(fd.get(), ref.data_offset, path, sh->method != CopyMethod::kPread, tb,
@@ -475,6 +476,20 @@ Status RunUnit(const Task& t, int out_fd, const std::string& out, CopyShared* sh
   sh->bytes_gathered.fetch_add(t.bytes, std::memory_order_relaxed);
   sh->gathered_writes.fetch_add(t.spans.size(), std::memory_order_relaxed);
   return absl::OkStatus();
+}
+
+// kAuto: copy_file_range (a reflink on file systems that share extents, a splice from page
+// cache to page cache on ext4, a server-side copy on NFS), except into tmpfs, where splicing
+// into shmem pages cost more CPU than writing from a mapping (docs/benchmarks.md, reshard).
+CopyMethod ResolveCopyMethod(CopyMethod m, const std::string& dst_dir) {
+  if (m != CopyMethod::kAuto) {
+    return m;
+  }
+  struct statfs fs;
+  if (::statfs(dst_dir.c_str(), &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
+    return CopyMethod::kMmap;
+  }
+  return CopyMethod::kCopyFileRange;
 }
 
 // Asks the kernel to read the start of a task's source data into the page cache, so that the
@@ -665,7 +680,7 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   CopyShared sh;
   sh.src_dir = o.src_dir;
   sh.window = window;
-  sh.method = o.copy_method;
+  sh.method = ResolveCopyMethod(o.copy_method, o.dst_dir);
   sh.write_behind = write_behind.get();
   auto finish_shard = [&](size_t s) -> Status {
     if (o.verify) {

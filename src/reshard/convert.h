@@ -17,7 +17,7 @@ namespace bragg::reshard {
 
 // How the bytes of contiguous runs move from a source chunk to an output shard.
 enum class CopyMethod {
-  // copy_file_range, then mmap when the kernel cannot copy between the two files.
+  // kMmap into tmpfs (measured cheaper there), else kCopyFileRange.
   kAuto,
   // copy_file_range for runs of 64 KiB and more; falls back to kMmap when the kernel refuses
   // (EXDEV across file systems, EINVAL, ENOSYS, EOPNOTSUPP, ...).
