@@ -8,11 +8,13 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -185,12 +187,20 @@ struct CopyShared {
 };
 
 // One worker's memory: at most two windows in use at once (a source window, mapped or read,
-// and the gather buffer or the verify compare buffer).
+// and the verify compare buffer; or the mapped sources of a gather unit).
+struct Piece {
+  uint64_t dst;
+  const char* src;
+  uint64_t bytes;
+};
 struct ThreadBuffers {
   std::vector<char> buf;
   std::vector<char> cmp;
-  std::vector<char> gather;
   MappedRange map;
+  // A gather unit's sources, mapped at once, and its runs in output order.
+  std::vector<MappedRange> maps;
+  std::vector<Piece> pieces;
+  std::vector<iovec> iov;
 };
 
 // A part of a task: the runs it copies from one source chunk, sorted by src.
@@ -199,16 +209,13 @@ struct UnitSource {
   std::vector<CopyRun> runs;
 };
 
-// What a worker pulls: a whole work item, or a gather unit, the runs of several chunks of one
-// tensor that land in [begin, end) of one shard, gathered in memory and written as `spans`.
+// What a worker pulls: a whole work item, or a gather unit: the runs of several chunks of one
+// tensor that land in at most one window of one shard, written together.
 struct Task {
   size_t shard = 0;
   uint64_t bytes = 0;
   const WorkItem* item = nullptr;
-  uint64_t begin = 0;
-  uint64_t end = 0;
   std::vector<UnitSource> sources;
-  std::vector<std::pair<uint64_t, uint64_t>> spans;  // [from, to) of the shard, merged
 };
 
 // Work items in order, scattered ones replaced (at the place of their tensor's first one) by
@@ -239,11 +246,11 @@ std::vector<Task> BuildTasks(const std::vector<const WorkItem*>& work, uint64_t 
     if (g == groups.end()) {
       continue;  // emitted with the group's first item
     }
-    struct Piece {
+    struct ItemRun {
       const WorkItem* item;
       CopyRun run;
     };
-    std::vector<Piece> pieces;
+    std::vector<ItemRun> pieces;
     for (const WorkItem* gw : g->second) {
       for (const CopyRun& r : gw->runs) {
         pieces.push_back({gw, r});
@@ -251,16 +258,14 @@ std::vector<Task> BuildTasks(const std::vector<const WorkItem*>& work, uint64_t 
     }
     groups.erase(g);
     std::sort(pieces.begin(), pieces.end(),
-              [](const Piece& a, const Piece& b) { return a.run.dst < b.run.dst; });
+              [](const ItemRun& a, const ItemRun& b) { return a.run.dst < b.run.dst; });
     size_t i = 0;
     while (i < pieces.size()) {
       Task t;
       t.shard = w->shard;
-      t.begin = pieces[i].run.dst;
-      t.end = t.begin + pieces[i].run.bytes;
+      const uint64_t begin = pieces[i].run.dst;
       size_t j = i + 1;
-      while (j < pieces.size() && pieces[j].run.dst + pieces[j].run.bytes - t.begin <= window) {
-        t.end = std::max(t.end, pieces[j].run.dst + pieces[j].run.bytes);
+      while (j < pieces.size() && pieces[j].run.dst + pieces[j].run.bytes - begin <= window) {
         ++j;
       }
       std::map<const WorkItem*, std::vector<CopyRun>> by_item;
@@ -268,11 +273,6 @@ std::vector<Task> BuildTasks(const std::vector<const WorkItem*>& work, uint64_t 
         const CopyRun& r = pieces[k].run;
         by_item[pieces[k].item].push_back(r);
         t.bytes += r.bytes;
-        if (!t.spans.empty() && t.spans.back().second == r.dst) {
-          t.spans.back().second += r.bytes;
-        } else {
-          t.spans.emplace_back(r.dst, r.dst + r.bytes);
-        }
       }
       for (auto& [item, runs] : by_item) {
         std::sort(runs.begin(), runs.end(),
@@ -439,42 +439,79 @@ Status CopyRuns(const WorkItem& w, const std::vector<CopyRun>& runs, int out_fd,
       });
 }
 
-// Fills the gather buffer with the unit's runs from every source chunk (each through mapped
-// windows) and writes each merged span with one pwrite.
+// Writes a gather unit straight from mappings of each source chunk's part with pwritev: every
+// merged span of the output is one call (up to IOV_MAX runs), one copy per byte, no buffer. The
+// mappings together hold at most one window (as much as the unit's output when the sources are
+// dense); a unit whose sources are sparser than that (or one row larger than a window), or
+// whose chunks cannot be mapped, is copied run by run through windows instead.
 Status RunUnit(const Task& t, int out_fd, const std::string& out, CopyShared* sh,
                ThreadBuffers* tb) {
-  if (t.end - t.begin > sh->window) {
-    // One run larger than a window: nothing to gather.
+  uint64_t span_bytes = 0;
+  for (const UnitSource& s : t.sources) {
+    uint64_t hi = 0;
+    for (const CopyRun& r : s.runs) {
+      hi = std::max(hi, r.src + r.bytes);
+    }
+    span_bytes += hi - s.runs.front().src;
+  }
+  bool mapped = span_bytes <= sh->window;
+  tb->pieces.clear();
+  for (size_t k = 0; mapped && k < t.sources.size(); ++k) {
+    const UnitSource& s = t.sources[k];
+    const WorkItem& w = *s.item;
+    const std::string path = sh->src_dir + "/" + w.tensor->chunks[w.chunk].file;
+    BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+    BRAGG_ASSIGN_OR_RETURN(TensorRef ref, sh->refs.Get(w, fd.get(), path));
+    const uint64_t lo = s.runs.front().src;
+    uint64_t hi = 0;
+    for (const CopyRun& r : s.runs) {
+      hi = std::max(hi, r.src + r.bytes);
+    }
+    if (hi > ref.bytes) {
+      return absl::InvalidArgumentError(fmt::format("{}: run past the end of chunk", path));
+    }
+    auto m = MappedRange::Map(fd.get(), ref.data_offset + lo, hi - lo, path);
+    if (!m.ok()) {
+      if (absl::IsInvalidArgument(m.status())) {
+        return m.status();
+      }
+      spdlog::debug("{}; copying run by run", std::string(m.status().message()));
+      mapped = false;
+      break;
+    }
+    sh->bytes_read.fetch_add(hi - lo, std::memory_order_relaxed);
+    for (const CopyRun& r : s.runs) {
+      tb->pieces.push_back({r.dst, m->data() + (r.src - lo), r.bytes});
+    }
+    tb->maps.push_back(std::move(*m));
+  }
+  if (!mapped) {
+    tb->maps.clear();
     for (const UnitSource& s : t.sources) {
       BRAGG_RETURN_IF_ERROR(CopyRuns(*s.item, s.runs, out_fd, out, sh, tb));
     }
     return absl::OkStatus();
   }
-  if (tb->gather.size() < t.end - t.begin) {
-    tb->gather.resize(t.end - t.begin);
+  std::sort(tb->pieces.begin(), tb->pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.dst < b.dst; });
+  uint64_t writes = 0;
+  size_t i = 0;
+  while (i < tb->pieces.size()) {
+    const uint64_t off = tb->pieces[i].dst;
+    uint64_t len = 0;
+    tb->iov.clear();
+    for (; i < tb->pieces.size() && tb->iov.size() < IOV_MAX && tb->pieces[i].dst == off + len;
+         ++i) {
+      tb->iov.push_back({const_cast<char*>(tb->pieces[i].src), tb->pieces[i].bytes});
+      len += tb->pieces[i].bytes;
+    }
+    BRAGG_RETURN_IF_ERROR(PwritevAll(out_fd, tb->iov.data(), tb->iov.size(), off, out));
+    BRAGG_RETURN_IF_ERROR(sh->write_behind->Wrote(out_fd, out, t.shard, off, len));
+    ++writes;
   }
-  char* g = tb->gather.data();
-  for (const UnitSource& s : t.sources) {
-    const WorkItem& w = *s.item;
-    const std::string path = sh->src_dir + "/" + w.tensor->chunks[w.chunk].file;
-    BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
-    BRAGG_ASSIGN_OR_RETURN(TensorRef ref, sh->refs.Get(w, fd.get(), path));
-    const uint64_t window = std::min<uint64_t>(sh->window, ref.bytes > 0 ? ref.bytes : 1);
-    Window win(fd.get(), ref.data_offset, path, sh->method != CopyMethod::kPread, tb,
-               &sh->bytes_read);
-    BRAGG_RETURN_IF_ERROR(WalkWindows(s.runs, ref.bytes, window, &win, fd.get(), ref.data_offset,
-                                      path, [&](const CopyRun& r) -> Status {
-                                        BRAGG_ASSIGN_OR_RETURN(const char* p, win.At(r.src));
-                                        std::memcpy(g + (r.dst - t.begin), p, r.bytes);
-                                        return absl::OkStatus();
-                                      }));
-  }
-  for (const auto& [from, to] : t.spans) {
-    BRAGG_RETURN_IF_ERROR(PwriteAll(out_fd, g + (from - t.begin), to - from, from, out));
-    BRAGG_RETURN_IF_ERROR(sh->write_behind->Wrote(out_fd, out, t.shard, from, to - from));
-  }
+  tb->maps.clear();
   sh->bytes_gathered.fetch_add(t.bytes, std::memory_order_relaxed);
-  sh->gathered_writes.fetch_add(t.spans.size(), std::memory_order_relaxed);
+  sh->gathered_writes.fetch_add(writes, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 

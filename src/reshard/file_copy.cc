@@ -44,6 +44,30 @@ Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off, const std::s
   return absl::OkStatus();
 }
 
+Status PwritevAll(int fd, struct iovec* iov, size_t iovcnt, uint64_t off, const std::string& name) {
+  while (iovcnt > 0) {
+    ssize_t r = ::pwritev(fd, iov, static_cast<int>(iovcnt), static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) {
+      continue;
+    }
+    if (r < 0) {
+      return ErrnoError("pwritev", name);
+    }
+    off += static_cast<uint64_t>(r);
+    size_t n = static_cast<size_t>(r);
+    while (iovcnt > 0 && n >= iov->iov_len) {
+      n -= iov->iov_len;
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+      iov->iov_len -= n;
+    }
+  }
+  return absl::OkStatus();
+}
+
 Result<uint64_t> CopyFileRangeAll(int in_fd, uint64_t in_off, int out_fd, uint64_t out_off,
                                   uint64_t n, const std::string& in_name,
                                   const std::string& out_name) {

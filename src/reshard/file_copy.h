@@ -4,6 +4,8 @@
 // range, copy_file_range(2) that reports when the kernel cannot copy between the two files, and a
 // read-only mapping of a file range.
 
+#include <sys/uio.h>
+
 #include <cstdint>
 #include <string>
 
@@ -18,6 +20,12 @@ namespace bragg::reshard {
 // Writes exactly `n` bytes of `buf` at `off` of `fd`. Errors: the errno error of pwrite.
 [[nodiscard]] Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off,
                                const std::string& name);
+
+// Writes the `iovcnt` buffers of `iov` (at most IOV_MAX) one after another at `off` of `fd`,
+// retrying on EINTR and short writes. `iov` is modified (advanced past what was written). Errors:
+// the errno error of pwritev naming `name`.
+[[nodiscard]] Status PwritevAll(int fd, struct iovec* iov, size_t iovcnt, uint64_t off,
+                                const std::string& name);
 
 // Copies up to `n` bytes from `in_off` of `in_fd` to `out_off` of `out_fd` inside the kernel
 // (copy_file_range: a reflink, a page-cache-to-page-cache splice, or a server-side copy; no user
