@@ -118,10 +118,10 @@ Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& 
 
 // An item whose runs average less than this is scattered (a column-split tensor: one run per
 // row): its runs are gathered with those of the tensor's other chunks into whole output ranges,
-// so that each pwrite is large instead of one per row.
+// so that each write covers many rows instead of one.
 constexpr uint64_t kSmallRun = 64 << 10;
-// Below this a run is written from the mapped window: one copy_file_range call costs about as
-// much as copying a few pages.
+// Runs below this are written from the window (mapped) instead of with a copy_file_range call
+// each, like the rows of a scattered item.
 constexpr uint64_t kMinKernelCopy = 64 << 10;
 
 // Data offsets of the chunks opened so far: a chunk split over several tasks parses its archive
