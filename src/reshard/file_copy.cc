@@ -99,6 +99,12 @@ Result<uint64_t> CopyFileRangeAll(int in_fd, uint64_t in_off, int out_fd, uint64
       }
     }
     if (r == 0) {
+      // 0 means end of file, except from file systems that copy nothing rather than fail
+      // (some FUSE and network ones): the caller copies the rest another way.
+      struct stat st;
+      if (::fstat(in_fd, &st) == 0 && static_cast<uint64_t>(st.st_size) > in_off + done) {
+        return done;
+      }
       return absl::InvalidArgumentError(fmt::format(
           "{} ends at byte {}, before the data the metadata points to", in_name, in_off + done));
     }

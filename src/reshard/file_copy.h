@@ -29,10 +29,11 @@ namespace bragg::reshard {
 
 // Copies up to `n` bytes from `in_off` of `in_fd` to `out_off` of `out_fd` inside the kernel
 // (copy_file_range: a reflink, a page-cache-to-page-cache splice, or a server-side copy; no user
-// buffer). Returns the bytes copied: fewer than `n` only when the kernel cannot copy between these
-// files (EXDEV across file systems, EINVAL, ENOSYS, EOPNOTSUPP, ...), in which case the caller
-// copies the rest another way. Errors: the errno error of any other failure (EIO, ENOSPC, ...);
-// InvalidArgument when `in_name` ends before `in_off + n`.
+// buffer). Returns the bytes copied: fewer than `n` only when the kernel cannot copy between
+// these files (EXDEV across file systems, EINVAL, ENOSYS, EOPNOTSUPP, ..., or 0 bytes copied
+// before the end of the source), in which case the caller copies the rest another way. Errors:
+// the errno error of any other failure (EIO, ENOSPC, ...); InvalidArgument when `in_name` ends
+// before `in_off + n`.
 [[nodiscard]] Result<uint64_t> CopyFileRangeAll(int in_fd, uint64_t in_off, int out_fd,
                                                 uint64_t out_off, uint64_t n,
                                                 const std::string& in_name,
