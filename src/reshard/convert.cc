@@ -3,22 +3,29 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <linux/magic.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "common/fs.h"
 #include "common/unique_fd.h"
+#include "reshard/file_copy.h"
 
 namespace bragg::reshard {
 
@@ -26,40 +33,6 @@ namespace {
 
 double Since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
-Status PreadAll(int fd, char* buf, uint64_t n, uint64_t off, const std::string& name) {
-  uint64_t done = 0;
-  while (done < n) {
-    ssize_t r = ::pread(fd, buf + done, n - done, static_cast<off_t>(off + done));
-    if (r < 0 && errno == EINTR) {
-      continue;
-    }
-    if (r < 0) {
-      return ErrnoError("pread", name);
-    }
-    if (r == 0) {
-      return absl::InvalidArgumentError(fmt::format(
-          "{} ends at byte {}, before the data the metadata points to", name, off + done));
-    }
-    done += static_cast<uint64_t>(r);
-  }
-  return absl::OkStatus();
-}
-
-Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off, const std::string& name) {
-  uint64_t done = 0;
-  while (done < n) {
-    ssize_t r = ::pwrite(fd, buf + done, n - done, static_cast<off_t>(off + done));
-    if (r < 0 && errno == EINTR) {
-      continue;
-    }
-    if (r < 0) {
-      return ErrnoError("pwrite", name);
-    }
-    done += static_cast<uint64_t>(r);
-  }
-  return absl::OkStatus();
 }
 
 // Starts the writeback of each block of an output shard as soon as every byte planned for it has
@@ -143,28 +116,246 @@ Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& 
   return *ref;
 }
 
-// Copies (or, with verify, compares) the runs of one work item through a window of `window`
-// bytes. Runs are sorted by source offset. `write_behind` is null when verifying.
-Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const std::string& out,
-               uint64_t window, WriteBehind* write_behind, std::vector<char>* buf,
-               std::vector<char>* cmp, std::atomic<uint64_t>* bytes_read) {
-  const bool verify = write_behind == nullptr;
-  const SourceChunk& c = w.tensor->chunks[w.chunk];
-  const std::string path = src_dir + "/" + c.file;
-  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
-  TensorRef ref;
-  if (c.resolved) {
-    ref.dtype = w.tensor->dtype;
-    ref.shape = c.sizes;
-    ref.data_offset = c.data_offset;
-    ref.bytes = NumElements(c.sizes) * ElementSize(w.tensor->dtype);
-  } else {
-    BRAGG_ASSIGN_OR_RETURN(ref, LocateChunk(fd.get(), *w.tensor, c, path));
+// An item whose runs average less than this is scattered (a column-split tensor: one run per
+// row): its runs are gathered with those of the tensor's other chunks into whole output ranges,
+// so that each write covers many rows instead of one.
+constexpr uint64_t kSmallRun = 64 << 10;
+// Runs below this are written from the window (mapped) instead of with a copy_file_range call
+// each, like the rows of a scattered item.
+constexpr uint64_t kMinKernelCopy = 64 << 10;
+
+// Data offsets of the chunks opened so far: a chunk split over several tasks parses its archive
+// once, and a task is prefetched at its first byte. Thread-safe.
+class ChunkRefs {
+ public:
+  // The chunk of `w`, open as `fd` at `path`: resolved by the index, cached, or located now.
+  Result<TensorRef> Get(const WorkItem& w, int fd, const std::string& path) {
+    const SourceChunk& c = w.tensor->chunks[w.chunk];
+    if (c.resolved) {
+      TensorRef ref;
+      ref.dtype = w.tensor->dtype;
+      ref.shape = c.sizes;
+      ref.data_offset = c.data_offset;
+      ref.bytes = NumElements(c.sizes) * ElementSize(w.tensor->dtype);
+      return ref;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = refs_.find(&c);
+      if (it != refs_.end()) {
+        return it->second;
+      }
+    }
+    BRAGG_ASSIGN_OR_RETURN(TensorRef ref, LocateChunk(fd, *w.tensor, c, path));
+    std::lock_guard<std::mutex> lock(mu_);
+    refs_.emplace(&c, ref);
+    return ref;
   }
-  std::vector<CopyRun> runs = w.runs;
-  // Grown to the largest window actually needed: a chunk smaller than the window never costs
-  // the whole window's memory.
-  window = std::min<uint64_t>(window, ref.bytes > 0 ? ref.bytes : 1);
+
+  // The file offset of the chunk's data when known without reading (resolved or opened before).
+  std::optional<uint64_t> DataOffset(const WorkItem& w) {
+    const SourceChunk& c = w.tensor->chunks[w.chunk];
+    if (c.resolved) {
+      return c.data_offset;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = refs_.find(&c);
+    if (it == refs_.end()) {
+      return std::nullopt;
+    }
+    return it->second.data_offset;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<const SourceChunk*, TensorRef> refs_;
+};
+
+// State shared by the workers of one ExecutePlan.
+struct CopyShared {
+  std::string src_dir;
+  uint64_t window = 0;
+  CopyMethod method = CopyMethod::kAuto;
+  WriteBehind* write_behind = nullptr;  // null when verifying
+  ChunkRefs refs;
+  // Cleared the first time the kernel refuses to copy between the checkpoint and the output.
+  std::atomic<bool> kernel_copy{true};
+  std::atomic<uint64_t> bytes_read{0};
+  std::atomic<uint64_t> bytes_kernel{0};
+  std::atomic<uint64_t> bytes_gathered{0};
+  std::atomic<uint64_t> gathered_writes{0};
+};
+
+// One worker's memory: at most two windows in use at once (a source window, mapped or read,
+// and the verify compare buffer; or the mapped sources of a gather unit).
+struct Piece {
+  uint64_t dst;
+  const char* src;
+  uint64_t bytes;
+};
+struct ThreadBuffers {
+  std::vector<char> buf;
+  std::vector<char> cmp;
+  MappedRange map;
+  // A gather unit's sources, mapped at once, and its runs in output order.
+  std::vector<MappedRange> maps;
+  std::vector<Piece> pieces;
+  std::vector<iovec> iov;
+};
+
+// A part of a task: the runs it copies from one source chunk, sorted by src.
+struct UnitSource {
+  const WorkItem* item = nullptr;
+  std::vector<CopyRun> runs;
+};
+
+// What a worker pulls: a whole work item, or a gather unit: the runs of several chunks of one
+// tensor that land in at most one window of one shard, written together.
+struct Task {
+  size_t shard = 0;
+  uint64_t bytes = 0;
+  const WorkItem* item = nullptr;
+  std::vector<UnitSource> sources;
+};
+
+// Work items in order, scattered ones replaced (at the place of their tensor's first one) by
+// gather units of at most `window` bytes of output.
+std::vector<Task> BuildTasks(const std::vector<const WorkItem*>& work, uint64_t window,
+                             bool gather) {
+  auto scattered = [&](const WorkItem* w) {
+    return gather && w->runs.size() > 1 && w->bytes / w->runs.size() < kSmallRun;
+  };
+  using Key = std::pair<size_t, const SourceTensor*>;
+  std::map<Key, std::vector<const WorkItem*>> groups;
+  for (const WorkItem* w : work) {
+    if (scattered(w)) {
+      groups[{w->shard, w->tensor}].push_back(w);
+    }
+  }
+  std::vector<Task> tasks;
+  for (const WorkItem* w : work) {
+    if (!scattered(w)) {
+      Task t;
+      t.shard = w->shard;
+      t.bytes = w->bytes;
+      t.item = w;
+      tasks.push_back(std::move(t));
+      continue;
+    }
+    auto g = groups.find({w->shard, w->tensor});
+    if (g == groups.end()) {
+      continue;  // emitted with the group's first item
+    }
+    struct ItemRun {
+      const WorkItem* item;
+      CopyRun run;
+    };
+    std::vector<ItemRun> pieces;
+    for (const WorkItem* gw : g->second) {
+      for (const CopyRun& r : gw->runs) {
+        pieces.push_back({gw, r});
+      }
+    }
+    groups.erase(g);
+    std::sort(pieces.begin(), pieces.end(),
+              [](const ItemRun& a, const ItemRun& b) { return a.run.dst < b.run.dst; });
+    size_t i = 0;
+    while (i < pieces.size()) {
+      Task t;
+      t.shard = w->shard;
+      const uint64_t begin = pieces[i].run.dst;
+      size_t j = i + 1;
+      while (j < pieces.size() && pieces[j].run.dst + pieces[j].run.bytes - begin <= window) {
+        ++j;
+      }
+      std::map<const WorkItem*, std::vector<CopyRun>> by_item;
+      for (size_t k = i; k < j; ++k) {
+        const CopyRun& r = pieces[k].run;
+        by_item[pieces[k].item].push_back(r);
+        t.bytes += r.bytes;
+      }
+      for (auto& [item, runs] : by_item) {
+        std::sort(runs.begin(), runs.end(),
+                  [](const CopyRun& a, const CopyRun& b) { return a.src < b.src; });
+        t.sources.push_back({item, std::move(runs)});
+      }
+      tasks.push_back(std::move(t));
+      i = j;
+    }
+  }
+  return tasks;
+}
+
+// One window [start, start + len) of a chunk's data, loaded on first use: mapped (page cache,
+// no copy) unless `use_mmap` is false or the file cannot be mapped, else read into tb->buf.
+class Window {
+ public:
+  Window(int fd, uint64_t base, const std::string& path, bool use_mmap, ThreadBuffers* tb,
+         std::atomic<uint64_t>* bytes_read)
+      : fd_(fd), base_(base), path_(path), use_mmap_(use_mmap), tb_(tb), bytes_read_(bytes_read) {}
+  ~Window() { tb_->map.Reset(); }
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
+
+  void Reset(uint64_t start, uint64_t len) {
+    start_ = start;
+    len_ = len;
+    data_ = nullptr;
+    tb_->map.Reset();
+  }
+
+  // The byte at `src` (inside the window) of the chunk's data.
+  Result<const char*> At(uint64_t src) {
+    if (data_ == nullptr) {
+      BRAGG_RETURN_IF_ERROR(Load());
+    }
+    return data_ + (src - start_);
+  }
+
+ private:
+  Status Load() {
+    if (use_mmap_) {
+      auto m = MappedRange::Map(fd_, base_ + start_, len_, path_);
+      if (m.ok()) {
+        tb_->map = std::move(*m);
+        data_ = tb_->map.data();
+        bytes_read_->fetch_add(len_, std::memory_order_relaxed);
+        return absl::OkStatus();
+      }
+      if (absl::IsInvalidArgument(m.status())) {
+        return m.status();
+      }
+      // A file system without mmap support, or no address space: read instead.
+      spdlog::debug("{}; reading instead", std::string(m.status().message()));
+      use_mmap_ = false;
+    }
+    if (tb_->buf.size() < len_) {
+      tb_->buf.resize(len_);
+    }
+    BRAGG_RETURN_IF_ERROR(PreadAll(fd_, tb_->buf.data(), len_, base_ + start_, path_));
+    bytes_read_->fetch_add(len_, std::memory_order_relaxed);
+    data_ = tb_->buf.data();
+    return absl::OkStatus();
+  }
+
+  int fd_;
+  uint64_t base_;
+  const std::string& path_;
+  bool use_mmap_;
+  ThreadBuffers* tb_;
+  std::atomic<uint64_t>* bytes_read_;
+  uint64_t start_ = 0;
+  uint64_t len_ = 0;
+  const char* data_ = nullptr;
+};
+
+// Walks `runs` (sorted by src, offsets in a chunk's data of `data_bytes` bytes at `base` of
+// `fd`) in windows of at most `window` bytes, calling part(piece) for the piece of every run
+// inside the current window (`win` is reset to it). The disk reads the next window meanwhile:
+// page cache, reclaimable, not memory of this process.
+template <typename Fn>
+Status WalkWindows(std::vector<CopyRun> runs, uint64_t data_bytes, uint64_t window, Window* win,
+                   int fd, uint64_t base, const std::string& path, Fn&& part) {
   size_t i = 0;
   while (i < runs.size()) {
     const uint64_t wstart = runs[i].src;
@@ -174,39 +365,20 @@ Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const 
     for (; j < runs.size() && runs[j].src < wend; ++j) {
       read_end = std::max(read_end, std::min(wend, runs[j].src + runs[j].bytes));
     }
-    if (read_end > ref.bytes) {
+    if (read_end > data_bytes) {
       return absl::InvalidArgumentError(fmt::format("{}: run past the end of chunk", path));
     }
-    if (buf->size() < read_end - wstart) {
-      buf->resize(read_end - wstart);
-    }
-    BRAGG_RETURN_IF_ERROR(
-        PreadAll(fd.get(), buf->data(), read_end - wstart, ref.data_offset + wstart, path));
-    bytes_read->fetch_add(read_end - wstart, std::memory_order_relaxed);
-    // The disk reads the next window into the page cache while this one is copied out; it is
-    // page cache (reclaimable, one window per thread), not buffer memory of this process.
-    if (read_end < ref.bytes) {
-      (void)::posix_fadvise(fd.get(), static_cast<off_t>(ref.data_offset + read_end),
-                            static_cast<off_t>(std::min(window, ref.bytes - read_end)),
+    win->Reset(wstart, read_end - wstart);
+    if (read_end < data_bytes) {
+      (void)::posix_fadvise(fd, static_cast<off_t>(base + read_end),
+                            static_cast<off_t>(std::min(window, data_bytes - read_end)),
                             POSIX_FADV_WILLNEED);
     }
     size_t next = j;
     for (size_t k = i; k < j; ++k) {
       CopyRun& r = runs[k];
-      uint64_t n = std::min(r.bytes, wend - r.src);
-      const char* p = buf->data() + (r.src - wstart);
-      if (verify) {
-        cmp->resize(n);
-        BRAGG_RETURN_IF_ERROR(PreadAll(out_fd, cmp->data(), n, r.dst, out));
-        if (std::memcmp(cmp->data(), p, n) != 0) {
-          return absl::DataLossError(
-              fmt::format("verify: {} bytes at {} of {} differ from {} chunk [{}]", n, r.dst, out,
-                          w.tensor->key, fmt::join(c.offsets, ",")));
-        }
-      } else {
-        BRAGG_RETURN_IF_ERROR(PwriteAll(out_fd, p, n, r.dst, out));
-        BRAGG_RETURN_IF_ERROR(write_behind->Wrote(out_fd, out, w.shard, r.dst, n));
-      }
+      const uint64_t n = std::min(r.bytes, wend - r.src);
+      BRAGG_RETURN_IF_ERROR(part(CopyRun{r.src, r.dst, n}));
       if (n < r.bytes) {
         r.src += n;
         r.dst += n;
@@ -219,20 +391,169 @@ Status RunItem(const WorkItem& w, const std::string& src_dir, int out_fd, const 
   return absl::OkStatus();
 }
 
-// Asks the kernel to read the start of an item's chunk into the page cache, so that the disk
-// works on the next item while this one is copied. Advisory: errors are ignored (the item's own
-// read reports them).
-void PrefetchItem(const WorkItem& w, const std::string& src_dir, uint64_t window) {
+// Copies (or, when verifying, compares) `runs` of work item `w` to `out`, run by run: inside
+// the kernel where the method allows and the run is large, else from the window.
+Status CopyRuns(const WorkItem& w, const std::vector<CopyRun>& runs, int out_fd,
+                const std::string& out, CopyShared* sh, ThreadBuffers* tb) {
+  const bool verify = sh->write_behind == nullptr;
   const SourceChunk& c = w.tensor->chunks[w.chunk];
-  auto fd = OpenFile(src_dir + "/" + c.file, O_RDONLY);
-  if (!fd.ok()) {
+  const std::string path = sh->src_dir + "/" + c.file;
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+  BRAGG_ASSIGN_OR_RETURN(TensorRef ref, sh->refs.Get(w, fd.get(), path));
+  const bool kernel = !verify && sh->method == CopyMethod::kCopyFileRange;
+  // A chunk smaller than the window never costs the whole window's memory.
+  const uint64_t window = std::min<uint64_t>(sh->window, ref.bytes > 0 ? ref.bytes : 1);
+  Window win(fd.get(), ref.data_offset, path, sh->method != CopyMethod::kPread, tb,
+             &sh->bytes_read);
+  return WalkWindows(
+      runs, ref.bytes, window, &win, fd.get(), ref.data_offset, path,
+      [&](const CopyRun& r) -> Status {
+        if (verify) {
+          BRAGG_ASSIGN_OR_RETURN(const char* p, win.At(r.src));
+          tb->cmp.resize(r.bytes);
+          BRAGG_RETURN_IF_ERROR(PreadAll(out_fd, tb->cmp.data(), r.bytes, r.dst, out));
+          if (std::memcmp(tb->cmp.data(), p, r.bytes) != 0) {
+            return absl::DataLossError(
+                fmt::format("verify: {} bytes at {} of {} differ from {} chunk [{}]", r.bytes,
+                            r.dst, out, w.tensor->key, fmt::join(c.offsets, ",")));
+          }
+          return absl::OkStatus();
+        }
+        uint64_t done = 0;
+        if (kernel && r.bytes >= kMinKernelCopy &&
+            sh->kernel_copy.load(std::memory_order_relaxed)) {
+          BRAGG_ASSIGN_OR_RETURN(done, CopyFileRangeAll(fd.get(), ref.data_offset + r.src, out_fd,
+                                                        r.dst, r.bytes, path, out));
+          sh->bytes_kernel.fetch_add(done, std::memory_order_relaxed);
+          sh->bytes_read.fetch_add(done, std::memory_order_relaxed);
+          if (done < r.bytes && sh->kernel_copy.exchange(false)) {
+            spdlog::info("copy_file_range cannot copy from {} to {}: copying through mappings",
+                         path, out);
+          }
+        }
+        if (done < r.bytes) {
+          BRAGG_ASSIGN_OR_RETURN(const char* p, win.At(r.src + done));
+          BRAGG_RETURN_IF_ERROR(PwriteAll(out_fd, p, r.bytes - done, r.dst + done, out));
+        }
+        return sh->write_behind->Wrote(out_fd, out, w.shard, r.dst, r.bytes);
+      });
+}
+
+// Writes a gather unit straight from mappings of each source chunk's part with pwritev: every
+// merged span of the output is one call (up to IOV_MAX runs), one copy per byte, no buffer. The
+// mappings together hold at most one window (as much as the unit's output when the sources are
+// dense); a unit whose sources are sparser than that (or one row larger than a window), or
+// whose chunks cannot be mapped, is copied run by run through windows instead.
+Status RunUnit(const Task& t, int out_fd, const std::string& out, CopyShared* sh,
+               ThreadBuffers* tb) {
+  uint64_t span_bytes = 0;
+  for (const UnitSource& s : t.sources) {
+    uint64_t hi = 0;
+    for (const CopyRun& r : s.runs) {
+      hi = std::max(hi, r.src + r.bytes);
+    }
+    span_bytes += hi - s.runs.front().src;
+  }
+  bool mapped = span_bytes <= sh->window;
+  tb->pieces.clear();
+  for (size_t k = 0; mapped && k < t.sources.size(); ++k) {
+    const UnitSource& s = t.sources[k];
+    const WorkItem& w = *s.item;
+    const std::string path = sh->src_dir + "/" + w.tensor->chunks[w.chunk].file;
+    BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+    BRAGG_ASSIGN_OR_RETURN(TensorRef ref, sh->refs.Get(w, fd.get(), path));
+    const uint64_t lo = s.runs.front().src;
+    uint64_t hi = 0;
+    for (const CopyRun& r : s.runs) {
+      hi = std::max(hi, r.src + r.bytes);
+    }
+    if (hi > ref.bytes) {
+      return absl::InvalidArgumentError(fmt::format("{}: run past the end of chunk", path));
+    }
+    auto m = MappedRange::Map(fd.get(), ref.data_offset + lo, hi - lo, path);
+    if (!m.ok()) {
+      if (absl::IsInvalidArgument(m.status())) {
+        return m.status();
+      }
+      spdlog::debug("{}; copying run by run", std::string(m.status().message()));
+      mapped = false;
+      break;
+    }
+    sh->bytes_read.fetch_add(hi - lo, std::memory_order_relaxed);
+    for (const CopyRun& r : s.runs) {
+      tb->pieces.push_back({r.dst, m->data() + (r.src - lo), r.bytes});
+    }
+    tb->maps.push_back(std::move(*m));
+  }
+  if (!mapped) {
+    tb->maps.clear();
+    for (const UnitSource& s : t.sources) {
+      BRAGG_RETURN_IF_ERROR(CopyRuns(*s.item, s.runs, out_fd, out, sh, tb));
+    }
+    return absl::OkStatus();
+  }
+  std::sort(tb->pieces.begin(), tb->pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.dst < b.dst; });
+  uint64_t writes = 0;
+  size_t i = 0;
+  while (i < tb->pieces.size()) {
+    const uint64_t off = tb->pieces[i].dst;
+    uint64_t len = 0;
+    tb->iov.clear();
+    for (; i < tb->pieces.size() && tb->iov.size() < IOV_MAX && tb->pieces[i].dst == off + len;
+         ++i) {
+      tb->iov.push_back({const_cast<char*>(tb->pieces[i].src), tb->pieces[i].bytes});
+      len += tb->pieces[i].bytes;
+    }
+    BRAGG_RETURN_IF_ERROR(PwritevAll(out_fd, tb->iov.data(), tb->iov.size(), off, out));
+    BRAGG_RETURN_IF_ERROR(sh->write_behind->Wrote(out_fd, out, t.shard, off, len));
+    ++writes;
+  }
+  tb->maps.clear();
+  sh->bytes_gathered.fetch_add(t.bytes, std::memory_order_relaxed);
+  sh->gathered_writes.fetch_add(writes, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+// kAuto: copy_file_range (a reflink on file systems that share extents, a splice from page
+// cache to page cache on ext4, a server-side copy on NFS), except into tmpfs, where splicing
+// into shmem pages cost more CPU than writing from a mapping (docs/benchmarks.md, reshard).
+CopyMethod ResolveCopyMethod(CopyMethod m, const std::string& dst_dir) {
+  if (m != CopyMethod::kAuto) {
+    return m;
+  }
+  struct statfs fs;
+  if (::statfs(dst_dir.c_str(), &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
+    return CopyMethod::kMmap;
+  }
+  return CopyMethod::kCopyFileRange;
+}
+
+// Asks the kernel to read the start of a task's source data into the page cache, so that the
+// disk works on the next task while this one is copied. Advisory: errors are ignored (the
+// task's own read reports them).
+void PrefetchTask(const Task& t, CopyShared* sh) {
+  auto advise = [&](const WorkItem& w, const std::vector<CopyRun>& runs, uint64_t bytes) {
+    const SourceChunk& c = w.tensor->chunks[w.chunk];
+    auto fd = OpenFile(sh->src_dir + "/" + c.file, O_RDONLY);
+    if (!fd.ok()) {
+      return;
+    }
+    std::optional<uint64_t> base = sh->refs.DataOffset(w);
+    const uint64_t start = base ? *base + (runs.empty() ? 0 : runs.front().src) : c.archive_offset;
+    const uint64_t len = base ? bytes : c.archive_length;
+    (void)::posix_fadvise(fd->get(), static_cast<off_t>(start),
+                          static_cast<off_t>(std::min(len, sh->window)), POSIX_FADV_WILLNEED);
+  };
+  if (t.item != nullptr) {
+    advise(*t.item, t.item->runs, t.item->bytes);
     return;
   }
-  const uint64_t start =
-      c.resolved ? c.data_offset + (w.runs.empty() ? 0 : w.runs.front().src) : c.archive_offset;
-  const uint64_t len = c.resolved ? w.bytes : c.archive_length;
-  (void)::posix_fadvise(fd->get(), static_cast<off_t>(start),
-                        static_cast<off_t>(std::min(len, window)), POSIX_FADV_WILLNEED);
+  for (const UnitSource& s : t.sources) {
+    if (!s.runs.empty()) {
+      advise(*s.item, s.runs, s.runs.back().src + s.runs.back().bytes - s.runs.front().src);
+    }
+  }
 }
 
 Status CopyConfigFiles(const std::string& from, const std::string& to) {
@@ -290,6 +611,23 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
 }
 
 }  // namespace
+
+Result<CopyMethod> ParseCopyMethod(const std::string& name) {
+  if (name == "auto") {
+    return CopyMethod::kAuto;
+  }
+  if (name == "copy_file_range") {
+    return CopyMethod::kCopyFileRange;
+  }
+  if (name == "mmap") {
+    return CopyMethod::kMmap;
+  }
+  if (name == "pread") {
+    return CopyMethod::kPread;
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("--copy-method {}: give auto, copy_file_range, mmap or pread", name));
+}
 
 Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   ConvertStats stats;
@@ -355,7 +693,6 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   for (const WorkItem& w : plan.items) {
     if (owned[w.shard]) {
       work.push_back(&w);
-      pending[w.shard].fetch_add(1);
       if (write_behind) {
         for (const CopyRun& r : w.runs) {
           write_behind->Account(w.shard, r.dst, r.bytes);
@@ -370,6 +707,18 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
       BRAGG_RETURN_IF_ERROR(write_behind->Wrote(fds[s].get(), paths[s], s, 0, sh.header.size()));
     }
   }
+  // Gathering pays off only where the runs are copied from mappings; verifying compares run by
+  // run.
+  const std::vector<Task> tasks =
+      BuildTasks(work, window, !o.verify && o.copy_method != CopyMethod::kPread);
+  for (const Task& t : tasks) {
+    pending[t.shard].fetch_add(1);
+  }
+  CopyShared sh;
+  sh.src_dir = o.src_dir;
+  sh.window = window;
+  sh.method = ResolveCopyMethod(o.copy_method, o.dst_dir);
+  sh.write_behind = write_behind.get();
   auto finish_shard = [&](size_t s) -> Status {
     if (o.verify) {
       return absl::OkStatus();
@@ -391,31 +740,31 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<size_t> next{0};
-  std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> bytes_done{0};
   std::atomic<bool> failed{false};
   std::atomic<int64_t> last_report_ms{0};
   uint64_t total_work = 0;
-  for (const WorkItem* w : work) {
-    total_work += w->bytes;
+  for (const Task& t : tasks) {
+    total_work += t.bytes;
   }
   std::mutex mu;
   Status first_error;
   auto worker = [&]() {
-    std::vector<char> buf, cmp;
+    ThreadBuffers tb;
     while (!failed.load()) {
       size_t k = next.fetch_add(1);
-      if (k >= work.size()) {
+      if (k >= tasks.size()) {
         return;
       }
-      const WorkItem& w = *work[k];
-      if (k + 1 < work.size()) {
-        PrefetchItem(*work[k + 1], o.src_dir, window);
+      const Task& t = tasks[k];
+      if (k + 1 < tasks.size()) {
+        PrefetchTask(tasks[k + 1], &sh);
       }
-      Status s = RunItem(w, o.src_dir, fds[w.shard].get(), paths[w.shard], window,
-                         write_behind.get(), &buf, &cmp, &bytes_read);
-      if (s.ok() && pending[w.shard].fetch_sub(1) == 1) {
-        s = finish_shard(w.shard);
+      Status s = t.item != nullptr
+                     ? CopyRuns(*t.item, t.item->runs, fds[t.shard].get(), paths[t.shard], &sh, &tb)
+                     : RunUnit(t, fds[t.shard].get(), paths[t.shard], &sh, &tb);
+      if (s.ok() && pending[t.shard].fetch_sub(1) == 1) {
+        s = finish_shard(t.shard);
       }
       if (!s.ok()) {
         std::lock_guard<std::mutex> lock(mu);
@@ -425,7 +774,7 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
         failed = true;
         return;
       }
-      uint64_t done = bytes_done.fetch_add(w.bytes) + w.bytes;
+      uint64_t done = bytes_done.fetch_add(t.bytes) + t.bytes;
       // Progress at most every 5 s, from whichever worker passes the mark.
       int64_t now_ms = static_cast<int64_t>(Since(t0) * 1000);
       int64_t last = last_report_ms.load();
@@ -454,12 +803,20 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   }
   double secs = Since(t0);
   (o.verify ? stats.verify_seconds : stats.copy_seconds) = secs;
-  stats.bytes_read = bytes_read.load();
+  stats.bytes_read = sh.bytes_read.load();
+  stats.bytes_kernel_copied = sh.bytes_kernel.load();
+  stats.bytes_gathered = sh.bytes_gathered.load();
+  stats.gathered_writes = sh.gathered_writes.load();
   stats.bytes_written = o.verify ? 0 : bytes_done.load();
   stats.shards_written = o.verify ? 0 : static_cast<int>(mine.size());
   spdlog::info("{}: {} shards, {:.3f} GB in {:.2f} s ({:.2f} GB/s read)",
                o.verify ? "verify" : "copy", mine.size(), bytes_done.load() / 1e9, secs,
-               secs > 0 ? bytes_read.load() / 1e9 / secs : 0.0);
+               secs > 0 ? sh.bytes_read.load() / 1e9 / secs : 0.0);
+  if (!o.verify) {
+    spdlog::info("copy: {:.3f} GB by copy_file_range, {:.3f} GB gathered into {} writes",
+                 stats.bytes_kernel_copied / 1e9, stats.bytes_gathered / 1e9,
+                 stats.gathered_writes);
+  }
   if (!o.verify) {
     BRAGG_ASSIGN_OR_RETURN(stats.index_written, WriteIndexIfComplete(plan, o.dst_dir, o.rank));
   }

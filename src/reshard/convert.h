@@ -3,7 +3,9 @@
 // Executes a Plan: preallocated safetensors shards written with positioned writes, each source
 // chunk read once in bounded windows, shards renamed into place when complete, the index last.
 // Reads and writes overlap: the next window and the next item are prefetched, and each block of
-// a shard goes to writeback as soon as it is complete.
+// a shard goes to writeback as soon as it is complete. Contiguous runs are copied inside the
+// kernel (copy_file_range) or from a mapping of the source; runs too small for a write of their
+// own (column-split tensors) are gathered from every chunk into one buffer per output range.
 
 #include <cstdint>
 #include <string>
@@ -12,6 +14,23 @@
 #include "reshard/plan.h"
 
 namespace bragg::reshard {
+
+// How the bytes of contiguous runs move from a source chunk to an output shard.
+enum class CopyMethod {
+  // kMmap into tmpfs (measured cheaper there), else kCopyFileRange.
+  kAuto,
+  // copy_file_range for runs of 64 KiB and more; falls back to kMmap when the kernel refuses
+  // (EXDEV across file systems, EINVAL, ENOSYS, EOPNOTSUPP, ...).
+  kCopyFileRange,
+  // The source window is mapped (page cache, no copy) and written out with pwrite: one copy.
+  kMmap,
+  // The source window is read into a buffer and each run written with its own pwrite (two
+  // copies; no gathering): the portable path, kept for comparison and for files mmap refuses.
+  kPread,
+};
+
+// "auto", "copy_file_range", "mmap", "pread". Errors: InvalidArgument naming the choices.
+[[nodiscard]] Result<CopyMethod> ParseCopyMethod(const std::string& name);
 
 struct ConvertOptions {
   std::string src_dir;
@@ -24,6 +43,7 @@ struct ConvertOptions {
   int rank = 0;
   int world_size = 1;
   bool verify = false;
+  CopyMethod copy_method = CopyMethod::kAuto;
 };
 
 struct ConvertStats {
@@ -33,6 +53,9 @@ struct ConvertStats {
   double copy_seconds = 0;
   double verify_seconds = 0;
   int shards_written = 0;
+  uint64_t bytes_kernel_copied = 0;  // by copy_file_range
+  uint64_t bytes_gathered = 0;       // of small runs, written through the gather buffers
+  uint64_t gathered_writes = 0;      // pwrite calls that wrote those bytes
   bool index_written = false;
 };
 

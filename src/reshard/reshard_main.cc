@@ -63,6 +63,7 @@ struct ConvertArgs {
   bool dry_run = false;
   bool fused_gate_up = false;
   bool skip_mtp = false;
+  std::string copy_method = "auto";
 };
 
 Status Convert(ConvertArgs a) {
@@ -128,6 +129,7 @@ Status Convert(ConvertArgs a) {
   o.mem_budget = budget;
   o.rank = a.rank;
   o.world_size = a.world_size;
+  BRAGG_ASSIGN_OR_RETURN(o.copy_method, rs::ParseCopyMethod(a.copy_method));
   BRAGG_ASSIGN_OR_RETURN(rs::ConvertStats st, rs::ExecutePlan(plan, o));
   if (a.verify) {
     o.verify = true;
@@ -171,6 +173,9 @@ int main(int argc, char** argv) {
                     "mlp.experts.down_proj [E, H, F] per layer (transformers' fused layout)");
   convert->add_flag("--skip-mtp", ca.skip_mtp,
                     "leave multi-token-prediction tensors (mtp.*) out of the output");
+  convert->add_option("--copy-method", ca.copy_method,
+                      "auto (default), copy_file_range, mmap or pread: how contiguous runs are "
+                      "copied (copy_file_range falls back to mmap where the kernel refuses)");
   CLI11_PARSE(app, argc, argv);
   if (Status s = bragg::InitLogging("bragg-reshard", level); !s.ok()) {
     std::cerr << "bragg-reshard: " << s.message() << "\n";
