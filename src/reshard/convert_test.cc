@@ -14,39 +14,12 @@
 #include "common/fs.h"
 #include "common/unique_fd.h"
 #include "reshard/file_copy.h"
+#include "reshard/test_chunks.h"
 
 namespace bragg::reshard {
 namespace {
 
-// Splits a global shape into `splits[d]` equal parts along each dim d.
-SourceTensor Chunked(const std::string& key, std::vector<int64_t> shape,
-                     const std::vector<int>& splits) {
-  SourceTensor t;
-  t.key = key;
-  t.dtype = DType::kF32;
-  t.shape = shape;
-  std::vector<int> idx(shape.size(), 0);
-  while (true) {
-    SourceChunk c;
-    for (size_t d = 0; d < shape.size(); ++d) {
-      const int64_t n = shape[d] / splits[d];
-      c.offsets.push_back(idx[d] * n);
-      c.sizes.push_back(n);
-    }
-    t.chunks.push_back(c);
-    size_t d = shape.size();
-    while (true) {
-      if (d == 0) {
-        return t;
-      }
-      --d;
-      if (++idx[d] < splits[d]) {
-        break;
-      }
-      idx[d] = 0;
-    }
-  }
-}
+using testing::Chunked;
 
 // Every chunk's bytes hold the global flat index of each element (as uint32).
 std::string ChunkBytes(const SourceTensor& t, const SourceChunk& c) {

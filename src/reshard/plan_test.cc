@@ -7,8 +7,12 @@
 #include <cstring>
 #include <map>
 
+#include "reshard/test_chunks.h"
+
 namespace bragg::reshard {
 namespace {
+
+using testing::Chunked;
 
 ModelConfig TinyConfig(const std::string& family) {
   std::string json = R"({"hidden_size": 8, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -17,39 +21,6 @@ ModelConfig TinyConfig(const std::string& family) {
   auto c = ParseModelConfig(family, json);
   EXPECT_TRUE(c.ok()) << c.status();
   return *c;
-}
-
-// Splits a global shape into chunks: `splits[d]` equal parts along dim d.
-SourceTensor Chunked(const std::string& key, std::vector<int64_t> shape,
-                     const std::vector<int>& splits) {
-  SourceTensor t;
-  t.key = key;
-  t.dtype = DType::kF32;
-  t.shape = shape;
-  std::vector<int> idx(shape.size(), 0);
-  while (true) {
-    SourceChunk c;
-    for (size_t d = 0; d < shape.size(); ++d) {
-      int64_t n = shape[d] / splits[d];
-      c.offsets.push_back(idx[d] * n);
-      c.sizes.push_back(n);
-    }
-    t.chunks.push_back(c);
-    size_t d = shape.size();
-    while (d > 0) {
-      --d;
-      if (++idx[d] < splits[d]) {
-        break;
-      }
-      idx[d] = 0;
-      if (d == 0) {
-        return t;
-      }
-    }
-    if (shape.empty()) {
-      return t;
-    }
-  }
 }
 
 // A Megatron-shaped index with TP=2 and PP=2 chunking (vocab padded from 10 to 12).
