@@ -3,10 +3,12 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <linux/magic.h>
 #include <linux/openat2.h>
 #include <stdio.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -409,10 +411,16 @@ Result<UniqueFd> SandboxFs::OpenWrite(std::string_view path, uint32_t mode, bool
   uint64_t flags = O_WRONLY | O_CREAT | O_NONBLOCK | O_NOCTTY | (append ? O_APPEND : O_TRUNC);
   int fd = RawOpenat2(root_.get(), p.JoinAll(), flags, mode & 07777, kInRoot);
   if (fd < 0) {
-    if (errno == ENXIO) {
+    const int err = errno;
+    if (err == ENXIO) {
       return NotRegularAfterEnxio(p.display);
     }
-    return ErrnoError("open for writing", p.display);
+    // A new file in a pseudo-filesystem is refused like an existing one (the caller checks
+    // the file it opened), and as CreatePending refuses it.
+    if (auto dir = ResolveParent(root_.get(), p); dir.ok()) {
+      BRAGG_RETURN_IF_ERROR(RefusePseudoFs(dir->get(), p.display));
+    }
+    return ErrnoError("open for writing", p.display, err);
   }
   return RequireRegular(UniqueFd(fd), p.display);
 }
@@ -639,6 +647,9 @@ Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_pa
     return absl::InvalidArgumentError(fmt::format(
         "{}: is {}; only regular files can be read or written", display, TypeName(st.st_mode)));
   }
+  // Where WriteFile refuses the opened file, refuse its directory (the temporary file could
+  // not be made there anyway, but the answer must be the same on both paths).
+  BRAGG_RETURN_IF_ERROR(RefusePseudoFs(dir.get(), display));
   // A file that exists keeps its permission bits, as when WriteFile truncates it.
   std::optional<uint32_t> keep_mode;
   if (exists && S_ISREG(st.st_mode)) {
@@ -662,6 +673,26 @@ Result<PendingFile> SandboxFs::CreatePending(std::string_view path, bool make_pa
     if (errno != EEXIST || attempt >= kMaxRetries) {
       return ErrnoError("create", fmt::format("{} (temporary file {})", display, temp));
     }
+  }
+}
+
+Status RefusePseudoFs(int fd, std::string_view path) {
+  struct statfs sfs;
+  if (::fstatfs(fd, &sfs) != 0) {
+    return ErrnoError("fstatfs", std::string(path));
+  }
+  switch (static_cast<unsigned long>(sfs.f_type)) {
+    case PROC_SUPER_MAGIC:
+    case SYSFS_MAGIC:
+    case CGROUP_SUPER_MAGIC:
+    case CGROUP2_SUPER_MAGIC:
+    case DEBUGFS_MAGIC:
+    case SECURITYFS_MAGIC:
+    case BPF_FS_MAGIC:
+      return absl::PermissionDeniedError(
+          fmt::format("{}: file transfer into kernel pseudo-filesystems is not allowed", path));
+    default:
+      return absl::OkStatus();
   }
 }
 

@@ -111,4 +111,9 @@ class SandboxFs {
   UniqueFd root_;
 };
 
+// Kernel pseudo-filesystems (proc, sysfs, cgroupfs, debugfs, securityfs, bpffs) that the
+// agent, which runs with every capability, must not read or write through on a client's
+// behalf, whatever the path looked like: PermissionDenied when `fd` is on one of them.
+Status RefusePseudoFs(int fd, std::string_view path);
+
 }  // namespace bragg::pbox

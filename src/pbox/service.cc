@@ -1,6 +1,5 @@
 #include "pbox/service.h"
 
-#include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <unistd.h>
@@ -87,28 +86,6 @@ void ResultToProto(const CommandResult& r, v1::ExecResult* out) {
   out->set_cpu_time_ms(r.cpu_ms);
   out->set_peak_memory_bytes(r.peak_memory_bytes);
   out->set_error(r.error);
-}
-
-// Kernel pseudo-filesystems the agent (which runs with every capability) must not write or
-// read through on a client's behalf, whatever the path looked like.
-Status RefusePseudoFs(int fd, const std::string& path) {
-  struct statfs sfs;
-  if (::fstatfs(fd, &sfs) != 0) {
-    return ErrnoError("fstatfs", path);
-  }
-  switch (static_cast<unsigned long>(sfs.f_type)) {
-    case PROC_SUPER_MAGIC:
-    case SYSFS_MAGIC:
-    case CGROUP_SUPER_MAGIC:
-    case CGROUP2_SUPER_MAGIC:
-    case DEBUGFS_MAGIC:
-    case SECURITYFS_MAGIC:
-    case BPF_FS_MAGIC:
-      return absl::PermissionDeniedError(
-          fmt::format("{}: file transfer into kernel pseudo-filesystems is not allowed", path));
-    default:
-      return absl::OkStatus();
-  }
 }
 
 CommandSpec SpecFromStart(const v1::ExecStart& start) {

@@ -275,6 +275,9 @@ def test_both_paths_keep_the_same_semantics(clients, sandbox: pbox.Sandbox) -> N
     errors(lambda sb, d: sb.write_file(f"{d}/dir", b"x"))
     errors(lambda sb, d: sb.read_file(f"{d}/dir"))
     errors(lambda sb, d: sb.read_file("/proc/self/status"))
+    errors(lambda sb, d: sb.write_file("/proc/self/comm", b"x"))
+    # A new file in a kernel pseudo-filesystem: refused alike on both paths.
+    assert errors(lambda sb, d: sb.write_file("/proc/pbox-new", b"x")) is pbox.PermissionDenied
     # Devices and FIFOs are refused, not replaced by a regular file.
     assert errors(lambda sb, d: sb.write_file("/dev/null", b"x")) is pbox.InvalidArgument
     assert errors(lambda sb, d: sb.write_file(f"{d}/fifo", b"x")) is pbox.InvalidArgument
