@@ -351,9 +351,19 @@ Result<std::unique_ptr<CgroupManager>> CreateCgroupV2Manager(const CgroupManager
   }
   if (!options.create_parent) {
     // Reaping only: what the agent would use, with nothing created, enabled or moved (the
-    // caller may be an epilog in a cgroup it must not leave).
+    // caller may be an epilog in a cgroup it must not leave). The agent moved every process
+    // of its cgroup into the "agent" leaf (its parent shell too), and systemd runs a
+    // delegated unit's ExecStopPost in ".control": from there the parent is one level up.
+    std::string parent = own + "/" + options.parent_name;
+    const std::string leaf = own.substr(own.rfind('/') + 1);
+    if (!PathExists(parent) && own != options.root && (leaf == "agent" || leaf == ".control")) {
+      std::string up = own.substr(0, own.rfind('/')) + "/" + options.parent_name;
+      if (PathExists(up)) {
+        parent = std::move(up);
+      }
+    }
     return std::unique_ptr<CgroupManager>(
-        new CgroupV2Manager(std::move(fs), own + "/" + options.parent_name, {}));
+        new CgroupV2Manager(std::move(fs), std::move(parent), {}));
   }
   BRAGG_ASSIGN_OR_RETURN(std::string available, fs->Read(own + "/cgroup.controllers"));
   for (const char* required : {"memory", "pids"}) {
