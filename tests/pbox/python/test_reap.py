@@ -4,6 +4,7 @@ layers, the parent cgroups) goes without starting an agent on its state dir agai
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 
 from conftest import host_processes_with_argv
@@ -132,3 +133,17 @@ def test_reap_without_the_state_dir(make_agent) -> None:
     assert not agent.state_dir.exists(), "--reap created the state dir"
     again = agent.reap()
     assert again.returncode == 0 and again.stdout.startswith("nothing to reap"), again
+
+
+def test_reap_rejects_hostile_parent_names(pboxd_binary: str, tmp_path) -> None:
+    for name in ("../../../sys", "a/b", "..", ""):
+        r = subprocess.run([pboxd_binary, "--reap", "--state-dir", str(tmp_path / "state"),
+                            "--cgroup-parent", name], capture_output=True, text=True, timeout=60)
+        if name == "":
+            # Empty: the default (derived from the state dir), which has nothing to reap.
+            assert r.returncode == 0 and r.stdout.startswith("nothing to reap"), r
+            continue
+        assert r.returncode == 1, r
+        assert "cgroup parent name" in r.stderr, r.stderr
+        assert r.stdout == ""
+    assert not (tmp_path / "state").exists()
