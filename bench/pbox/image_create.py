@@ -40,6 +40,10 @@ def start_agent(build, tmp, max_image):
             sys.exit("bench: pboxd exited early")
         time.sleep(0.05)
     proc.kill()
+    proc.wait()
+    # A SIGKILLed agent leaves its cgroups (and any sandboxes) behind: reap them.
+    subprocess.run([os.path.join(build, "src/pbox/pboxd"), "--reap", "--state-dir",
+                    os.path.join(tmp, "state")], stdout=subprocess.DEVNULL)
     sys.exit("bench: pboxd did not become ready")
 
 

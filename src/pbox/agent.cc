@@ -66,7 +66,80 @@ Result<std::string> ReadToken(const std::string& path) {
   return token;
 }
 
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// The state dir's agent lock, held by the returned fd: one agent (or reaper) per state dir.
+Result<UniqueFd> LockStateDir(const std::string& state_dir) {
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd lock,
+                         OpenFile(state_dir + "/agent.lock", O_RDWR | O_CREAT, 0600));
+  // A child a SIGKILLed agent forked just before its death holds a copy of the lock until it
+  // closes its inherited fds (microseconds, more on a loaded machine): wait a moment for it
+  // before calling the state dir taken.
+  const auto lock_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) {
+      return ErrnoError("flock", state_dir + "/agent.lock");
+    }
+    if (std::chrono::steady_clock::now() < lock_deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    return absl::FailedPreconditionError(fmt::format(
+        "another pboxd is using state dir {}: stop it or pass another --state-dir", state_dir));
+  }
+  return lock;
+}
+
+CgroupManagerOptions CgroupOptions(const AgentConfig& config) {
+  CgroupManagerOptions cg;
+  cg.mode = config.cgroup_mode;
+  cg.parent_name =
+      config.cgroup_parent.empty() ? DefaultCgroupParent(config.state_dir) : config.cgroup_parent;
+  return cg;
+}
+
+// What a killed agent left behind, removed by every agent start and by `pboxd --reap`; the
+// caller holds the state dir's lock. Its sandboxes' processes (and with them their namespaces
+// and the mounts inside them) go with their cgroups; then the host-side leftovers: gVisor
+// bundles with their host mounts, the native runtime's mount point, and the frozen layers of
+// clones.
+Status ReapLeftovers(CgroupManager& cgroups, const std::string& state_dir, ReapReport* report) {
+  BRAGG_ASSIGN_OR_RETURN(report->sandboxes, cgroups.ReapAll());
+  for (const char* sub : {"/gvisor", "/mnt", "/frozen"}) {
+    const std::string path = state_dir + sub;
+    if (!Exists(path)) {
+      continue;
+    }
+    BRAGG_RETURN_IF_ERROR(std::string_view(sub) == "/gvisor" ? GvisorRuntime::RemoveStale(path)
+                                                             : RemoveTree(path));
+    report->paths.push_back(path);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+Result<ReapReport> ReapAgentState(const AgentConfig& config) {
+  UniqueFd lock;
+  if (Exists(config.state_dir)) {
+    BRAGG_ASSIGN_OR_RETURN(lock, LockStateDir(config.state_dir));
+  }
+  CgroupManagerOptions cg = CgroupOptions(config);
+  cg.create_parent = false;
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<CgroupManager> cgroups, CgroupManager::Create(cg));
+  ReapReport report;
+  BRAGG_RETURN_IF_ERROR(ReapLeftovers(*cgroups, config.state_dir, &report));
+  for (const std::string& p : cgroups->parent_paths()) {
+    if (Exists(p)) {
+      report.parents.push_back(p);
+    }
+  }
+  BRAGG_RETURN_IF_ERROR(Annotate(cgroups->RemoveParent(), "removing the agent's parent cgroups"));
+  return report;
+}
 
 Result<std::string> ListenAddressToGrpc(const std::string& listen, bool* is_tcp) {
   if (listen.rfind("unix://", 0) == 0) {
@@ -102,24 +175,7 @@ Status RunAgent(const AgentConfig& config) {
   ::signal(SIGPIPE, SIG_IGN);
 
   BRAGG_RETURN_IF_ERROR(MakeDirs(config.state_dir, 0700));
-  BRAGG_ASSIGN_OR_RETURN(UniqueFd lock,
-                         OpenFile(config.state_dir + "/agent.lock", O_RDWR | O_CREAT, 0600));
-  // A child a SIGKILLed agent forked just before its death holds a copy of the lock until it
-  // closes its inherited fds (microseconds, more on a loaded machine): wait a moment for it
-  // before calling the state dir taken.
-  const auto lock_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-  while (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
-    if (errno != EWOULDBLOCK && errno != EINTR) {
-      return ErrnoError("flock", config.state_dir + "/agent.lock");
-    }
-    if (std::chrono::steady_clock::now() < lock_deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      continue;
-    }
-    return absl::FailedPreconditionError(
-        fmt::format("another pboxd is using state dir {}: stop it or pass another --state-dir",
-                    config.state_dir));
-  }
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd lock, LockStateDir(config.state_dir));
 
   std::string token;
   if (!config.token_file.empty()) {
@@ -136,22 +192,15 @@ Status RunAgent(const AgentConfig& config) {
     }
   }
 
-  CgroupManagerOptions cg;
-  cg.mode = config.cgroup_mode;
-  cg.parent_name =
-      config.cgroup_parent.empty() ? DefaultCgroupParent(config.state_dir) : config.cgroup_parent;
+  CgroupManagerOptions cg = CgroupOptions(config);
   cg.cpus = sandbox_cpus.ToString();
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<CgroupManager> cgroups, CgroupManager::Create(cg));
-  // What a killed agent left behind: its sandboxes' processes (and with them their
-  // namespaces and mounts) go with their cgroups.
-  BRAGG_ASSIGN_OR_RETURN(std::vector<std::string> reaped, cgroups->ReapAll());
-  if (!reaped.empty()) {
-    spdlog::warn("reaped {} sandboxes left by a previous agent", reaped.size());
+  ReapReport reaped;
+  BRAGG_RETURN_IF_ERROR(ReapLeftovers(*cgroups, config.state_dir, &reaped));
+  if (!reaped.sandboxes.empty()) {
+    spdlog::warn("reaped {} sandboxes left by a previous agent", reaped.sandboxes.size());
   }
-  BRAGG_RETURN_IF_ERROR(RemoveTree(config.state_dir + "/mnt"));
-  // Frozen layers of clones a dead agent left: their sandboxes went with the cgroups above.
   const std::string layers_dir = config.state_dir + "/frozen";
-  BRAGG_RETURN_IF_ERROR(RemoveTree(layers_dir));
 
   BRAGG_ASSIGN_OR_RETURN(
       std::unique_ptr<ImageStore> images,

@@ -41,6 +41,25 @@ struct AgentConfig {
   uint32_t max_data_connections = 1024;
 };
 
+// What ReapAgentState found and removed.
+struct ReapReport {
+  std::vector<std::string> sandboxes;  // sandbox cgroups killed and removed
+  std::vector<std::string> paths;      // state paths removed (mounts, frozen layers, bundles)
+  std::vector<std::string> parents;    // parent cgroup directories removed
+};
+
+// `pboxd --reap`: removes everything an agent on config.state_dir left when it was SIGKILLed
+// or crashed and is not restarted there (per-job state dirs): kills and removes every sandbox
+// cgroup under the parent (config.cgroup_parent, default derived from the state_dir string
+// exactly as the agent derives it, so pass the same string), removes leftover mounts and
+// frozen layers as an agent start does, then the parent cgroups themselves. Uses
+// config.state_dir, cgroup_mode and cgroup_parent only. Locates the parent from its own
+// /proc/self/cgroup as the agent does: run it in the cgroup the agent was started in. Takes the
+// state dir's agent lock first: FailedPrecondition, with nothing touched, while a live agent
+// holds it. A state dir that does not exist is fine (only the cgroup parent is reaped).
+// Idempotent: a second call finds nothing.
+Result<ReapReport> ReapAgentState(const AgentConfig& config);
+
 // Runs the agent until a termination signal. Returns the error that stopped it from starting
 // or from shutting down cleanly.
 Status RunAgent(const AgentConfig& config);

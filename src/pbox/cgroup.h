@@ -71,6 +71,11 @@ struct CgroupManagerOptions {
   std::string parent_name = "pbox";
   // The CPUs sandboxes may use, written to the parent's cpuset; empty: inherit.
   std::string cpus;
+  // false: only locate the parent, for reaping what a killed agent left (`pboxd --reap`):
+  // Create() then creates no directory, writes no control file and moves no process, the
+  // parent may be missing (ReapAll finds nothing, RemoveParent does nothing), and CreateCgroup
+  // must not be called.
+  bool create_parent = true;
 };
 
 class CgroupManager {
@@ -92,10 +97,12 @@ class CgroupManager {
   // Returns the names reaped.
   virtual Result<std::vector<std::string>> ReapAll() = 0;
   // ReapAll, then removes the parent directories themselves: what an agent does on a clean
-  // exit so that nothing of it stays in cgroupfs.
+  // exit so that nothing of it stays in cgroupfs. A parent directory already gone is fine.
   virtual Status RemoveParent() = 0;
   // The parent directory (v2) or the parent in the memory hierarchy (v1), for diagnostics.
   virtual std::string parent_path() const = 0;
+  // Every parent directory (v1: one per hierarchy), whether or not it exists now.
+  virtual std::vector<std::string> parent_paths() const { return {parent_path()}; }
 };
 
 }  // namespace bragg::pbox

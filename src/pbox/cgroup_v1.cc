@@ -282,6 +282,14 @@ class CgroupV1Manager : public CgroupManager {
     return layout_.hierarchies[static_cast<size_t>(layout_.memory)].parent;
   }
 
+  std::vector<std::string> parent_paths() const override {
+    std::vector<std::string> paths;
+    for (const Hierarchy& h : layout_.hierarchies) {
+      paths.push_back(h.parent);
+    }
+    return paths;
+  }
+
   Result<std::unique_ptr<Cgroup>> CreateCgroup(const std::string& name,
                                                const CgroupLimits& limits) override {
     BRAGG_ASSIGN_OR_RETURN(std::string cpus, CheckNameAndLimits(name, limits));
@@ -516,7 +524,7 @@ Result<std::unique_ptr<CgroupManager>> CreateCgroupV1Manager(const CgroupManager
     hierarchy_lists.push_back(found->list);
   }
 
-  for (size_t i = 0; i < layout.hierarchies.size(); ++i) {
+  for (size_t i = 0; options.create_parent && i < layout.hierarchies.size(); ++i) {
     const Hierarchy& h = layout.hierarchies[i];
     Status s = fs->MakeDir(h.parent);
     if (!s.ok() && s.code() != absl::StatusCode::kAlreadyExists) {

@@ -435,6 +435,43 @@ TEST_F(CgroupV1Test, ReapAllRemovesLeftoversOfAPreviousAgent) {
   }
 }
 
+// `pboxd --reap`: a locate-only manager finds the parent in every hierarchy, kills and removes
+// the leftovers, removes the parents, and afterwards creates nothing and finds nothing.
+TEST_F(CgroupV1Test, LocateOnlyRemovesTheParentsAndRecreatesNothing) {
+  auto cg = manager_->CreateCgroup("left", {});
+  ASSERT_TRUE(cg.ok()) << cg.status();
+  auto child = Spawn({"sleep", "100"});
+  ASSERT_TRUE(child.ok());
+  ASSERT_TRUE((*cg)->AddProcess(child->pid()).ok());
+  (void)cg->release();
+  CgroupManagerOptions locate = options_;
+  locate.create_parent = false;
+  auto reaper = CgroupManager::Create(locate);
+  ASSERT_TRUE(reaper.ok()) << reaper.status();
+  std::vector<std::string> paths = (*reaper)->parent_paths();
+  EXPECT_EQ(paths.size(), parents_.size());
+  for (const auto& [c, dir] : parents_) {
+    EXPECT_NE(std::find(paths.begin(), paths.end(), dir), paths.end()) << c;
+  }
+  ASSERT_TRUE((*reaper)->RemoveParent().ok());
+  auto info = child->Wait(std::chrono::seconds(5));
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->signal, SIGKILL);
+  for (const auto& [c, dir] : parents_) {
+    EXPECT_FALSE(PathExists(dir)) << c;
+  }
+  auto again = CgroupManager::Create(locate);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto reaped = (*again)->ReapAll();
+  ASSERT_TRUE(reaped.ok()) << reaped.status();
+  EXPECT_TRUE(reaped->empty());
+  EXPECT_TRUE((*again)->RemoveParent().ok());
+  for (const auto& [c, dir] : parents_) {
+    EXPECT_FALSE(PathExists(dir)) << c << ": a locate-only manager created it";
+  }
+  manager_.reset();
+}
+
 TEST_F(CgroupV1Test, StatsOfAFreshCgroup) {
   auto cg = manager_->CreateCgroup("fresh", CgroupLimits{});
   ASSERT_TRUE(cg.ok());

@@ -216,11 +216,18 @@ class CgroupV2Manager : public CgroupManager {
 
   Status RemoveParent() override {
     BRAGG_RETURN_IF_ERROR(ReapAll().status());
+    if (!PathExists(parent_)) {
+      return absl::OkStatus();
+    }
     return fs_->RemoveDir(parent_);
   }
 
   Result<std::vector<std::string>> ReapAll() override {
-    BRAGG_ASSIGN_OR_RETURN(std::vector<std::string> names, ListChildCgroups(parent_));
+    auto listed = ListChildCgroups(parent_);
+    if (!listed.ok() && listed.status().code() == absl::StatusCode::kNotFound) {
+      return std::vector<std::string>();  // a locate-only manager whose parent is gone
+    }
+    BRAGG_ASSIGN_OR_RETURN(std::vector<std::string> names, std::move(listed));
     Status status;
     for (const std::string& name : names) {
       std::string path = parent_ + "/" + name;
@@ -341,6 +348,22 @@ Result<std::unique_ptr<CgroupManager>> CreateCgroupV2Manager(const CgroupManager
         "the agent's cgroup {} (from /proc/self/cgroup) is not in the cgroup2 tree at {}: run "
         "pboxd with the host's cgroupfs mounted there",
         own, options.root));
+  }
+  if (!options.create_parent) {
+    // Reaping only: what the agent would use, with nothing created, enabled or moved (the
+    // caller may be an epilog in a cgroup it must not leave). The agent moved every process
+    // of its cgroup into the "agent" leaf (its parent shell too), and systemd runs a
+    // delegated unit's ExecStopPost in ".control": from there the parent is one level up.
+    std::string parent = own + "/" + options.parent_name;
+    const std::string leaf = own.substr(own.rfind('/') + 1);
+    if (!PathExists(parent) && own != options.root && (leaf == "agent" || leaf == ".control")) {
+      std::string up = own.substr(0, own.rfind('/')) + "/" + options.parent_name;
+      if (PathExists(up)) {
+        parent = std::move(up);
+      }
+    }
+    return std::unique_ptr<CgroupManager>(
+        new CgroupV2Manager(std::move(fs), std::move(parent), {}));
   }
   BRAGG_ASSIGN_OR_RETURN(std::string available, fs->Read(own + "/cgroup.controllers"));
   for (const char* required : {"memory", "pids"}) {

@@ -631,6 +631,51 @@ TEST_F(CgroupV2Test, ReapAllRemovesLeftoversOfAPreviousAgent) {
   EXPECT_TRUE(again->empty());
 }
 
+// `pboxd --reap`: a locate-only manager creates, enables and moves nothing, reaps what a
+// killed agent left, and removes the parent; one whose parent is gone finds nothing.
+TEST_F(CgroupV2Test, LocateOnlyReapsWithoutSideEffects) {
+  std::vector<ChildProcess> children;
+  {
+    auto old = MakeManager();
+    ASSERT_NE(old, nullptr);
+    auto cg = old->CreateCgroup("old-a", {});
+    ASSERT_TRUE(cg.ok());
+    auto child = Spawn({"sleep", "100"});
+    ASSERT_TRUE(child.ok());
+    ASSERT_TRUE((*cg)->AddProcess(child->pid()).ok());
+    children.push_back(std::move(*child));
+    (void)cg->release();
+  }
+  // The reaper runs where the agent's parent shell ended up: the agent's leaf.
+  Put(own_ + "/agent/cgroup.procs", fmt::format("{}\n", getpid()));
+  options_.self_cgroup = "0::/job.slice/pboxd.service/agent\n";
+  options_.create_parent = false;
+  const std::string subtree = Slurp(own_ + "/cgroup.subtree_control");
+  auto fs = MakeFs();
+  auto m = CreateCgroupManager(options_, fs);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->parent_path(), own_ + "/pbox");
+  EXPECT_TRUE(fs->mkdirs().empty());
+  EXPECT_EQ(fs->write_count(), 0u);
+  EXPECT_FALSE(stdfs::exists(own_ + "/agent/agent"));
+  EXPECT_EQ(Slurp(own_ + "/cgroup.subtree_control"), subtree);
+  ASSERT_TRUE((*m)->RemoveParent().ok());
+  auto info = children[0].Wait(std::chrono::seconds(5));
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->signal, SIGKILL);
+  EXPECT_FALSE(stdfs::exists(own_ + "/pbox"));
+  EXPECT_TRUE(stdfs::exists(own_ + "/agent"));
+
+  // Nothing left: the parent is missing, and that is fine (idempotent).
+  auto again = CreateCgroupManager(options_, MakeFs());
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto reaped = (*again)->ReapAll();
+  ASSERT_TRUE(reaped.ok()) << reaped.status();
+  EXPECT_TRUE(reaped->empty());
+  EXPECT_TRUE((*again)->RemoveParent().ok());
+  EXPECT_TRUE(fs_->mkdirs().empty());
+}
+
 TEST_F(CgroupV2Test, DetectsVersionFromLayout) {
   // v2: cgroup.controllers at the root.
   auto v2 = CreateCgroupManager(options_, MakeFs());

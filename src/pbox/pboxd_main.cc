@@ -94,6 +94,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 65536u));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
+  bool reap = false;
+  app.add_flag("--reap", reap,
+               "do not serve: kill and remove what a SIGKILLed agent on --state-dir left "
+               "(sandboxes, mounts, frozen layers, its cgroup parent), print it and exit; "
+               "refused while an agent runs there. For epilogs and ExecStopPost");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -128,6 +133,26 @@ int main(int argc, char** argv) {
   if (auto s = bragg::InitLogging("pboxd", log_level); !s.ok()) {
     std::cerr << "pboxd: " << s.message() << "\n";
     return 2;
+  }
+  if (reap) {
+    auto report = bragg::pbox::ReapAgentState(config);
+    if (!report.ok()) {
+      std::cerr << "pboxd --reap: " << report.status().message() << "\n";
+      return 1;
+    }
+    for (const std::string& name : report->sandboxes) {
+      std::cout << "reaped sandbox " << name << "\n";
+    }
+    for (const std::string& path : report->paths) {
+      std::cout << "removed " << path << "\n";
+    }
+    for (const std::string& path : report->parents) {
+      std::cout << "removed cgroup " << path << "\n";
+    }
+    if (report->sandboxes.empty() && report->paths.empty() && report->parents.empty()) {
+      std::cout << "nothing to reap for state dir " << config.state_dir << "\n";
+    }
+    return 0;
   }
   bragg::Status s = bragg::pbox::RunAgent(config);
   if (!s.ok()) {

@@ -19,6 +19,8 @@ cleanup() {
   if [ -n "$agent" ] && kill -0 "$agent" 2>/dev/null; then
     kill -KILL "$agent" 2>/dev/null || true
     wait "$agent" 2>/dev/null || true
+    # What the SIGKILLed agent left (sandboxes, mounts, its cgroup parent).
+    "$pboxd" --reap --state-dir "$root/state" >/dev/null || true
   fi
   rm -rf "$root"
 }

@@ -3,6 +3,7 @@
 // Starts a real pboxd in a temp dir for a test and stops it afterwards.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,9 @@ bool OnGvisor();
 // PBOX_TEST_RUNTIME=gvisor needs runsc installed.
 std::string AgentTestSkipReason();
 
-// One pboxd process. Destruction SIGTERMs it and waits.
+// One pboxd process. Destruction SIGTERMs it and waits; if it did not exit cleanly (SIGKILLed
+// by the test, or crashed) and was not restarted, destruction runs `pboxd --reap` on its state
+// dir so that none of its sandboxes, mounts or cgroups outlive the test.
 class TestAgent {
  public:
   // Starts pboxd and waits (up to 20 s) for its ready file.
@@ -47,6 +50,9 @@ class TestAgent {
   Result<ExitInfo> Stop(int sig);
   // Starts the agent again with the same flags (after Stop).
   Status Restart();
+  // Runs `pboxd --reap` on this agent's state dir (with its --cgroup and --cgroup-parent
+  // flags) and returns what it printed; an error with its stderr if it exits non-zero.
+  Result<std::string> Reap();
 
  private:
   TestAgent() = default;
@@ -56,6 +62,7 @@ class TestAgent {
   std::string state_dir_, cgroup_parent_, unix_endpoint_, tcp_endpoint_, token_, ready_file_;
   std::vector<std::string> flags_;
   ChildProcess process_;
+  std::optional<ExitInfo> last_exit_;  // of the latest run, once it was waited for
   int metrics_port_ = 0;
 };
 

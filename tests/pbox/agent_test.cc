@@ -737,6 +737,43 @@ TEST(AgentLifecycleTest, SigtermDestroysEverything) {
   EXPECT_EQ(CountCgroupDirs((*agent)->cgroup_parent()), 0) << "the agent's own cgroup stayed";
 }
 
+// `pboxd --reap` (what an epilog runs when the agent is not restarted on its state dir):
+// the sandbox cgroups and the parent cgroups of a SIGKILLed agent go; a second reap finds
+// nothing. Processes, mounts, frozen layers and the live-agent refusal: tests/pbox/python/
+// test_reap.py.
+TEST(AgentLifecycleTest, SigkillThenReapLeavesNothingBehind) {
+  if (geteuid() != 0) {
+    GTEST_SKIP() << "needs root";
+  }
+  auto agent = TestAgent::Start();
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  std::vector<std::string> ids;
+  {
+    auto c = (*agent)->NewClient();
+    v1::SandboxSpec spec;
+    spec.set_memory_bytes(32 << 20);
+    for (int i = 0; i < 2; ++i) {
+      auto sb = c->Create(spec);
+      ASSERT_TRUE(sb.ok()) << sb.status();
+      ids.push_back(sb->id());
+    }
+  }
+  auto exit = (*agent)->Stop(SIGKILL);
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_GT(CountCgroupDirs((*agent)->cgroup_parent()), 0) << "nothing left to reap";
+  auto reaped = (*agent)->Reap();
+  ASSERT_TRUE(reaped.ok()) << reaped.status();
+  for (const auto& id : ids) {
+    EXPECT_NE(reaped->find("reaped sandbox " + id), std::string::npos) << *reaped;
+    EXPECT_EQ(CountCgroupDirs(id), 0) << "cgroup of " << id << " survived --reap";
+  }
+  EXPECT_NE(reaped->find("removed cgroup "), std::string::npos) << *reaped;
+  EXPECT_EQ(CountCgroupDirs((*agent)->cgroup_parent()), 0) << "the parent survived --reap";
+  auto again = (*agent)->Reap();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->rfind("nothing to reap", 0), 0u) << *again;
+}
+
 TEST(AgentLifecycleTest, SigkillThenRestartLeavesNothingBehind) {
   if (geteuid() != 0) {
     GTEST_SKIP() << "needs root";

@@ -388,11 +388,17 @@ def _pbox_leftovers(pboxd: str, scratch: Path, job: str) -> List[str]:
         except OSError:  # removed while we look
             return []
 
+    # Down to the agent's own cgroup, which may sit a few levels deep (e.g. a memory cgroup of
+    # the session that started slurmd): the parent is created there.
+    def walk(d: str, depth: int) -> None:
+        for x in subdirs(d):
+            if os.path.basename(x).startswith(f"pbox-slurm-{job}-"):
+                left.append(f"cgroup {x}")
+            elif depth < 3 and not os.path.basename(x).startswith("sb-"):
+                walk(x, depth + 1)
+
     for base in subdirs("/sys/fs/cgroup"):
-        for d in subdirs(base):
-            for x in [d] + subdirs(d):
-                if os.path.basename(x).startswith(f"pbox-slurm-{job}-"):
-                    left.append(f"cgroup {x}")
+        walk(base, 1)
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         if str(scratch) in line or f"pbox-slurm-{job}-" in line:
             left.append(f"mount {line.split()[4]}")

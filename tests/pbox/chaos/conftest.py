@@ -14,3 +14,4 @@ _spec.loader.exec_module(suite)
 
 pboxd_binary = suite.pboxd_binary
 make_agent = suite.make_agent
+no_leftover_cgroup_parents = suite.no_leftover_cgroup_parents

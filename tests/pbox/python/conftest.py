@@ -146,6 +146,64 @@ class Agent:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
+    def needs_reap(self) -> bool:
+        """Killed or crashed and not restarted: its sandboxes, mounts and cgroup parent stay
+        until `pboxd --reap` (a clean exit removes them itself)."""
+        return self.proc is not None and self.proc.poll() is not None and self.proc.returncode != 0
+
+    def reap_args(self) -> List[str]:
+        args = [self.binary, "--reap", "--state-dir", str(self.state_dir)]
+        for flag in ("--cgroup", "--cgroup-parent"):
+            if flag in self.extra:
+                args += [flag, self.extra[self.extra.index(flag) + 1]]
+        return args
+
+    def reap(self, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Runs `pboxd --reap` on this agent's state dir (the agent must be dead)."""
+        return subprocess.run(self.reap_args(), capture_output=True, text=True, timeout=timeout)
+
+    def cgroup_parents(self) -> List[Path]:
+        """The agent's parent cgroup directories that exist now (it runs in this process's
+        cgroups: it is our child)."""
+        name = cgroup_parent_name(str(self.state_dir))
+        if "--cgroup-parent" in self.extra:
+            name = self.extra[self.extra.index("--cgroup-parent") + 1]
+        return [d / name for d in own_cgroup_dirs() if (d / name).is_dir()]
+
+
+def cgroup_parent_name(state_dir: str) -> str:
+    """pboxd's default --cgroup-parent for a --state-dir string (FNV-1a, as in agent.cc)."""
+    h = 2166136261
+    for c in state_dir.encode():
+        h = ((h ^ c) * 16777619) & 0xFFFFFFFF
+    return f"pbox-{h:08x}"
+
+
+def own_cgroup_dirs(root: str = "/sys/fs/cgroup") -> List[Path]:
+    """This process's cgroup directory in every mounted hierarchy (v1 and v2)."""
+    dirs = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return dirs
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = path.lstrip("/")
+        mounts = [controllers] + controllers.split(",") if controllers else ["", "unified"]
+        for m in mounts:
+            m = m.replace("name=", "")
+            d = Path(root) / m / rel if m else Path(root) / rel
+            if d.is_dir() and d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+# Every agent the session started: none may leave its parent cgroup behind.
+_ALL_AGENTS: List[Agent] = []
+
 
 # The runtime the suite's agents default to: `pytest --runtime gvisor` or
 # PBOX_TEST_RUNTIME=gvisor; empty: the agent's own default (native).
@@ -202,16 +260,38 @@ class AgentFactory:
             self.dirs.append(root)
         agent = Agent(self.binary, root, extra, tcp_token)
         self.agents.append(agent)
+        _ALL_AGENTS.append(agent)
         return agent.start() if start else agent
 
     def cleanup(self) -> None:
+        failures = []
         for a in self.agents:
             try:
                 a.stop()
             except AssertionError:
                 pass
+        # Killed agents are not all restarted: reap what they left, as an epilog would. Agents
+        # sharing a state dir (restarts) reap once, the first dead one without a live twin.
+        live_states = {a.state_dir for a in self.agents if a.alive()}
+        reaped = set()
+        for a in self.agents:
+            if not a.needs_reap() or a.state_dir in live_states or a.state_dir in reaped:
+                continue
+            reaped.add(a.state_dir)
+            r = a.reap()
+            if r.returncode != 0:
+                failures.append(f"pboxd --reap {a.state_dir}: {r.returncode}: {r.stderr}")
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
+        assert not failures, failures
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_cgroup_parents() -> Iterator[None]:
+    """At the end of the session no agent it started has left its parent cgroup behind."""
+    yield
+    left = [str(p) for a in _ALL_AGENTS for p in a.cgroup_parents()]
+    assert not left, f"pbox parent cgroups left behind by the suite's agents: {left}"
 
 
 @pytest.fixture
