@@ -41,6 +41,7 @@ import peerlib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS_IN = "/opt/bragg-tools"
+SECCOMP_IN = "/dev/pbox-seccomp"
 ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"]
 
 # init_protocol.h
@@ -90,10 +91,16 @@ class Sandbox:
                      f"lowerdir={args.skeleton},upperdir={self.dir}/layer/upper,"
                      f"workdir={self.dir}/layer/work", "overlay"], "/rootfs")
         self._mount(["--bind", "-o", "ro", "/usr"], "/rootfs/usr")
+        # --isolate FILE: pbox-init puts commands in a PID namespace of their own and loads
+        # this seccomp program, as under pbox's gVisor runtime (docs/pbox.md); it needs the
+        # two capabilities pbox's bundle gives it for that.
+        isolate = getattr(args, "isolate", "")
         config = {
             "ociVersion": "1.0.0",
             "process": {"terminal": False, "user": {"uid": 0, "gid": 0},
-                        "args": ["/dev/pbox-init", "--stream"], "env": ENV[:1], "cwd": "/",
+                        "args": ["/dev/pbox-init", "--stream"] +
+                                ([f"--isolate={SECCOMP_IN}"] if isolate else []),
+                        "env": ENV[:1], "cwd": "/",
                         "noNewPrivileges": True},
             "root": {"path": "rootfs", "readonly": False},
             "hostname": name,
@@ -104,10 +111,14 @@ class Sandbox:
                  "options": ["rbind", "rw"]},
                 {"destination": "/dev/pbox-init", "type": "bind", "source": args.init,
                  "options": ["bind", "ro"]},
-            ],
+            ] + ([{"destination": SECCOMP_IN, "type": "bind", "source": isolate,
+                   "options": ["bind", "ro"]}] if isolate else []),
             "linux": {"namespaces": [{"type": t} for t in
                                      ("pid", "network", "ipc", "uts", "mount")]},
         }
+        if isolate:
+            config["process"]["capabilities"] = {
+                k: ["CAP_SYS_ADMIN", "CAP_SETPCAP"] for k in ("bounding", "effective", "permitted")}
         with open(self.dir + "/config.json", "w") as f:
             json.dump(config, f)
         # --pin: this sandbox's runsc, and the gofer and sentry it starts, on one CPU, as
@@ -205,10 +216,15 @@ def main():
     ap.add_argument("--init", default="", help="the static pbox-init binary")
     ap.add_argument("--runsc", default="runsc")
     ap.add_argument("--platform", default="ptrace")
+    ap.add_argument("--isolate", default="", metavar="SECCOMP_FILE",
+                    help="pbox-init --isolate with this seccomp program (pbox's gVisor runtime "
+                         "writes one to <state-dir>/gvisor/seccomp.bpf)")
     ap.add_argument("--pin", action="store_true",
                     help="pin each sandbox to one CPU (round-robin), as pbox does by default")
     args = ap.parse_args()
     args.pin_cpus = sorted(os.sched_getaffinity(0)) if args.pin else []
+    if args.isolate and not os.path.isfile(args.isolate):
+        sys.exit(f"runsc_peer: --isolate {args.isolate}: no such file")
     args.pin_next = 0
     if args.sandboxes <= 0 or args.rounds <= 0 or args.tool_samples < 0:
         sys.exit("runsc_peer: --sandboxes and --rounds must be positive")
@@ -284,6 +300,8 @@ def main():
             [f"{version}, --platform={args.platform} --network=none --file-access=shared "
              f"--ignore-cgroups (no memory limit), {n} sandboxes, pbox-init --stream driven "
              "directly, /usr bound read-only; files travel as stdin/stdout of cat"
+             + ("; pbox-init --isolate (commands in their own PID namespace)" if args.isolate
+                else "")
              + (f"; each sandbox pinned to one of CPUs {args.pin_cpus} in turn "
                 "(sched_setaffinity of runsc)" if args.pin else "; not pinned: every sandbox "
                 "may use every CPU")],
