@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -29,8 +30,16 @@ namespace {
 constexpr const char* kVersion = "0.1.0";
 
 std::string DefaultCgroupParent(const std::string& state_dir) {
+  // The same directory however it is spelled ("/x/state", "/x//state/", "state" from /x), so
+  // that `--reap` finds what an agent made. Lexical only: the directory need not exist.
+  std::error_code ec;
+  std::filesystem::path abs = std::filesystem::absolute(state_dir, ec);
+  std::string key = (ec ? std::filesystem::path(state_dir) : abs).lexically_normal().string();
+  while (key.size() > 1 && key.back() == '/') {
+    key.pop_back();
+  }
   uint32_t h = 2166136261u;  // FNV-1a: stable across restarts with the same state dir
-  for (unsigned char c : state_dir) {
+  for (unsigned char c : key) {
     h = (h ^ c) * 16777619u;
   }
   return fmt::format("pbox-{:08x}", h);

@@ -172,9 +172,11 @@ class Agent:
 
 
 def cgroup_parent_name(state_dir: str) -> str:
-    """pboxd's default --cgroup-parent for a --state-dir string (FNV-1a, as in agent.cc)."""
+    """pboxd's default --cgroup-parent for a --state-dir (FNV-1a of the absolute, lexically
+    normal path, as in agent.cc)."""
+    key = os.path.normpath(os.path.abspath(state_dir))
     h = 2166136261
-    for c in state_dir.encode():
+    for c in key.encode():
         h = ((h ^ c) * 16777619) & 0xFFFFFFFF
     return f"pbox-{h:08x}"
 

@@ -3,6 +3,7 @@ layers, the parent cgroups) goes without starting an agent on its state dir agai
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -133,6 +134,22 @@ def test_reap_without_the_state_dir(make_agent) -> None:
     assert not agent.state_dir.exists(), "--reap created the state dir"
     again = agent.reap()
     assert again.returncode == 0 and again.stdout.startswith("nothing to reap"), again
+
+
+def test_reap_finds_the_parent_however_the_state_dir_is_spelled(make_agent) -> None:
+    """The parent's name comes from the state dir's absolute, normal path: an epilog that
+    writes it with a trailing slash, doubled slashes or relative to another directory still
+    finds what the agent made."""
+    agent = make_agent()
+    agent.kill()
+    assert agent.cgroup_parents()
+    state = agent.state_dir
+    spelled = os.path.relpath(state.parent, "/tmp") + "//./" + state.name + "/"
+    r = subprocess.run([os.path.abspath(agent.binary), "--reap", "--state-dir", spelled],
+                       capture_output=True, text=True, timeout=60, cwd="/tmp")
+    assert r.returncode == 0, r.stderr
+    assert "removed cgroup" in r.stdout, r.stdout
+    assert agent.cgroup_parents() == []
 
 
 def test_reap_rejects_hostile_parent_names(pboxd_binary: str, tmp_path) -> None:
