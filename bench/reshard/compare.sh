@@ -18,14 +18,7 @@ budget=${MEM_BUDGET:-1GiB}
 model=${MODEL:-llama}
 bytes=$(du -sb "$ck" | cut -f1)
 
-evict() {
-  $py -c 'import os,sys
-for dp, _, fs in os.walk(sys.argv[1]):
-    for f in fs:
-        fd = os.open(os.path.join(dp, f), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)' "$1"
-}
+. "$(dirname "$0")/common.sh"
 now() { date +%s.%N; }
 el() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.2f", b-a}'; }
 convert() {
@@ -39,7 +32,6 @@ convert() {
   el "$t0" "$(now)"
   rm -rf "$out/conv"
 }
-median() { sort -n | awk '{v[NR]=$1} END{printf "%.2f", NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 
 mkdir -p "$out"
 : >"$out/both.txt"; : >"$out/a.txt"; : >"$out/b.txt"

@@ -19,15 +19,7 @@ threads=${THREADS:-2}
 budget=${MEM_BUDGET:-1GiB}
 model=${MODEL:-llama}
 
-evict() {
-  $py -c 'import os,sys
-for dp, _, fs in os.walk(sys.argv[1]):
-    for f in fs:
-        fd = os.open(os.path.join(dp, f), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)' "$1"
-}
-median() { sort -n | awk '{v[NR]=$1} END{printf "%.2f", NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
+. "$here/common.sh"
 
 mkdir -p "$out"
 for v in "$@"; do :>"$out/t-${v%%=*}.txt"; done

@@ -20,15 +20,7 @@ threads=${THREADS:-2}
 budget=${MEM_BUDGET:-1GiB}
 model=${MODEL:-llama}
 
-evict() {
-  $py -c 'import os,sys
-for root in sys.argv[1:]:
-    for dp, _, fs in os.walk(root):
-        for f in fs:
-            fd = os.open(os.path.join(dp, f), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)' "$@"
-}
+. "$here/common.sh"
 
 field() { grep -F "$1" "$2" | awk -F': ' '{print $2}'; }
 secs() { awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }' <<<"$1"; }
