@@ -214,9 +214,24 @@ TEST_F(AgentTest, RunTimeoutKillsTheWholeTree) {
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
   EXPECT_TRUE(r.result().timed_out());
   EXPECT_EQ(r.result().signal(), SIGKILL);
-  // No sleep survived: only pbox-init and this ps are left.
-  std::string comms = Sh(sb.id(), "cat /proc/[0-9]*/comm");
-  EXPECT_THAT(comms, ::testing::Not(HasSubstr("sleep"))) << comms;
+  // No sleep survives. For a moment after Run returns the killed ones may still be exiting,
+  // or be zombies until their reaper gets to them (under gVisor the holder of the commands'
+  // PID namespace): poll, count only live processes, and skip entries that vanish between
+  // the listing and the read.
+  const std::string live_comms =
+      "for s in /proc/[0-9]*/stat; do read -r line < \"$s\" && echo \"$line\"; done "
+      "2>/dev/null | awk '$3 != \"Z\" {print $2}'";
+  std::string comms;
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  do {
+    comms = Sh(sb.id(), live_comms);
+    if (comms.find("(sleep)") == std::string::npos) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (Clock::now() < deadline);
+  EXPECT_THAT(comms, HasSubstr("(sh)")) << "the listing itself must show up";
+  EXPECT_THAT(comms, ::testing::Not(HasSubstr("(sleep)"))) << comms;
 }
 
 TEST_F(AgentTest, RunKeepsHeadAndTailOfHugeOutput) {
