@@ -10,6 +10,7 @@
 #include "common/fs.h"
 #include "common/process.h"
 #include "common/status.h"
+#include "gtest/gtest.h"
 #include "pbox/client/client.h"
 
 namespace bragg::pbox::testing {
@@ -64,6 +65,35 @@ class TestAgent {
   ChildProcess process_;
   std::optional<ExitInfo> last_exit_;  // of the latest run, once it was waited for
   int metrics_port_ = 0;
+};
+
+// A suite whose tests share one pboxd: started with `Suite::AgentFlags()` (and a TCP listener)
+// before the suite's first test, stopped after its last. Every test skips where
+// AgentTestSkipReason() says so and gets its own unix-socket client. A suite that adds to
+// SetUp() calls this one first and returns if IsSkipped().
+template <typename Suite>
+class SharedAgentTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!AgentTestSkipReason().empty()) {
+      return;
+    }
+    auto a = TestAgent::Start({.extra_flags = Suite::AgentFlags(), .tcp = true});
+    ASSERT_TRUE(a.ok()) << a.status();
+    agent_ = std::move(*a);
+  }
+  static void TearDownTestSuite() { agent_.reset(); }
+  void SetUp() override {
+    if (std::string why = AgentTestSkipReason(); !why.empty()) {
+      GTEST_SKIP() << why;
+    }
+    ASSERT_NE(agent_, nullptr);
+    client_ = agent_->NewClient();
+    ASSERT_NE(client_, nullptr);
+  }
+
+  static inline std::unique_ptr<TestAgent> agent_;
+  std::unique_ptr<client::Client> client_;
 };
 
 }  // namespace bragg::pbox::testing

@@ -26,27 +26,11 @@ using Clock = std::chrono::steady_clock;
 namespace v1 = bragg::pbox::v1;
 
 // PBOX_TEST_RUNTIME=gvisor: the agent's default runtime is gVisor (see agent_fixture.cc).
-class AgentTest : public ::testing::Test {
+class AgentTest : public SharedAgentTest<AgentTest> {
+ public:
+  static std::vector<std::string> AgentFlags() { return {"--max-sandboxes", "64"}; }
+
  protected:
-  static void SetUpTestSuite() {
-    if (!AgentTestSkipReason().empty()) {
-      return;
-    }
-    auto a = TestAgent::Start({.extra_flags = {"--max-sandboxes", "64"}, .tcp = true});
-    ASSERT_TRUE(a.ok()) << a.status();
-    agent_ = a->release();
-  }
-  static void TearDownTestSuite() {
-    delete agent_;
-    agent_ = nullptr;
-  }
-  void SetUp() override {
-    if (std::string why = AgentTestSkipReason(); !why.empty()) {
-      GTEST_SKIP() << why;
-    }
-    client_ = agent_->NewClient();
-    ASSERT_NE(client_, nullptr);
-  }
   void TearDown() override {
     if (!client_) {
       return;
@@ -84,12 +68,8 @@ class AgentTest : public ::testing::Test {
     return r.stdout();
   }
 
-  static TestAgent* agent_;
-  std::unique_ptr<client::Client> client_;
   std::vector<std::string> created_;
 };
-
-TestAgent* AgentTest::agent_ = nullptr;
 
 TEST_F(AgentTest, InfoAndHealth) {
   auto info = client_->Info();

@@ -102,29 +102,13 @@ std::string PyListDir(const std::string& dir) {
                      dir);
 }
 
-class CloneTest : public ::testing::Test {
+class CloneTest : public SharedAgentTest<CloneTest> {
+ public:
+  static std::vector<std::string> AgentFlags() {
+    return {"--max-sandboxes", std::to_string(kMaxSandboxes)};
+  }
+
  protected:
-  static void SetUpTestSuite() {
-    if (!AgentTestSkipReason().empty()) {
-      return;
-    }
-    auto a = TestAgent::Start(
-        {.extra_flags = {"--max-sandboxes", std::to_string(kMaxSandboxes)}, .tcp = true});
-    ASSERT_TRUE(a.ok()) << a.status();
-    agent_ = a->release();
-  }
-  static void TearDownTestSuite() {
-    delete agent_;
-    agent_ = nullptr;
-  }
-  void SetUp() override {
-    if (std::string why = AgentTestSkipReason(); !why.empty()) {
-      GTEST_SKIP() << why;
-    }
-    ASSERT_NE(agent_, nullptr);
-    client_ = agent_->NewClient();
-    ASSERT_NE(client_, nullptr);
-  }
   void TearDown() override {
     if (!client_) {
       return;
@@ -181,12 +165,7 @@ class CloneTest : public ::testing::Test {
     EXPECT_TRUE(st.ok() || st.status().code() == absl::StatusCode::kNotFound) << st.status();
     return st.ok();
   }
-
-  static TestAgent* agent_;
-  std::unique_ptr<client::Client> client_;
 };
-
-TestAgent* CloneTest::agent_ = nullptr;
 
 TEST_F(CloneTest, ClonesCarryFilesModesLinksXattrsAndDeletions) {
   v1::Sandbox src = NewSandbox();

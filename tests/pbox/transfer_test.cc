@@ -130,26 +130,18 @@ class Raw {
   UniqueFd fd_;
 };
 
-class TransferTest : public ::testing::Test {
+class TransferTest : public SharedAgentTest<TransferTest> {
+ public:
+  static std::vector<std::string> AgentFlags() {
+    return {"--max-sandboxes", "16", "--transfer-ticket-ttl-ms", "400"};
+  }
+
  protected:
-  static void SetUpTestSuite() {
-    if (!AgentTestSkipReason().empty()) {
+  void SetUp() override {
+    SharedAgentTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) {
       return;
     }
-    auto a = TestAgent::Start(
-        {.extra_flags = {"--max-sandboxes", "16", "--transfer-ticket-ttl-ms", "400"}, .tcp = true});
-    ASSERT_TRUE(a.ok()) << a.status();
-    agent_ = a->release();
-  }
-  static void TearDownTestSuite() {
-    delete agent_;
-    agent_ = nullptr;
-  }
-  void SetUp() override {
-    if (std::string why = AgentTestSkipReason(); !why.empty()) {
-      GTEST_SKIP() << why;
-    }
-    client_ = agent_->NewClient();
     auto grpc_only =
         client::Client::Connect({.endpoint = agent_->unix_endpoint(), .data_channel = false});
     ASSERT_TRUE(grpc_only.ok());
@@ -157,6 +149,7 @@ class TransferTest : public ::testing::Test {
     stub_ = v1::Pbox::NewStub(grpc::CreateChannel("unix:" + agent_->unix_endpoint().substr(7),
                                                   grpc::InsecureChannelCredentials()));
   }
+
   void TearDown() override {
     for (const auto& id : created_) {
       (void)client_->Destroy(id);
@@ -216,13 +209,10 @@ class TransferTest : public ::testing::Test {
     return false;
   }
 
-  static TestAgent* agent_;
-  std::unique_ptr<client::Client> client_;
   std::unique_ptr<client::Client> grpc_client_;
   std::unique_ptr<v1::Pbox::Stub> stub_;
   std::vector<std::string> created_;
 };
-TestAgent* TransferTest::agent_ = nullptr;
 
 // Both paths write what a symlink in the last place names (inside the sandbox, a dangling link
 // included) and leave the link; a file that exists keeps its permission bits.
