@@ -53,6 +53,11 @@ FLOOR_WHAT = {
 }
 
 
+def is_gvisor_peer(name):
+    """The peers of pbox's gVisor runtime (runsc by hand)."""
+    return name.startswith("runsc")
+
+
 def log(msg):
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
@@ -254,7 +259,6 @@ def plots(systems, img_dir, title):
 
 def report(args, systems, notes, commands, meta):
     pbox = systems[0]
-    by_label = {s["label"]: s for s in systems}
     med = {s["label"]: {k: (mmm([r["metrics"][k]["p50"] for r in s["runs"]
                                  if k in r["metrics"]]) or (None, None, None))[1]
                         for k, _, _ in METRICS} for s in systems}
@@ -270,13 +274,16 @@ def report(args, systems, notes, commands, meta):
              "peers of `pbox gvisor`, their ratios are to that), and the floor (the "
              "same commands spawned on "
              "the host without isolation; the same bytes over loopback TCP). Each configuration "
-             f"ran {nruns} times, one after the other; each run reports its p50 and p99, and the "
+             f"ran {nruns} times (per repeat: pbox native and podman, then pbox gvisor and "
+             "the runsc peers in an order that turns by one each repeat, so that none of these "
+             "always runs first or right after another's teardown); each run reports its p50 "
+             "and p99, and the "
              "tables give min / median / max of the p50 over the runs and the median p99. "
              "Ratios are a system's median p50 over pbox's (above 1: pbox is faster).", ""]
     lines += [f"- Machine: {meta['machine']}.",
               f"- Load average (1/5/15 min): {meta['load_start']} at the start, "
-              f"{meta['load_end']} at the end (a shared machine: other builds ran at the "
-              "same time, so every system's numbers include waiting for a CPU).",
+              f"{meta['load_end']} at the end (the runs' own load included; anything else "
+              "running on the machine counts in every system's numbers).",
               f"- Measured {meta['date']}, {meta['wall_s']:.0f} s in all."]
     for s in systems:
         if s["runs"]:
@@ -511,47 +518,64 @@ def main():
     pbox_argv = {}
     repeats_done = 0
     try:
+        def run_pbox(rt, i):
+            n_rt = args.gvisor_sandboxes if rt == "gvisor" else args.sandboxes
+            argv = [bench, "--endpoint", endpoint, "--sandboxes", str(n_rt),
+                    "--rounds", str(args.rounds), "--tool-samples", str(args.tool_samples),
+                    "--runtime", rt]
+            pbox_argv[rt] = argv
+            log(f"run {i + 1}/{args.repeat}: pbox {rt}, {n_rt} sandboxes "
+                f"(load {loadavg()})")
+            res, skip = run_json(argv, os.path.join(tmp, f"pbox-{rt}-{i}.json"),
+                                 f"pbox runtime {rt}")
+            if skip:
+                notes.append(skip)
+                runtimes.remove(rt)
+                del results[f"pbox-{rt}"]
+                return
+            results[f"pbox-{rt}"].append(res)
+            if len(results["floor"]) == i:  # the floor of this repeat: its first pbox run
+                results["floor"].append(res["floor"])
+
+        def run_peer(name, path, i):
+            # runsc peers: the gVisor runtime's count; others (podman): --peer-sandboxes.
+            n_peer = args.gvisor_sandboxes if is_gvisor_peer(name) else args.peer_sandboxes
+            argv = ["/usr/bin/python3", path, "--sandboxes", str(n_peer),
+                    "--rounds", str(args.peer_rounds), "--tool-samples",
+                    str(args.tool_samples), "--tools", TOOLS_DIR]
+            peer_argv[name] = argv
+            log(f"run {i + 1}/{args.repeat}: peer {name}, {n_peer} "
+                f"containers (load {loadavg()})")
+            res, note = run_json(argv, os.path.join(tmp, f"{name}-{i}.json"),
+                                 f"peer {name}", fatal=False)
+            if note:
+                # A peer that cannot run is dropped; one that failed in this repeat keeps
+                # the runs it completed (the note says which one failed).
+                failed = isinstance(note, FailedNote)
+                notes.append(f"run {i + 1}: {note}" if failed else note)
+                if not failed:
+                    peers.remove((name, path))
+                    del results[name]
+                return
+            results[name].append(res)
+
         for i in range(args.repeat):
             t_rep = time.monotonic()
-            for rt in list(runtimes):
-                n_rt = args.gvisor_sandboxes if rt == "gvisor" else args.sandboxes
-                argv = [bench, "--endpoint", endpoint, "--sandboxes", str(n_rt),
-                        "--rounds", str(args.rounds), "--tool-samples", str(args.tool_samples),
-                        "--runtime", rt]
-                pbox_argv[rt] = argv
-                log(f"run {i + 1}/{args.repeat}: pbox {rt}, {n_rt} sandboxes "
-                    f"(load {loadavg()})")
-                res, skip = run_json(argv, os.path.join(tmp, f"pbox-{rt}-{i}.json"),
-                                     f"pbox runtime {rt}")
-                if skip:
-                    notes.append(skip)
-                    runtimes.remove(rt)
-                    del results[f"pbox-{rt}"]
-                    continue
-                results[f"pbox-{rt}"].append(res)
-                if len(results["floor"]) == i:  # the floor of this repeat: its first pbox run
-                    results["floor"].append(res["floor"])
-            for name, path in list(peers):
-                # runsc peers: the gVisor runtime's count; others (podman): --peer-sandboxes.
-                n_peer = args.gvisor_sandboxes if name.startswith("runsc") else args.peer_sandboxes
-                argv = ["/usr/bin/python3", path, "--sandboxes", str(n_peer),
-                        "--rounds", str(args.peer_rounds), "--tool-samples",
-                        str(args.tool_samples), "--tools", TOOLS_DIR]
-                peer_argv[name] = argv
-                log(f"run {i + 1}/{args.repeat}: peer {name}, {n_peer} "
-                    f"containers (load {loadavg()})")
-                res, note = run_json(argv, os.path.join(tmp, f"{name}-{i}.json"),
-                                     f"peer {name}", fatal=False)
-                if note:
-                    # A peer that cannot run is dropped; one that failed in this repeat keeps
-                    # the runs it completed (the note says which one failed).
-                    failed = isinstance(note, FailedNote)
-                    notes.append(f"run {i + 1}: {note}" if failed else note)
-                    if not failed:
-                        peers.remove((name, path))
-                        del results[name]
-                    continue
-                results[name].append(res)
+            # The native runtime and podman first; then pbox's gVisor runtime and its runsc
+            # peers, which are compared with each other, in an order that turns by one each
+            # repeat, so that no one of them always runs first, or always right after another
+            # system's teardown.
+            jobs = [lambda i=i, rt=rt: run_pbox(rt, i) for rt in runtimes if rt != "gvisor"]
+            jobs += [lambda i=i, n=n, p=p: run_peer(n, p, i)
+                     for n, p in peers if not is_gvisor_peer(n)]
+            group = [lambda i=i: run_pbox("gvisor", i)] if "gvisor" in runtimes else []
+            group += [lambda i=i, n=n, p=p: run_peer(n, p, i)
+                      for n, p in peers if is_gvisor_peer(n)]
+            if group:
+                k = i % len(group)
+                jobs += group[k:] + group[:k]
+            for job in jobs:
+                job()
             repeats_done = i + 1
             rep_s = time.monotonic() - t_rep
             elapsed = time.monotonic() - t_start

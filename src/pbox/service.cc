@@ -173,6 +173,23 @@ class BufferSink : public OutputSink {
   HeadTail err_;
 };
 
+// A create request's spec, or a clone request's overrides, as the manager takes them.
+SandboxSettings SettingsOf(const v1::SandboxSpec& spec) {
+  SandboxSettings s;
+  s.image = spec.image();
+  s.runtime = spec.runtime();
+  s.cpus = spec.cpus();
+  s.cpu_quota = spec.cpu_quota();
+  s.memory_bytes = spec.memory_bytes();
+  s.pids = spec.pids();
+  s.disk_bytes = spec.disk_bytes();
+  s.env.insert(spec.env().begin(), spec.env().end());
+  s.workdir = spec.workdir();
+  s.idle_ttl_seconds = spec.idle_ttl_seconds();
+  s.labels.insert(spec.labels().begin(), spec.labels().end());
+  return s;
+}
+
 }  // namespace
 
 grpc::Status ToGrpc(const Status& status) {
@@ -354,20 +371,7 @@ grpc::Status PboxService::CreateSandbox(grpc::ServerContext* ctx,
   if (!slot.ok()) {
     return Refuse(client, slot.status());
   }
-  const v1::SandboxSpec& spec = req->spec();
-  SandboxSettings s;
-  s.image = spec.image();
-  s.runtime = spec.runtime();
-  s.cpus = spec.cpus();
-  s.cpu_quota = spec.cpu_quota();
-  s.memory_bytes = spec.memory_bytes();
-  s.pids = spec.pids();
-  s.disk_bytes = spec.disk_bytes();
-  s.env.insert(spec.env().begin(), spec.env().end());
-  s.workdir = spec.workdir();
-  s.idle_ttl_seconds = spec.idle_ttl_seconds();
-  s.labels.insert(spec.labels().begin(), spec.labels().end());
-  auto sb = manager_->Create(req->session_id(), s);
+  auto sb = manager_->Create(req->session_id(), SettingsOf(req->spec()));
   if (!sb.ok()) {
     if (sb.status().code() == absl::StatusCode::kResourceExhausted) {
       return Refuse(client, sb.status());
@@ -391,20 +395,9 @@ grpc::Status PboxService::CloneSandbox(grpc::ServerContext* ctx, const v1::Clone
   if (!slot.ok()) {
     return Refuse(client, slot.status());
   }
-  const v1::SandboxSpec& spec = req->overrides();
-  SandboxSettings o;
-  o.image = spec.image();
-  o.runtime = spec.runtime();
-  o.cpus = spec.cpus();
-  o.cpu_quota = spec.cpu_quota();
-  o.memory_bytes = spec.memory_bytes();
-  o.pids = spec.pids();
-  o.disk_bytes = spec.disk_bytes();
-  o.env.insert(spec.env().begin(), spec.env().end());
-  o.workdir = spec.workdir();
-  o.idle_ttl_seconds = spec.idle_ttl_seconds();
-  o.labels.insert(spec.labels().begin(), spec.labels().end());
-  auto clones = manager_->Clone(req->session_id(), req->sandbox_id(), req->count(), o);
+  // Unset fields (zero, empty) keep the source's settings.
+  auto clones = manager_->Clone(req->session_id(), req->sandbox_id(), req->count(),
+                                SettingsOf(req->overrides()));
   if (!clones.ok()) {
     if (clones.status().code() == absl::StatusCode::kResourceExhausted) {
       return Refuse(client, clones.status());

@@ -485,30 +485,24 @@ Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, cons
   });
 }
 
-Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::string& path,
-                                     uint64_t offset, uint64_t length) {
-  if (uses_data_channel()) {
-    v1::OpenTransferRequest req;
-    req.set_sandbox_id(sandbox_id);
-    req.set_path(path);
-    req.set_direction(v1::TRANSFER_DIRECTION_DOWNLOAD);
-    req.set_offset(offset);
-    req.set_length(length);
-    auto resp = OpenTransfer(req);
-    Status failed = resp.status();
-    if (resp.ok()) {
-      std::string out;
-      auto st = data_->Download(resp->data_endpoint(), TicketOf(*resp), &out);
-      if (st.ok()) {
-        data_failures_ = 0;
-        return out;
-      }
-      failed = st.status();
-    }
-    if (!FallBack(failed)) {
-      return failed;
-    }
-  }
+Result<uint64_t> Client::DataDownload(const std::string& sandbox_id, const std::string& path,
+                                      uint64_t offset, uint64_t length, std::string* out,
+                                      int fd) {
+  v1::OpenTransferRequest req;
+  req.set_sandbox_id(sandbox_id);
+  req.set_path(path);
+  req.set_direction(v1::TRANSFER_DIRECTION_DOWNLOAD);
+  req.set_offset(offset);
+  req.set_length(length);
+  BRAGG_ASSIGN_OR_RETURN(v1::OpenTransferResponse resp, OpenTransfer(req));
+  BRAGG_ASSIGN_OR_RETURN(DataStatus st,
+                         data_->Download(resp.data_endpoint(), TicketOf(resp), out, fd));
+  data_failures_ = 0;
+  return st.bytes;
+}
+
+Status Client::StreamDownload(const std::string& sandbox_id, const std::string& path,
+                              uint64_t offset, uint64_t length, const ChunkFn& chunk) {
   grpc::ClientContext ctx;
   Prepare(&ctx, false);
   v1::ReadFileRequest req;
@@ -517,60 +511,60 @@ Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::s
   req.set_offset(offset);
   req.set_length(length);
   auto reader = stub_->ReadFile(&ctx, req);
-  std::string out;
   v1::ReadFileResponse msg;
+  Status sink_error;
   while (reader->Read(&msg)) {
-    if (out.empty()) {
-      out = std::move(*msg.mutable_chunk());
-    } else {
-      out += msg.chunk();
+    sink_error = chunk(msg.mutable_chunk());
+    if (!sink_error.ok()) {
+      ctx.TryCancel();
+      break;
     }
   }
-  BRAGG_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
+  Status st = FromGrpc(reader->Finish());
+  BRAGG_RETURN_IF_ERROR(sink_error);
+  return st;
+}
+
+Result<std::string> Client::ReadFile(const std::string& sandbox_id, const std::string& path,
+                                     uint64_t offset, uint64_t length) {
+  std::string out;
+  if (uses_data_channel()) {
+    auto r = DataDownload(sandbox_id, path, offset, length, &out, -1);
+    if (r.ok()) {
+      return out;
+    }
+    if (!FallBack(r.status())) {
+      return r.status();
+    }
+    out.clear();
+  }
+  BRAGG_RETURN_IF_ERROR(
+      StreamDownload(sandbox_id, path, offset, length, [&out](std::string* chunk) -> Status {
+        if (out.empty()) {
+          out = std::move(*chunk);
+        } else {
+          out += *chunk;
+        }
+        return absl::OkStatus();
+      }));
   return out;
 }
 
 Result<uint64_t> Client::ReadFileToFd(const std::string& sandbox_id, const std::string& path,
                                       int fd) {
   if (uses_data_channel()) {
-    v1::OpenTransferRequest req;
-    req.set_sandbox_id(sandbox_id);
-    req.set_path(path);
-    req.set_direction(v1::TRANSFER_DIRECTION_DOWNLOAD);
-    auto resp = OpenTransfer(req);
-    Status failed = resp.status();
-    if (resp.ok()) {
-      auto st = data_->Download(resp->data_endpoint(), TicketOf(*resp), nullptr, fd);
-      if (st.ok()) {
-        data_failures_ = 0;
-        return st->bytes;
-      }
-      failed = st.status();
-    }
-    if (!FallBack(failed)) {
-      return failed;
+    auto r = DataDownload(sandbox_id, path, 0, 0, nullptr, fd);
+    if (r.ok() || !FallBack(r.status())) {
+      return r;
     }
   }
-  grpc::ClientContext ctx;
-  Prepare(&ctx, false);
-  v1::ReadFileRequest req;
-  req.set_sandbox_id(sandbox_id);
-  req.set_path(path);
-  auto reader = stub_->ReadFile(&ctx, req);
   uint64_t total = 0;
-  v1::ReadFileResponse msg;
-  Status write_error;
-  while (reader->Read(&msg)) {
-    write_error = WriteAll(fd, msg.chunk());
-    if (!write_error.ok()) {
-      ctx.TryCancel();
-      break;
-    }
-    total += msg.chunk().size();
-  }
-  Status st = FromGrpc(reader->Finish());
-  BRAGG_RETURN_IF_ERROR(write_error);
-  BRAGG_RETURN_IF_ERROR(st);
+  BRAGG_RETURN_IF_ERROR(
+      StreamDownload(sandbox_id, path, 0, 0, [fd, &total](std::string* chunk) -> Status {
+        BRAGG_RETURN_IF_ERROR(WriteAll(fd, *chunk));
+        total += chunk->size();
+        return absl::OkStatus();
+      }));
   return total;
 }
 

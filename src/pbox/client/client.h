@@ -167,6 +167,14 @@ class Client {
   Result<v1::FileInfo> DataUpload(const std::string& sandbox_id, const std::string& path,
                                   uint32_t mode, bool make_parents, std::string_view data, int fd,
                                   off_t offset, uint64_t size);
+  // A download over the data channel, into `out` or (out null) written to `fd`: the bytes.
+  Result<uint64_t> DataDownload(const std::string& sandbox_id, const std::string& path,
+                                uint64_t offset, uint64_t length, std::string* out, int fd);
+  // Takes the next piece of a download (it may move from it); an error cancels the call.
+  using ChunkFn = std::function<Status(std::string* chunk)>;
+  // One ReadFile call (length 0: to the end), each chunk handed to `chunk`.
+  Status StreamDownload(const std::string& sandbox_id, const std::string& path, uint64_t offset,
+                        uint64_t length, const ChunkFn& chunk);
 
   std::unique_ptr<DataPool> data_;
   std::atomic<bool> data_off_{false};
