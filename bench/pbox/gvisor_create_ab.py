@@ -10,8 +10,9 @@ turn. Needs root, runsc and a build.
 
 Kinds: pboxC (C CPUs per pbox sandbox), oldC (the same, from a second pboxd given
 --init-path OLD_INIT), pinned / unpinned (runsc by hand, one CPU per sandbox in turn or
-none), and -isolate after either (pbox-init --isolate with the agent's seccomp program, as
-pbox's gVisor runtime runs it). Create is timed until the CreateSandbox RPC returns (pbox,
+none), -isolate after either (pbox-init --isolate with the agent's seccomp program, as
+pbox's gVisor runtime runs it), and -cgroup after pinned[-isolate] (placed in a cgroup v1 set
+of pbox's kind, runsc_peer.py --cgroup, instead of sched_setaffinity). Create is timed until the CreateSandbox RPC returns (pbox,
 Python client) or pbox-init's Ready frame (runsc); exec until the command's exit.
 """
 
@@ -85,7 +86,8 @@ def main():
             a = PeerArgs()
             a.__dict__.update(peer.__dict__)
             a.pin_cpus = sorted(os.sched_getaffinity(0)) if kind.startswith("pinned") else []
-            a.isolate = seccomp if kind.endswith("-isolate") else ""
+            a.isolate = seccomp if "-isolate" in kind else ""
+            a.cgroup = kind.endswith("-cgroup")
             return a
 
         made = {k: [] for k in kinds}

@@ -14,6 +14,9 @@ program driving runsc must do to run commands in a live sandbox.
 
 With --pin each sandbox's runsc (and so its gofer and sentry) is pinned to one CPU, in turn,
 the CPUs pbox gives a sandbox by default (runsc_pinned_peer.py runs this in `make bench`).
+With --cgroup (cgroup v1) it is placed instead, as pbox places it, in a cgroup of its own in
+the cpu, cpuacct, cpuset (one CPU, in turn), memory (1 GiB limit), pids (512) and freezer
+hierarchies, joined through `tasks` before `runsc` is executed.
 
 - create: `runsc run` until pbox-init's Ready frame;
 - exec: Spawn of `true` / `python3 -c pass` until its Exited frame;
@@ -67,13 +70,82 @@ def spawn_frame(fid, argv, flags):
                  struct.pack("<I", len(cwd)) + cwd + strlist(argv) + strlist(ENV))
 
 
+CGROUP_V1 = "/sys/fs/cgroup"
+CGROUP_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "pids", "freezer")
+
+
+class Cgroup:
+    """One cgroup v1 directory per controller, under this process's own cgroups (`parent`/`name`):
+    pbox's per-sandbox limits (gvisor_runtime.cc, cgroup_v1.cc) without pbox."""
+
+    def __init__(self, parent, name, cpu):
+        own = {}
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                for c in ctrls.split(","):
+                    own[c] = path
+        self.dirs = []
+        for c in CGROUP_CONTROLLERS:
+            base = f"{CGROUP_V1}/{c}"
+            if c not in own or not os.path.isdir(base):
+                raise RuntimeError(f"--cgroup needs the cgroup v1 {c} hierarchy at {base}")
+            top = f"{base}{own[c].rstrip('/')}/{parent}"
+            d = f"{top}/{name}"
+            os.makedirs(d)
+            self.dirs.append(d)
+            if c == "cpuset":
+                # A new v1 cpuset starts empty: the parent inherits its own parent's sets first.
+                for f in ("cpuset.cpus", "cpuset.mems"):
+                    if not _read(f"{top}/{f}"):
+                        _write(f"{top}/{f}", _read(f"{os.path.dirname(top)}/{f}"))
+                _write(f"{d}/cpuset.mems", _read(f"{top}/cpuset.mems"))
+                _write(f"{d}/cpuset.cpus", str(cpu))
+            elif c == "memory":
+                _write(f"{d}/memory.limit_in_bytes", str(1 << 30))
+            elif c == "pids":
+                _write(f"{d}/pids.max", "512")
+
+    def join(self):
+        """For preexec_fn: moves the calling (single-threaded, forked) process in."""
+        for d in self.dirs:
+            _write(f"{d}/tasks", "0")
+
+    def remove(self):
+        for d in self.dirs:
+            for _ in range(50):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)  # the sandbox's last tasks are still leaving
+        for d in self.dirs:
+            try:
+                os.rmdir(os.path.dirname(d))
+            except OSError:
+                pass  # other sandboxes' cgroups are still in it
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 class Sandbox:
-    """One `runsc run` of its own bundle under `root`; owns its mounts and the runsc child."""
+    """One `runsc run` of its own bundle under `root`; owns its mounts, cgroup and runsc child."""
 
     def __init__(self, root, name, args):
         self.dir = os.path.join(root, name)
         self.mounts = []
         self.proc = None
+        self.cgroup = None
         self.next_id = 1
         try:
             self._start(name, args)
@@ -128,9 +200,12 @@ class Sandbox:
         if args.pin_cpus:
             cpu = args.pin_cpus[args.pin_next % len(args.pin_cpus)]
             args.pin_next += 1
-
-            def pin():
-                os.sched_setaffinity(0, {cpu})
+            if getattr(args, "cgroup", False):
+                self.cgroup = Cgroup(f"bragg-runsc-peer-{os.getpid()}", name, cpu)
+                pin = self.cgroup.join
+            else:
+                def pin():
+                    os.sched_setaffinity(0, {cpu})
         t = time.monotonic()
         with open(self.dir + "/runsc.log", "w") as log:
             self.proc = subprocess.Popen(
@@ -196,6 +271,8 @@ class Sandbox:
                 self.proc.wait()
         for m in reversed(self.mounts):
             subprocess.call(["umount", "-l", m])
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
 def find_init(arg):
@@ -221,7 +298,12 @@ def main():
                          "writes one to <state-dir>/gvisor/seccomp.bpf)")
     ap.add_argument("--pin", action="store_true",
                     help="pin each sandbox to one CPU (round-robin), as pbox does by default")
+    ap.add_argument("--cgroup", action="store_true",
+                    help="with --pin: through a cgroup v1 set of pbox's kind per sandbox "
+                         "(one-CPU cpuset, memory and pids limits) instead of sched_setaffinity")
     args = ap.parse_args()
+    if args.cgroup and not args.pin:
+        sys.exit("runsc_peer: --cgroup goes with --pin")
     args.pin_cpus = sorted(os.sched_getaffinity(0)) if args.pin else []
     if args.isolate and not os.path.isfile(args.isolate):
         sys.exit(f"runsc_peer: --isolate {args.isolate}: no such file")
