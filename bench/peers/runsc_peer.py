@@ -86,6 +86,13 @@ class Cgroup:
                 for c in ctrls.split(","):
                     own[c] = path
         self.dirs = []
+        try:
+            self._make(own, parent, name, cpu)
+        except BaseException:
+            self.remove()
+            raise
+
+    def _make(self, own, parent, name, cpu):
         for c in CGROUP_CONTROLLERS:
             base = f"{CGROUP_V1}/{c}"
             if c not in own or not os.path.isdir(base):
