@@ -301,6 +301,7 @@ class Window {
     start_ = start;
     len_ = len;
     data_ = nullptr;
+    mapped_ = false;
     tb_->map.Reset();
   }
 
@@ -312,6 +313,16 @@ class Window {
     return data_ + (src - start_);
   }
 
+  // Whether the `n` bytes at `src` (inside the window) equal `other`. A mapped window reads
+  // under MappedRange::Equals's guard: a file truncated meanwhile is an error, not SIGBUS.
+  Result<bool> Equals(uint64_t src, const char* other, uint64_t n) {
+    BRAGG_ASSIGN_OR_RETURN(const char* p, At(src));
+    if (mapped_) {
+      return tb_->map.Equals(src - start_, other, n, path_);
+    }
+    return std::memcmp(p, other, n) == 0;
+  }
+
  private:
   Status Load() {
     if (use_mmap_) {
@@ -319,6 +330,7 @@ class Window {
       if (m.ok()) {
         tb_->map = std::move(*m);
         data_ = tb_->map.data();
+        mapped_ = true;
         bytes_read_->fetch_add(len_, std::memory_order_relaxed);
         return absl::OkStatus();
       }
@@ -335,6 +347,7 @@ class Window {
     BRAGG_RETURN_IF_ERROR(PreadAll(fd_, tb_->buf.data(), len_, base_ + start_, path_));
     bytes_read_->fetch_add(len_, std::memory_order_relaxed);
     data_ = tb_->buf.data();
+    mapped_ = false;
     return absl::OkStatus();
   }
 
@@ -347,6 +360,7 @@ class Window {
   uint64_t start_ = 0;
   uint64_t len_ = 0;
   const char* data_ = nullptr;
+  bool mapped_ = false;  // data_ points into tb_->map (else into tb_->buf)
 };
 
 // Walks `runs` (sorted by src, offsets in a chunk's data of `data_bytes` bytes at `base` of
@@ -409,10 +423,10 @@ Status CopyRuns(const WorkItem& w, const std::vector<CopyRun>& runs, int out_fd,
       runs, ref.bytes, window, &win, fd.get(), ref.data_offset, path,
       [&](const CopyRun& r) -> Status {
         if (verify) {
-          BRAGG_ASSIGN_OR_RETURN(const char* p, win.At(r.src));
           tb->cmp.resize(r.bytes);
           BRAGG_RETURN_IF_ERROR(PreadAll(out_fd, tb->cmp.data(), r.bytes, r.dst, out));
-          if (std::memcmp(tb->cmp.data(), p, r.bytes) != 0) {
+          BRAGG_ASSIGN_OR_RETURN(bool same, win.Equals(r.src, tb->cmp.data(), r.bytes));
+          if (!same) {
             return absl::DataLossError(
                 fmt::format("verify: {} bytes at {} of {} differ from {} chunk [{}]", r.bytes,
                             r.dst, out, w.tensor->key, fmt::join(c.offsets, ",")));

@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -315,6 +317,83 @@ TEST(FileCopyTest, MappedRangeUnalignedAndPastTheEnd) {
   ASSERT_FALSE(past.ok());
   EXPECT_TRUE(absl::IsInvalidArgument(past.status())) << past.status();
   EXPECT_FALSE(MappedRange::Map(fd->get(), 0, 0, "f").ok());
+}
+
+// A file truncated under a live mapping: user-space reads of the lost pages raise SIGBUS and
+// system calls reading them fail with EFAULT. Both must come back as errors naming the cause.
+TEST(FileCopyTest, TruncatedUnderAMappingIsAnErrorNotSigbus) {
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::string data(3 * page, '\0');
+  for (size_t i = 0; i < data.size(); ++i) {
+    data[i] = static_cast<char>(i * 13 + 1);
+  }
+  auto fd = OpenFile(dir->path() + "/f", O_RDWR | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(WriteAll(fd->get(), data).ok());
+  auto m = MappedRange::Map(fd->get(), 100, data.size() - 100, "f");
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto same = m->Equals(0, data.data() + 100, data.size() - 100, "f");
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(*same);
+  std::string other = data.substr(100);
+  other[other.size() - 1] ^= 1;
+  same = m->Equals(0, other.data(), other.size(), "f");
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_FALSE(*same);
+  EXPECT_TRUE(absl::IsOutOfRange(m->Equals(1, data.data(), data.size() - 100, "f").status()));
+
+  ASSERT_EQ(::ftruncate(fd->get(), static_cast<off_t>(page)), 0);
+  // The last two pages are gone: a guarded read of them is an error, twice (the guard re-arms),
+  // while the first page still compares.
+  for (int i = 0; i < 2; ++i) {
+    same = m->Equals(0, data.data() + 100, data.size() - 100, "f");
+    ASSERT_FALSE(same.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(same.status())) << same.status();
+    EXPECT_NE(std::string(same.status().message()).find("truncated"), std::string::npos);
+  }
+  same = m->Equals(0, data.data() + 100, page - 100, "f");
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(*same);
+  // Writing from the lost pages: EFAULT, reported as the same cause.
+  auto out = OpenFile(dir->path() + "/out", O_RDWR | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(out.ok());
+  Status st = PwriteAll(out->get(), m->data(), data.size() - 100, 0, "out");
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_NE(std::string(st.message()).find("truncated"), std::string::npos) << st;
+  iovec iov[] = {{const_cast<char*>(m->data()), data.size() - 100}};
+  st = PwritevAll(out->get(), iov, 1, 0, "out");
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+}
+
+// The handler catches only guarded reads: any other SIGBUS still ends the process.
+TEST(FileCopyDeathTest, UnguardedSigbusStillKills) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  auto fd = OpenFile(dir->path() + "/f", O_RDWR | O_CREAT | O_TRUNC);
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(WriteAll(fd->get(), std::string(2 * page, 'x')).ok());
+  EXPECT_EXIT(
+      {
+        auto m = MappedRange::Map(fd->get(), 0, 2 * page, "f");
+        if (!m.ok()) {
+          _exit(3);
+        }
+        std::string x(2 * page, 'x');
+        if (!m->Equals(0, x.data(), x.size(), "f").ok()) {  // installs the handler
+          _exit(4);
+        }
+        if (::ftruncate(fd->get(), 0) != 0) {
+          _exit(5);
+        }
+        volatile char c = m->data()[page];  // no guard: SIGBUS
+        (void)c;
+        _exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
 }
 
 }  // namespace

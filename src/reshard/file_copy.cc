@@ -1,14 +1,76 @@
 #include "reshard/file_copy.h"
 
 #include <fmt/format.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
+#include <mutex>
 #include <utility>
 
 namespace bragg::reshard {
+namespace {
+
+// A write whose source bytes the kernel could not read: from our own buffers that cannot
+// happen, so they came from a mapping whose file was truncated under it.
+Status WriteError(const char* call, const std::string& name) {
+  if (errno == EFAULT) {
+    return absl::FailedPreconditionError(
+        fmt::format("{} {}: the source's mapped pages are gone (was the checkpoint truncated "
+                    "while it was converted?)",
+                    call, name));
+  }
+  return ErrnoError(call, name);
+}
+
+// SIGBUS on a guarded read (MappedRange::Equals) jumps back to the read; any other goes where
+// it went before the handler was installed.
+struct FaultGuard {
+  sigjmp_buf env;
+  const char* lo = nullptr;
+  const char* hi = nullptr;
+};
+thread_local FaultGuard* volatile t_guard = nullptr;
+struct sigaction g_previous_sigbus;
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  FaultGuard* g = t_guard;
+  const char* addr = static_cast<const char*>(info->si_addr);
+  if (g != nullptr && addr >= g->lo && addr < g->hi) {
+    t_guard = nullptr;
+    siglongjmp(g->env, 1);
+  }
+  const struct sigaction& prev = g_previous_sigbus;
+  if ((prev.sa_flags & SA_SIGINFO) != 0 && prev.sa_sigaction != nullptr) {
+    prev.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
+    prev.sa_handler(sig);
+    return;
+  }
+  // The default action: returning re-runs the faulting access, which now ends the process
+  // as it would have without this handler.
+  signal(SIGBUS, SIG_DFL);
+}
+
+void InstallSigbusHandler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = OnSigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    (void)sigaction(SIGBUS, &sa, &g_previous_sigbus);
+  });
+}
+
+}  // namespace
 
 Status PreadAll(int fd, char* buf, uint64_t n, uint64_t off, const std::string& name) {
   uint64_t done = 0;
@@ -37,7 +99,7 @@ Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off, const std::s
       continue;
     }
     if (r < 0) {
-      return ErrnoError("pwrite", name);
+      return WriteError("pwrite", name);
     }
     done += static_cast<uint64_t>(r);
   }
@@ -51,7 +113,7 @@ Status PwritevAll(int fd, struct iovec* iov, size_t iovcnt, uint64_t off, const 
       continue;
     }
     if (r < 0) {
-      return ErrnoError("pwritev", name);
+      return WriteError("pwritev", name);
     }
     off += static_cast<uint64_t>(r);
     size_t n = static_cast<size_t>(r);
@@ -160,6 +222,29 @@ Result<MappedRange> MappedRange::Map(int fd, uint64_t off, uint64_t len, const s
   }
   m.base_ = p;
   return m;
+}
+
+Result<bool> MappedRange::Equals(uint64_t at, const char* other, uint64_t n,
+                                 const std::string& name) const {
+  if (at + n > mapped_ - lead_) {
+    return absl::OutOfRangeError(fmt::format("{}: [{}, {}) is outside the mapped {} bytes", name,
+                                             at, at + n, mapped_ - lead_));
+  }
+  InstallSigbusHandler();
+  const char* p = data() + at;
+  FaultGuard guard;
+  guard.lo = p;
+  guard.hi = p + n;
+  if (sigsetjmp(guard.env, 1) != 0) {
+    return absl::FailedPreconditionError(
+        fmt::format("{}: its mapped pages are gone (SIGBUS): the file was truncated while it "
+                    "was read",
+                    name));
+  }
+  t_guard = &guard;
+  const bool same = std::memcmp(p, other, n) == 0;
+  t_guard = nullptr;
+  return same;
 }
 
 }  // namespace bragg::reshard

@@ -17,13 +17,14 @@ namespace bragg::reshard {
 // the errno error of pread naming `name`; InvalidArgument when the file ends first.
 [[nodiscard]] Status PreadAll(int fd, char* buf, uint64_t n, uint64_t off, const std::string& name);
 
-// Writes exactly `n` bytes of `buf` at `off` of `fd`. Errors: the errno error of pwrite.
+// Writes exactly `n` bytes of `buf` at `off` of `fd`. Errors: the errno error of pwrite; EFAULT
+// (the bytes come from a MappedRange whose file shrank) says so.
 [[nodiscard]] Status PwriteAll(int fd, const char* buf, uint64_t n, uint64_t off,
                                const std::string& name);
 
 // Writes the `iovcnt` buffers of `iov` (at most IOV_MAX) one after another at `off` of `fd`,
 // retrying on EINTR and short writes. `iov` is modified (advanced past what was written). Errors:
-// the errno error of pwritev naming `name`.
+// the errno error of pwritev naming `name`, as PwriteAll's.
 [[nodiscard]] Status PwritevAll(int fd, struct iovec* iov, size_t iovcnt, uint64_t off,
                                 const std::string& name);
 
@@ -62,6 +63,15 @@ class MappedRange {
   const char* data() const { return static_cast<const char*>(base_) + lead_; }
 
   void Reset();
+
+  // Whether the `n` bytes at `at` (an offset from data()) equal `other`, read with a guard: if
+  // the file shrinks under the mapping, touching a page past its new end raises SIGBUS, which
+  // this turns into an error (FailedPrecondition naming `name`) instead of the end of the
+  // process. (System calls that read the mapping, pwrite and pwritev, get EFAULT there
+  // instead.) The first call installs a process-wide SIGBUS handler that hands every other
+  // SIGBUS to the handler it replaced, or to the default action.
+  [[nodiscard]] Result<bool> Equals(uint64_t at, const char* other, uint64_t n,
+                                    const std::string& name) const;
 
  private:
   void* base_ = nullptr;

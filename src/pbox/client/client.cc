@@ -486,8 +486,7 @@ Result<v1::FileInfo> Client::WriteFileFromFd(const std::string& sandbox_id, cons
 }
 
 Result<uint64_t> Client::DataDownload(const std::string& sandbox_id, const std::string& path,
-                                      uint64_t offset, uint64_t length, std::string* out,
-                                      int fd) {
+                                      uint64_t offset, uint64_t length, std::string* out, int fd) {
   v1::OpenTransferRequest req;
   req.set_sandbox_id(sandbox_id);
   req.set_path(path);
