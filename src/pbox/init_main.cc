@@ -36,9 +36,6 @@ int main(int argc, char** argv) {
     fprintf(stderr, "pbox-init: prctl(PR_SET_DUMPABLE): %s\n", strerror(errno));
     return 1;
   }
-  if (argc == 2 && strcmp(argv[1], bragg::pbox::kHolderFlag) == 0) {
-    return bragg::pbox::HolderMain();
-  }
   const std::string kIsolate = "--isolate=";
   bool isolate = false;
   std::string seccomp_file;

@@ -1,5 +1,6 @@
 #include "pbox/init_pid_namespace.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/capability.h>
@@ -9,6 +10,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -16,9 +18,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <vector>
 
-#include "pbox/init_fds.h"
+extern char** environ;
 
 namespace bragg::pbox {
 namespace {
@@ -73,41 +76,155 @@ bool ReadSeccompProgram(const char* path, std::vector<sock_filter>* out, std::st
   return true;
 }
 
-// What the holder's child is started with, and where it leaves the step that failed: under
-// vfork the child shares the parent's memory until it execs, so the parent reads it there.
-struct HolderLaunch {
-  const char* self_exe = nullptr;
-  int ready_write = -1;
-  const char* volatile failed_call = nullptr;
-  const char* volatile failed_what = nullptr;
-  volatile int failed_errno = 0;
+// The holder shares pbox-init's memory, and with it the thread-local errno of pbox-init's
+// thread: every glibc system-call wrapper would store its errors there, under pbox-init's feet.
+// So the holder calls the kernel directly: these return -errno and touch no memory of
+// pbox-init's.
+#if defined(__x86_64__)
+long Raw(long n, long a = 0, long b = 0, long c = 0, long d = 0, long e = 0) {
+  long ret;
+  register long r10 __asm__("r10") = d;
+  register long r8 __asm__("r8") = e;
+  __asm__ volatile("syscall"
+                   : "=a"(ret)
+                   : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8)
+                   : "rcx", "r11", "memory");
+  return ret;
+}
+#elif defined(__aarch64__)
+long Raw(long n, long a = 0, long b = 0, long c = 0, long d = 0, long e = 0) {
+  register long x8 __asm__("x8") = n;
+  register long x0 __asm__("x0") = a;
+  register long x1 __asm__("x1") = b;
+  register long x2 __asm__("x2") = c;
+  register long x3 __asm__("x3") = d;
+  register long x4 __asm__("x4") = e;
+  __asm__ volatile("svc 0" : "+r"(x0) : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4) : "memory");
+  return x0;
+}
+#else
+#error "pbox-init's PID namespace holder needs raw system calls for this architecture"
+#endif
+
+// What the holder is started with. It runs on its own stack in pbox-init's memory.
+struct HolderArgs {
+  int ready_write = -1;  // the readiness pipe: "ok" once set up
 };
 
-// Leaves the failed step for the parent (see HolderLaunch) and ends the vforked child.
-[[noreturn]] void HolderChildFailed(HolderLaunch* launch, const char* call, const char* what) {
-  launch->failed_errno = errno;
-  launch->failed_what = what;
-  launch->failed_call = call;
-  _exit(1);
+// Writes "pbox-init holder: <step> failed (errno N)" to stderr (runsc's log) and exits 1.
+[[noreturn]] void HolderFailed(const char* step, long ret) {
+  char msg[160];
+  size_t n = 0;
+  auto put = [&](const char* text) {
+    while (*text != '\0' && n < sizeof(msg) - 1) {
+      msg[n++] = *text++;
+    }
+  };
+  put("pbox-init holder: ");
+  put(step);
+  put(" failed (errno ");
+  char digits[24];
+  int k = 0;
+  unsigned long v = static_cast<unsigned long>(ret < 0 ? -ret : ret);
+  do {
+    digits[k++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v != 0 && k < 23);
+  while (k > 0 && n < sizeof(msg) - 2) {
+    msg[n++] = digits[--k];
+  }
+  put(")\n");
+  (void)Raw(SYS_write, 2, reinterpret_cast<long>(msg), static_cast<long>(n));
+  Raw(SYS_exit, 1);
+  __builtin_unreachable();
 }
 
-// The vforked child, PID 1 of the new namespace: mounts its proc, then execs the holder. It
-// runs on the parent's memory and stack (the parent waits until the execve): system calls
-// only, no allocation, no stdio.
-[[noreturn]] void HolderChild(HolderLaunch* launch) {
-  if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
-    HolderChildFailed(launch, "mount", "proc on /proc");
+// Closes every fd but `keep`: close_range where the kernel has it, else each fd that
+// /proc/self/fd lists (two passes, as CloseFdsListedInProc).
+void HolderCloseFds(int keep) {
+  if ((keep == 0 || Raw(SYS_close_range, 0, keep - 1, 0) == 0) &&
+      Raw(SYS_close_range, keep + 1, static_cast<long>(~0U), 0) == 0) {
+    return;
   }
-  if (launch->ready_write == kReadyFd ? fcntl(kReadyFd, F_SETFD, 0) != 0
-                                      : dup2(launch->ready_write, kReadyFd) != kReadyFd) {
-    HolderChildFailed(launch, "dup2", "the holder's readiness pipe");
+  for (int pass = 0; pass < 2; ++pass) {
+    long dir = Raw(SYS_openat, AT_FDCWD, reinterpret_cast<long>("/proc/self/fd"),
+                   O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) {
+      HolderFailed("open(/proc/self/fd)", dir);
+    }
+    alignas(8) char buf[2048];
+    for (;;) {
+      long n = Raw(SYS_getdents64, dir, reinterpret_cast<long>(buf), sizeof(buf));
+      if (n < 0) {
+        HolderFailed("getdents64(/proc/self/fd)", n);
+      }
+      if (n == 0) {
+        break;
+      }
+      for (long off = 0; off < n;) {
+        auto* d = reinterpret_cast<struct dirent64*>(buf + off);
+        off += d->d_reclen;
+        long fd = 0;
+        const char* c = d->d_name;
+        for (; *c >= '0' && *c <= '9' && fd < (1 << 30); ++c) {
+          fd = fd * 10 + (*c - '0');
+        }
+        if (c != d->d_name && *c == '\0' && fd != dir && fd != keep) {
+          (void)Raw(SYS_close, fd);
+        }
+      }
+    }
+    (void)Raw(SYS_close, dir);
   }
-  // A fresh image without environment: /proc/1/environ and the memory behind it hold nothing
-  // of pbox-init's.
-  char* const argv[] = {const_cast<char*>("pbox-init"), const_cast<char*>(kHolderFlag), nullptr};
-  char* const envp[] = {nullptr};
-  execve(launch->self_exe, argv, envp);
-  HolderChildFailed(launch, "execve", launch->self_exe);
+}
+
+// The holder, PID 1 of the commands' namespace: a clone of pbox-init sharing its memory (no
+// new address space, no image to load: under gVisor each costs milliseconds of sentry work),
+// but with its own fds, credentials and signal state. Mounts the namespace's proc, drops every
+// capability, blocks every signal, closes every fd, says "ok" and reaps orphans forever.
+// System calls only (Raw), no library call that could touch pbox-init's state.
+int HolderMain(void* arg) {
+  const int ready = static_cast<HolderArgs*>(arg)->ready_write;
+  long r = Raw(SYS_mount, reinterpret_cast<long>("proc"), reinterpret_cast<long>("/proc"),
+               reinterpret_cast<long>("proc"), MS_NOSUID | MS_NODEV | MS_NOEXEC, 0);
+  if (r != 0) {
+    HolderFailed("mount(proc on /proc)", r);
+  }
+  struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct data[2] = {};
+  if ((r = Raw(SYS_capset, reinterpret_cast<long>(&header), reinterpret_cast<long>(data))) != 0) {
+    HolderFailed("capset(none)", r);
+  }
+  // Every catchable signal stays blocked (a command may send them); SIGCHLD is waited for.
+  uint64_t all = ~uint64_t{0};
+  if ((r = Raw(SYS_rt_sigprocmask, SIG_BLOCK, reinterpret_cast<long>(&all), 0, sizeof(all))) != 0) {
+    HolderFailed("rt_sigprocmask", r);
+  }
+  // No fds at all once ready (/proc/1/fd of the namespace is empty): pbox-init's channel on 0
+  // and 1 and stderr (runsc's log) included.
+  HolderCloseFds(ready);
+  (void)Raw(SYS_write, ready, reinterpret_cast<long>("ok"), 2);
+  (void)Raw(SYS_close, ready);
+  uint64_t chld = uint64_t{1} << (SIGCHLD - 1);
+  for (;;) {
+    (void)Raw(SYS_rt_sigtimedwait, reinterpret_cast<long>(&chld), 0, 0, sizeof(chld));
+    while (Raw(SYS_wait4, -1, 0, WNOHANG, 0) > 0) {
+    }
+  }
+}
+
+// Overwrites pbox-init's environment strings in place. /proc/PID/environ reads them from the
+// process's memory, which the holder (PID 1 of the commands' namespace, whose /proc commands
+// can read) shares; pbox-init itself never reads its environment (commands get theirs from
+// the agent).
+void WipeEnvironment() {
+  if (environ == nullptr) {
+    return;
+  }
+  for (char** e = environ; *e != nullptr; ++e) {
+    memset(*e, 0, strlen(*e));
+  }
+  environ = nullptr;
 }
 
 }  // namespace
@@ -117,14 +234,6 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
   if (!ReadSeccompProgram(seccomp_file, &filter, error)) {
     return false;
   }
-  // Our own binary, re-executed as the holder (argv[0] need not be a path).
-  char self_exe[4096];
-  ssize_t len = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
-  if (len <= 0) {
-    *error = ErrnoText("readlink", "/proc/self/exe", errno);
-    return false;
-  }
-  self_exe[len] = '\0';
   out->outer_proc.Reset(open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!out->outer_proc.valid()) {
     *error = ErrnoText("open", "/proc", errno);
@@ -143,30 +252,35 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
   }
   UniqueFd ready_read(ready[0]);
   UniqueFd ready_write(ready[1]);
-  // vfork: no copy of our address space for a child that only mounts and execs (under
-  // gVisor's ptrace platform a new address space is a new host stub process).
-  HolderLaunch launch;
-  launch.self_exe = self_exe;
-  launch.ready_write = ready_write.get();
-  pid_t pid = vfork();
-  if (pid < 0) {
-    *error = ErrnoText("vfork", "holder", errno);
+  WipeEnvironment();
+  // The holder's stack, in our memory for good (the holder lives as long as the namespace),
+  // with an inaccessible page below it: an overflow faults instead of writing into ours.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  constexpr size_t kHolderStack = 64 * 1024;
+  void* stack = mmap(nullptr, page + kHolderStack, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+  if (stack == MAP_FAILED) {
+    *error = ErrnoText("mmap", "the holder's stack", errno);
     return false;
   }
-  if (pid == 0) {
-    HolderChild(&launch);
+  if (mprotect(stack, page, PROT_NONE) != 0) {
+    *error = ErrnoText("mprotect", "the holder's stack guard", errno);
+    return false;
+  }
+  static HolderArgs args;  // read by the holder at its start, never written again
+  args.ready_write = ready_write.get();
+  // CLONE_VM without CLONE_THREAD: a process of its own (own fds, credentials, signals) that
+  // needs no address space of its own. It is the first child since the unshare, so PID 1.
+  pid_t pid =
+      clone(HolderMain, static_cast<char*>(stack) + page + kHolderStack, CLONE_VM | SIGCHLD, &args);
+  if (pid < 0) {
+    *error = ErrnoText("clone", "holder", errno);
+    return false;
   }
   out->holder = pid;
   ready_write.Reset();
-  if (launch.failed_call != nullptr) {
-    int status = 0;
-    (void)waitpid(pid, &status, 0);
-    *error = "the PID namespace holder did not start: " +
-             ErrnoText(launch.failed_call, launch.failed_what, launch.failed_errno);
-    return false;
-  }
-  // The rest of our own set-up runs while the holder's image loads; commands only start once
-  // it has said "ok" (below), when it holds no fd of ours any more. The program's file is no
+  // The rest of our own set-up runs while the holder sets up; commands only start once it has
+  // said "ok" (below), when it holds no fd of ours any more. The program's file is no
   // business of commands'.
   (void)umount2(seccomp_file, MNT_DETACH);
   // Capabilities are numbered from 0 without gaps; EINVAL is the first past the last one.
@@ -204,45 +318,6 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
     return false;
   }
   return true;
-}
-
-int HolderMain() {
-  // As early as possible: until then /proc/1 of the namespace answers to anyone.
-  if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
-    fprintf(stderr, "pbox-init holder: prctl(PR_SET_DUMPABLE): %s\n", strerror(errno));
-    return 1;
-  }
-  std::string error;
-  if (!ClearCapabilities(&error)) {
-    fprintf(stderr, "pbox-init holder: %s\n", error.c_str());
-    return 1;
-  }
-  // Every catchable signal stays blocked (a command may send them); SIGCHLD is waited for.
-  sigset_t all;
-  sigfillset(&all);
-  if (sigprocmask(SIG_BLOCK, &all, nullptr) != 0) {
-    fprintf(stderr, "pbox-init holder: sigprocmask: %s\n", strerror(errno));
-    return 1;
-  }
-  // No fds at all once ready (/proc/1/fd of the namespace is empty): what pbox-init had on
-  // 0 and 1 (its channel) goes first, stderr (runsc's log) before the report.
-  close(0);
-  close(1);
-  CloseFdsFrom(kReadyFd + 1);
-  close(2);
-  if (write(kReadyFd, "ok", 2) != 2) {
-    return 1;
-  }
-  close(kReadyFd);
-  sigset_t chld;
-  sigemptyset(&chld);
-  sigaddset(&chld, SIGCHLD);
-  for (;;) {
-    siginfo_t info;
-    (void)sigwaitinfo(&chld, &info);
-    while (waitpid(-1, nullptr, WNOHANG) > 0) {
-    }
-  }
 }
 
 }  // namespace bragg::pbox

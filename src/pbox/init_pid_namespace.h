@@ -7,8 +7,8 @@
 // same uid (every command: uid 0 without capabilities) could reopen pbox-init's fds through
 // /proc/1/fd/N (its channel to the agent, other commands' stdio pipes) and read its
 // environment. Here every later child of pbox-init is born in a new PID namespace whose PID 1
-// is a holder process without fds, environment or dumpability, and whose /proc shows only that
-// namespace: pbox-init has no entry there at all.
+// is a holder process without fds or capabilities, whose environment holds only NUL bytes, and
+// whose /proc shows only that namespace: pbox-init has no entry there at all.
 //
 // Kernel features used (all implemented by gVisor's kernel): unshare(CLONE_NEWNS |
 // CLONE_NEWPID), mounting proc, PR_CAPBSET_DROP and a seccomp filter loaded by the process
@@ -24,9 +24,6 @@
 
 namespace bragg::pbox {
 
-// The flag that makes pbox-init re-execute itself as the holder (internal to pbox-init).
-inline constexpr char kHolderFlag[] = "--pid-namespace-holder";
-
 struct CommandNamespace {
   // pbox-init's own /proc (its PID namespace), opened before the commands' proc was mounted
   // over /proc: for InitServerOptions::proc_dir. Close-on-exec.
@@ -36,16 +33,21 @@ struct CommandNamespace {
   pid_t holder = -1;
 };
 
-// Must run before anything else is forked. pbox-init's own binary (/proc/self/exe) is
-// re-executed, without environment, as the holder. `seccomp_file`: a classic BPF program
-// (struct sock_filter[]) that is loaded last, after every capability is dropped; the file's
-// mount is removed. Returns false and sets `*error` (naming the failed call) on any failure:
-// the caller must then exit, since commands would not be isolated.
+// Must run before anything else is forked, while pbox-init has no other thread. The holder is
+// a clone of pbox-init that shares its memory but not its fds, credentials or signal state
+// (CLONE_VM): no address space or image to set up, which under gVisor costs milliseconds. It
+// mounts the namespace's proc on /proc, drops every capability, blocks every signal, closes
+// every fd and only reaps orphans, through raw system calls (see HolderMain). pbox-init's
+// environment strings, which the holder's /proc/1/environ would show, are overwritten first.
+// `seccomp_file`: a classic BPF program (struct sock_filter[]) that is loaded last, after every
+// capability is dropped; the file's mount is removed. Returns false and sets `*error` (naming
+// the failed call) on any failure: the caller must then exit, since commands would not be
+// isolated.
+//
+// What commands can learn of pbox-init through the holder: its command line, and from
+// /proc/1/maps the layout of the memory they share (gVisor does not check dumpability
+// there). Its memory itself stays closed: /proc/1/mem and ptrace need the mm to be dumpable,
+// which pbox-init turned off at its start, and gVisor has no process_vm_readv.
 bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std::string* error);
-
-// main() of the holder (pbox-init started with kHolderFlag, fd 3 the readiness pipe): mounts
-// the namespace's proc on /proc, reports "ok" on fd 3, closes every fd, drops every
-// capability and reaps orphans forever. Exits 1 (with a message on stderr) when a step fails.
-int HolderMain();
 
 }  // namespace bragg::pbox

@@ -950,7 +950,11 @@ class IsolatedInitTest : public ::testing::Test {
         WriteStringToFile(bpf, std::string(reinterpret_cast<const char*>(&allow), sizeof(allow)))
             .ok());
     flag_ = "--isolate=" + bpf;
+    // pbox-init inherits the test's environment: this entry must not be readable through the
+    // holder's /proc/1/environ.
+    ::setenv(kSecretName, kSecretValue, 1);
     auto init = StartStreamInit(flag_.c_str());
+    ::unsetenv(kSecretName);
     ASSERT_TRUE(init.ok()) << init.status();
     init_ = std::move(init->first.process);
     auto client = InitClient::CreateStream(std::move(init->second), std::move(init->first.channel));
@@ -976,7 +980,8 @@ class IsolatedInitTest : public ::testing::Test {
     return text;
   }
 
-  // The holder: pbox-init's child running with --pid-namespace-holder.
+  // The holder: the child of pbox-init that is PID 1 of a namespace of its own (the last
+  // field of its NSpid line is 1).
   pid_t Holder() {
     for (const auto& dir : std::filesystem::directory_iterator("/proc")) {
       std::string name = dir.path().filename();
@@ -984,15 +989,22 @@ class IsolatedInitTest : public ::testing::Test {
         continue;
       }
       pid_t pid = std::stoi(name);
-      auto cmdline = ReadFileToString(fmt::format("/proc/{}/cmdline", pid));
-      if (StatField(pid, 4) == init_.pid() && cmdline.ok() &&
-          cmdline->find("--pid-namespace-holder") != std::string::npos) {
+      auto status = ReadFileToString(fmt::format("/proc/{}/status", pid));
+      if (!status.ok() || StatField(pid, 4) != init_.pid()) {
+        continue;
+      }
+      size_t at = status->find("\nNSpid:");
+      size_t end = status->find('\n', at + 1);
+      if (at != std::string::npos && end != std::string::npos &&
+          status->compare(end - 2, 2, "\t1") == 0) {
         return pid;
       }
     }
     return -1;
   }
 
+  static constexpr char kSecretName[] = "PBOX_INIT_TEST_SECRET";
+  static constexpr char kSecretValue[] = "hunter2-not-for-commands";
   TempDir dir_;
   std::string flag_;
   ChildProcess init_;
@@ -1001,7 +1013,7 @@ class IsolatedInitTest : public ::testing::Test {
 
 TEST_F(IsolatedInitTest, CommandsSeeOnlyTheirNamespaceWithoutCapabilities) {
   std::string out = RunSh(
-      "echo $$; ls /proc | grep -c '^[0-9]'; cat /proc/1/environ 2>/dev/null | wc -c; "
+      "echo $$; ls /proc | grep -c '^[0-9]'; tr -d '\\000' < /proc/1/environ | wc -c; "
       "test -e /proc/" +
       std::to_string(init_.pid()) +
       " && echo init-visible; grep -E '^(CapEff|CapBnd|Seccomp):' /proc/self/status");
@@ -1012,12 +1024,38 @@ TEST_F(IsolatedInitTest, CommandsSeeOnlyTheirNamespaceWithoutCapabilities) {
   std::getline(lines, line);
   EXPECT_LE(std::stoi(line), 5) << out;  // the holder, sh and its pipeline only
   std::getline(lines, line);
-  EXPECT_EQ(std::stoi(line), 0) << out;  // the holder's environment is empty
+  EXPECT_EQ(std::stoi(line), 0) << out;  // the holder's environment holds only NUL bytes
   EXPECT_EQ(out.find("init-visible"), std::string::npos) << out;
   EXPECT_NE(out.find("CapEff:\t0000000000000000"), std::string::npos) << out;
   EXPECT_NE(out.find("CapBnd:\t0000000000000000"), std::string::npos) << out;
   EXPECT_NE(out.find("Seccomp:\t2"), std::string::npos) << out;
-  EXPECT_GT(Holder(), 0);
+  pid_t holder = Holder();
+  ASSERT_GT(holder, 0);
+  // From the host: the holder's environment (the memory it shares with pbox-init) is there
+  // but wiped, it holds no fd, and it has no capability.
+  auto env = ReadFileToString(fmt::format("/proc/{}/environ", holder));
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_FALSE(env->empty());
+  EXPECT_EQ(env->find_first_not_of('\0'), std::string::npos);
+  EXPECT_EQ(env->find(kSecretValue), std::string::npos);
+  size_t fds = 0;
+  for ([[maybe_unused]] const auto& fd :
+       std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", holder))) {
+    ++fds;
+  }
+  EXPECT_EQ(fds, 0u);
+  auto status = ReadFileToString(fmt::format("/proc/{}/status", holder));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_NE(status->find("CapEff:\t0000000000000000"), std::string::npos) << *status;
+  EXPECT_NE(status->find("CapPrm:\t0000000000000000"), std::string::npos) << *status;
+  // Every catchable signal blocked: SigBlk shows all but SIGKILL and SIGSTOP, and SIGCHLD
+  // while the holder waits for it (sigtimedwait unblocks what it waits for).
+  size_t blk = status->find("\nSigBlk:\t");
+  ASSERT_NE(blk, std::string::npos) << *status;
+  const uint64_t mask = std::stoull(status->substr(blk + 9, 16), nullptr, 16);
+  auto bit = [](int sig) { return uint64_t{1} << (sig - 1); };
+  EXPECT_EQ(mask | bit(SIGKILL) | bit(SIGSTOP) | bit(SIGCHLD), ~uint64_t{0}) << *status;
+  EXPECT_NE(mask & bit(SIGTERM), 0u);
 }
 
 TEST_F(IsolatedInitTest, KillWholeTreeStillFindsTheTree) {
