@@ -394,6 +394,17 @@ TEST(FileCopyDeathTest, UnguardedSigbusStillKills) {
         _exit(0);
       },
       ::testing::KilledBySignal(SIGBUS), "");
+  // Nor does a SIGBUS sent by another process (or raised) get lost in the handler.
+  EXPECT_EXIT(
+      {
+        auto m = MappedRange::Map(fd->get(), 0, page, "f");
+        if (!m.ok() || !m->Equals(0, m->data(), page, "f").ok()) {
+          _exit(3);
+        }
+        ::kill(::getpid(), SIGBUS);
+        _exit(0);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
 }
 
 }  // namespace

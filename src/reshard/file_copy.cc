@@ -45,17 +45,24 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
     siglongjmp(g->env, 1);
   }
   const struct sigaction& prev = g_previous_sigbus;
+  const bool sent = info->si_code <= 0;  // kill(), sigqueue(), ...: not a fault
   if ((prev.sa_flags & SA_SIGINFO) != 0 && prev.sa_sigaction != nullptr) {
     prev.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (prev.sa_handler == SIG_IGN && sent) {
     return;
   }
   if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
     prev.sa_handler(sig);
     return;
   }
-  // The default action: returning re-runs the faulting access, which now ends the process
-  // as it would have without this handler.
+  // The default action, as without this handler: for a fault, returning re-runs the access,
+  // which now ends the process; a sent SIGBUS is sent again, and arrives when this returns.
   signal(SIGBUS, SIG_DFL);
+  if (sent) {
+    raise(SIGBUS);
+  }
 }
 
 void InstallSigbusHandler() {
