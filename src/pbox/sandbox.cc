@@ -116,8 +116,7 @@ Result<std::unique_ptr<RunningCommand>> Sandbox::Start(const CommandSpec& spec) 
   auto ooms = cgroup_->OomKills();
   cmd->oom_kills_before_ = ooms.ok() ? *ooms : 0;
   cmd->started_ = std::chrono::steady_clock::now();
-  InitClient* init = runtime_->init();
-  if (init == nullptr || !init->alive()) {
+  auto not_running = [&]() -> Status {
     if (ooms.ok() && *ooms > oom_kills_survived_.load()) {
       // gVisor: the kernel's OOM killer ended the sandbox's kernel (the sentry), and with it
       // every process; retrying cannot help, hence not Unavailable.
@@ -128,8 +127,19 @@ Result<std::unique_ptr<RunningCommand>> Sandbox::Start(const CommandSpec& spec) 
           id_, settings_.runtime));
     }
     return absl::UnavailableError(fmt::format("sandbox {} is not running", id_));
+  };
+  InitClient* init = runtime_->init();
+  if (init == nullptr || !init->alive()) {
+    return not_running();
   }
-  BRAGG_ASSIGN_OR_RETURN(cmd->handle_, init->Spawn(req));
+  auto handle = init->Spawn(req);
+  if (absl::IsUnavailable(handle.status())) {
+    // The channel to pbox-init closed under this call (Unavailable is only ever that): its
+    // init has just exited, which the check above would have said a moment later.
+    return not_running();
+  }
+  BRAGG_RETURN_IF_ERROR(handle.status());
+  cmd->handle_ = std::move(*handle);
   cmd->sandbox_ = shared_from_this();
   cmd->stdout_ = std::move(out.read);
   cmd->stderr_ = std::move(err.read);

@@ -11,7 +11,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
+#include <iterator>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "agent_fixture.h"
@@ -212,6 +217,66 @@ TEST_F(AgentTest, RunTimeoutKillsTheWholeTree) {
   } while (Clock::now() < deadline);
   EXPECT_THAT(comms, HasSubstr("(sh)")) << "the listing itself must show up";
   EXPECT_THAT(comms, ::testing::Not(HasSubstr("(sleep)"))) << comms;
+}
+
+// The agent's pbox-init children (native runtime: each sandbox's PID 1, seen from the host).
+std::set<pid_t> InitChildren(pid_t agent) {
+  std::set<pid_t> out;
+  for (const auto& dir : std::filesystem::directory_iterator("/proc")) {
+    std::string name = dir.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) {
+      continue;
+    }
+    auto stat = ReadFileToString(dir.path().string() + "/stat");
+    if (!stat.ok()) {
+      continue;
+    }
+    // "PID (comm) S PPID ...": comm may hold spaces, so parse from the last ')'.
+    size_t close = stat->rfind(')');
+    size_t open = stat->find('(');
+    if (close == std::string::npos || open == std::string::npos) {
+      continue;
+    }
+    std::istringstream rest(stat->substr(close + 2));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == agent && stat->substr(open + 1, close - open - 1) == "pbox-init") {
+      out.insert(std::stoi(name));
+    }
+  }
+  return out;
+}
+
+// A command started just as the sandbox's init dies gets the same answer whichever side of
+// the agent noticing it lands on: Unavailable "sandbox ... is not running" (before, a call
+// that found the channel closed under it said "sandbox init exited" instead).
+TEST_F(AgentTest, RunAfterItsInitDiedSaysNotRunning) {
+  if (OnGvisor()) {
+    GTEST_SKIP() << "kills the sandbox's pbox-init from the host, which only the native runtime "
+                    "runs as the agent's child";
+  }
+  for (int i = 0; i < 10; ++i) {
+    std::set<pid_t> before = InitChildren(agent_->pid());
+    v1::Sandbox sb = NewSandbox();
+    ASSERT_FALSE(sb.id().empty());
+    std::set<pid_t> after = InitChildren(agent_->pid());
+    std::vector<pid_t> fresh;
+    std::set_difference(after.begin(), after.end(), before.begin(), before.end(),
+                        std::back_inserter(fresh));
+    ASSERT_EQ(fresh.size(), 1u);
+    ASSERT_EQ(::kill(fresh[0], SIGKILL), 0);
+    // At once and again later: both calls must give the one answer.
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto r = client_->Run({.sandbox_id = sb.id(), .argv = {"true"}});
+      ASSERT_FALSE(r.ok()) << "run " << i << "." << attempt << " succeeded in a dead sandbox";
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+      EXPECT_THAT(std::string(r.status().message()), HasSubstr("is not running"))
+          << "run " << i << "." << attempt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_TRUE(client_->Destroy(sb.id()).ok());
+  }
 }
 
 TEST_F(AgentTest, RunKeepsHeadAndTailOfHugeOutput) {
