@@ -1,10 +1,11 @@
 #include "pbox/init_fds.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 
-#include <cstdint>
+#include "pbox/raw_syscall.h"
 
 namespace bragg::pbox {
 namespace {
@@ -32,51 +33,49 @@ bool CloseFdsListedInProc(int first) {
   // pass catches anything missed. getdents64 into a stack buffer: no allocation, so this may
   // run in a child forked from a multithreaded process.
   for (int pass = 0; pass < 2; ++pass) {
-    int dir = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    long dir = RawSyscall(SYS_openat, AT_FDCWD, reinterpret_cast<long>("/proc/self/fd"),
+                          O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir < 0) {
       return false;
     }
     alignas(8) char buf[4096];
     while (true) {
-      long n = syscall(SYS_getdents64, dir, buf, sizeof(buf));
+      long n = RawSyscall(SYS_getdents64, dir, reinterpret_cast<long>(buf), sizeof(buf));
       if (n < 0) {
-        close(dir);
+        (void)RawSyscall(SYS_close, dir);
         return false;
       }
       if (n == 0) {
         break;
       }
       for (long off = 0; off < n;) {
-        struct Dirent64 {
-          uint64_t ino;
-          int64_t off;
-          unsigned short reclen;
-          unsigned char type;
-          char name[1];
-        };
-        auto* d = reinterpret_cast<Dirent64*>(buf + off);
-        off += d->reclen;
+        auto* d = reinterpret_cast<struct dirent64*>(buf + off);
+        off += d->d_reclen;
         int fd = 0;
-        if (ParseFd(d->name, &fd) && fd >= first && fd != dir) {
-          close(fd);
+        if (ParseFd(d->d_name, &fd) && fd >= first && fd != dir) {
+          (void)RawSyscall(SYS_close, fd);
         }
       }
     }
-    close(dir);
+    (void)RawSyscall(SYS_close, dir);
   }
   return true;
 }
 
 void CloseFdsFrom(int first) {
-  if (syscall(SYS_close_range, first, ~0U, 0) == 0 || CloseFdsListedInProc(first)) {
+  if (RawSyscall(SYS_close_range, first, static_cast<long>(~0U), 0) == 0 ||
+      CloseFdsListedInProc(first)) {
     return;
   }
-  long max = sysconf(_SC_OPEN_MAX);
+  struct rlimit rl = {};
+  long max = RawSyscall(SYS_prlimit64, 0, RLIMIT_NOFILE, 0, reinterpret_cast<long>(&rl)) == 0
+                 ? static_cast<long>(rl.rlim_cur)
+                 : -1;
   if (max < 0 || max > 65536) {
     max = 65536;
   }
-  for (int fd = first; fd < max; ++fd) {
-    close(fd);
+  for (long fd = first; fd < max; ++fd) {
+    (void)RawSyscall(SYS_close, fd);
   }
 }
 

@@ -1,7 +1,9 @@
 #pragma once
 
 // File-descriptor hygiene for pbox-init's processes (the server, the commands it forks, the
-// PID namespace holder). Static pbox-init links this; nothing here allocates.
+// PID namespace holder). Static pbox-init links this; nothing here allocates or sets errno
+// (every system call is made directly, raw_syscall.h), so the holder, which shares
+// pbox-init's memory and thread-local storage, may call it too.
 
 namespace bragg::pbox {
 

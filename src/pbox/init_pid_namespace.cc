@@ -1,6 +1,5 @@
 #include "pbox/init_pid_namespace.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/capability.h>
@@ -22,12 +21,13 @@
 #include <cstdlib>
 #include <vector>
 
+#include "pbox/init_fds.h"
+#include "pbox/raw_syscall.h"
+
 extern char** environ;
 
 namespace bragg::pbox {
 namespace {
-
-constexpr int kReadyFd = 3;
 
 std::string ErrnoText(const char* call, const std::string& what, int err) {
   return std::string(call) + "(" + what + "): " + strerror(err);
@@ -42,6 +42,25 @@ bool ClearCapabilities(std::string* error) {
     return false;
   }
   return true;
+}
+
+// Reads from `fd` until its end or `cap` bytes: the count, or -1 with errno set.
+ssize_t ReadUpTo(int fd, char* buf, size_t cap) {
+  size_t done = 0;
+  while (done < cap) {
+    ssize_t n = read(fd, buf + done, cap - done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      return -1;
+    }
+    if (n == 0) {
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return static_cast<ssize_t>(done);
 }
 
 bool ReadSeccompProgram(const char* path, std::vector<sock_filter>* out, std::string* error) {
@@ -62,50 +81,13 @@ bool ReadSeccompProgram(const char* path, std::vector<sock_filter>* out, std::st
     return false;
   }
   out->resize(bytes / sizeof(sock_filter));
-  size_t done = 0;
-  while (done < bytes) {
-    ssize_t n = read(fd.get(), reinterpret_cast<char*>(out->data()) + done, bytes - done);
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n <= 0) {
-      *error = n < 0 ? ErrnoText("read", path, errno) : std::string(path) + ": short read";
-      return false;
-    }
-    done += static_cast<size_t>(n);
+  ssize_t n = ReadUpTo(fd.get(), reinterpret_cast<char*>(out->data()), bytes);
+  if (n != static_cast<ssize_t>(bytes)) {
+    *error = n < 0 ? ErrnoText("read", path, errno) : std::string(path) + ": short read";
+    return false;
   }
   return true;
 }
-
-// The holder shares pbox-init's memory, and with it the thread-local errno of pbox-init's
-// thread: every glibc system-call wrapper would store its errors there, under pbox-init's feet.
-// So the holder calls the kernel directly: these return -errno and touch no memory of
-// pbox-init's.
-#if defined(__x86_64__)
-long Raw(long n, long a = 0, long b = 0, long c = 0, long d = 0, long e = 0) {
-  long ret;
-  register long r10 __asm__("r10") = d;
-  register long r8 __asm__("r8") = e;
-  __asm__ volatile("syscall"
-                   : "=a"(ret)
-                   : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8)
-                   : "rcx", "r11", "memory");
-  return ret;
-}
-#elif defined(__aarch64__)
-long Raw(long n, long a = 0, long b = 0, long c = 0, long d = 0, long e = 0) {
-  register long x8 __asm__("x8") = n;
-  register long x0 __asm__("x0") = a;
-  register long x1 __asm__("x1") = b;
-  register long x2 __asm__("x2") = c;
-  register long x3 __asm__("x3") = d;
-  register long x4 __asm__("x4") = e;
-  __asm__ volatile("svc 0" : "+r"(x0) : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4) : "memory");
-  return x0;
-}
-#else
-#error "pbox-init's PID namespace holder needs raw system calls for this architecture"
-#endif
 
 // The capability bounding set, from the CapBnd line of `proc_dir`/self/status.
 bool ReadBoundingSet(int proc_dir, uint64_t* out, std::string* error) {
@@ -115,20 +97,10 @@ bool ReadBoundingSet(int proc_dir, uint64_t* out, std::string* error) {
     return false;
   }
   char buf[8192];
-  size_t len = 0;
-  for (;;) {
-    ssize_t n = read(fd.get(), buf + len, sizeof(buf) - 1 - len);
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n < 0) {
-      *error = ErrnoText("read", "/proc/self/status", errno);
-      return false;
-    }
-    len += static_cast<size_t>(n);
-    if (n == 0 || len == sizeof(buf) - 1) {
-      break;
-    }
+  ssize_t len = ReadUpTo(fd.get(), buf, sizeof(buf) - 1);
+  if (len < 0) {
+    *error = ErrnoText("read", "/proc/self/status", errno);
+    return false;
   }
   buf[len] = '\0';
   static constexpr char kKey[] = "\nCapBnd:\t";
@@ -173,81 +145,49 @@ struct HolderArgs {
     msg[n++] = digits[--k];
   }
   put(")\n");
-  (void)Raw(SYS_write, 2, reinterpret_cast<long>(msg), static_cast<long>(n));
-  Raw(SYS_exit, 1);
+  (void)RawSyscall(SYS_write, 2, reinterpret_cast<long>(msg), static_cast<long>(n));
+  RawSyscall(SYS_exit, 1);
   __builtin_unreachable();
-}
-
-// Closes every fd but `keep`: close_range where the kernel has it, else each fd that
-// /proc/self/fd lists (two passes, as CloseFdsListedInProc).
-void HolderCloseFds(int keep) {
-  if ((keep == 0 || Raw(SYS_close_range, 0, keep - 1, 0) == 0) &&
-      Raw(SYS_close_range, keep + 1, static_cast<long>(~0U), 0) == 0) {
-    return;
-  }
-  for (int pass = 0; pass < 2; ++pass) {
-    long dir = Raw(SYS_openat, AT_FDCWD, reinterpret_cast<long>("/proc/self/fd"),
-                   O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir < 0) {
-      HolderFailed("open(/proc/self/fd)", dir);
-    }
-    alignas(8) char buf[2048];
-    for (;;) {
-      long n = Raw(SYS_getdents64, dir, reinterpret_cast<long>(buf), sizeof(buf));
-      if (n < 0) {
-        HolderFailed("getdents64(/proc/self/fd)", n);
-      }
-      if (n == 0) {
-        break;
-      }
-      for (long off = 0; off < n;) {
-        auto* d = reinterpret_cast<struct dirent64*>(buf + off);
-        off += d->d_reclen;
-        long fd = 0;
-        const char* c = d->d_name;
-        for (; *c >= '0' && *c <= '9' && fd < (1 << 30); ++c) {
-          fd = fd * 10 + (*c - '0');
-        }
-        if (c != d->d_name && *c == '\0' && fd != dir && fd != keep) {
-          (void)Raw(SYS_close, fd);
-        }
-      }
-    }
-    (void)Raw(SYS_close, dir);
-  }
 }
 
 // The holder, PID 1 of the commands' namespace: a clone of pbox-init sharing its memory (no
 // new address space, no image to load: under gVisor each costs milliseconds of sentry work),
 // but with its own fds, credentials and signal state. Mounts the namespace's proc, drops every
 // capability, blocks every signal, closes every fd, says "ok" and reaps orphans forever.
-// System calls only (Raw), no library call that could touch pbox-init's state.
+// System calls only (RawSyscall, and CloseFdsFrom, which makes only those), no library call
+// that could touch pbox-init's state.
 int HolderMain(void* arg) {
   const int ready = static_cast<HolderArgs*>(arg)->ready_write;
-  long r = Raw(SYS_mount, reinterpret_cast<long>("proc"), reinterpret_cast<long>("/proc"),
-               reinterpret_cast<long>("proc"), MS_NOSUID | MS_NODEV | MS_NOEXEC, 0);
+  long r = RawSyscall(SYS_mount, reinterpret_cast<long>("proc"), reinterpret_cast<long>("/proc"),
+                      reinterpret_cast<long>("proc"), MS_NOSUID | MS_NODEV | MS_NOEXEC, 0);
   if (r != 0) {
     HolderFailed("mount(proc on /proc)", r);
   }
   struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
   struct __user_cap_data_struct data[2] = {};
-  if ((r = Raw(SYS_capset, reinterpret_cast<long>(&header), reinterpret_cast<long>(data))) != 0) {
+  if ((r = RawSyscall(SYS_capset, reinterpret_cast<long>(&header), reinterpret_cast<long>(data))) !=
+      0) {
     HolderFailed("capset(none)", r);
   }
   // Every catchable signal stays blocked (a command may send them); SIGCHLD is waited for.
   uint64_t all = ~uint64_t{0};
-  if ((r = Raw(SYS_rt_sigprocmask, SIG_BLOCK, reinterpret_cast<long>(&all), 0, sizeof(all))) != 0) {
+  if ((r = RawSyscall(SYS_rt_sigprocmask, SIG_BLOCK, reinterpret_cast<long>(&all), 0,
+                      sizeof(all))) != 0) {
     HolderFailed("rt_sigprocmask", r);
   }
-  // No fds at all once ready (/proc/1/fd of the namespace is empty): pbox-init's channel on 0
-  // and 1 and stderr (runsc's log) included.
-  HolderCloseFds(ready);
-  (void)Raw(SYS_write, ready, reinterpret_cast<long>("ok"), 2);
-  (void)Raw(SYS_close, ready);
+  // No fds at all once ready (/proc/1/fd of the namespace is empty): the readiness pipe takes
+  // fd 0 (pbox-init's channel there goes), then everything above it goes, the channel on 1
+  // and stderr (runsc's log) included, and the pipe last.
+  if ((r = RawSyscall(SYS_dup3, ready, 0, 0)) != 0) {
+    HolderFailed("dup3(the readiness pipe, 0)", r);
+  }
+  CloseFdsFrom(1);
+  (void)RawSyscall(SYS_write, 0, reinterpret_cast<long>("ok"), 2);
+  (void)RawSyscall(SYS_close, 0);
   uint64_t chld = uint64_t{1} << (SIGCHLD - 1);
   for (;;) {
-    (void)Raw(SYS_rt_sigtimedwait, reinterpret_cast<long>(&chld), 0, 0, sizeof(chld));
-    while (Raw(SYS_wait4, -1, 0, WNOHANG, 0) > 0) {
+    (void)RawSyscall(SYS_rt_sigtimedwait, reinterpret_cast<long>(&chld), 0, 0, sizeof(chld));
+    while (RawSyscall(SYS_wait4, -1, 0, WNOHANG, 0) > 0) {
     }
   }
 }
