@@ -31,13 +31,17 @@ cmd=("${pin[@]}" "$bin" --repeat "$repeat" --csv "$tmp/pack.csv")
 "${cmd[@]}" > "$tmp/table.md"
 cat "$tmp/table.md"
 
+tight_cmd=(env PYTHONPATH="$build/python" "${pin[@]}" /usr/bin/python3 bench/pack/tight.py --repeat "$repeat")
+(cd "$root" && "${tight_cmd[@]}") > "$tmp/tight.md"
+cat "$tmp/tight.md"
+
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || true)
 load=$(cut -d' ' -f1-3 /proc/loadavg)
 plot_line=""
 if /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then
   mkdir -p "$root/docs/img"
   /usr/bin/python3 "$root/bench/pack/plot.py" "$tmp/pack.csv" "$root/docs/img/pack_max_over_mean.png"
-  plot_line='![max/mean rank cost per method](img/pack_max_over_mean.png)'
+  plot_line='![max/mean rank cost and padding per method](img/pack_max_over_mean.png)'
 fi
 
 {
@@ -47,7 +51,7 @@ fi
   echo "side in one run. Lognormal: median 2048, sigma 1, clipped to 64..64K. Pareto: x_m 1024,"
   echo "alpha 1.5, clipped to 64..64K. max/mean = costliest rank / mean rank cost under"
   echo "cost(s) = a*s + b*s^2 of a 4096-wide 32-layer model; LB = max(1, largest trace / mean)."
-  echo "Padding counts every token added to align traces (FP8: 16) or, for BSHD, rows."
+  echo "Padding counts every token added to align traces (FP8: 16) or rows (FP8 per row; BSHD)."
   echo
   echo "Command (from the repository root, after building the pack_bench target):"
   echo
@@ -62,14 +66,30 @@ fi
   cat "$tmp/table.md"
   echo
   echo "Targets: 100,000 traces into 512 ranks in <= 20 ms on one core (see the bragg lpt rows);"
-  echo "max/mean <= LB x 1.005; padding <= 0.2% at alignment 16. Padding is not met on these"
-  echo "distributions: each trace is padded to a multiple of 16 (as cu_seqlens_padded requires),"
-  echo "which adds 7.5 tokens per trace on average, so the fraction is about 7.5 / mean length;"
-  echo "<= 0.2% needs a mean length >= 3.75k, and these sets have means of about 3.4k"
-  echo "(lognormal) and 2.8k (Pareto). The planner adds no padding beyond that alignment."
+  echo "max/mean <= LB x 1.005; padding <= 0.2% at alignment 16. With every trace padded to a"
+  echo "multiple of 16 (the default, \`--fp8-align trace\`, as the issue's cu_seqlens_padded"
+  echo "reads) padding is not met on these distributions: it adds 7.5 tokens per trace on"
+  echo "average, about 7.5 / mean length, and <= 0.2% needs a mean length >= 3.75k (these sets"
+  echo "have means of about 3.4k and 2.8k). With FP8 aligned per packed row (\`--fp8-align row\`,"
+  echo "the \"FP8 per row\" rows: traces padded to A = 1 here, each row to a multiple of 16, which"
+  echo "is what FP8 GEMMs need; docs/pack.md) it is met: at most 15 tokens per row of up to"
+  echo "131,072. All methods pad alike at the same alignment, except BSHD."
   echo "Where the planning time goes (perf, lognormal 100k): LPT over ranks ~30%, the per-rank"
   echo "micro-batch split ~17%, building rows and cu_seqlens ~17%, radix sort ~7%, allocation and"
   echo "summary the rest. Timings vary by about 1.5x with the load of this shared machine."
+  echo
+  echo "A plan whose first micro-batch count fills the capacity to 99.95% (the same lognormal"
+  echo "shape, 100,000 traces into 512 ranks, max_tokens chosen for it): the ranks balance at that"
+  echo "count, then some rank's traces do not split into its micro-batches, and the planner"
+  echo "balances the ranks again with one more micro-batch each, so such a plan takes a second pass."
+  echo "Before 2026-12-01 it kept the first assignment (max/mean 1.033 at the row-aligned point) and"
+  echo "its LPT skipped the same full ranks again for every trace (3.7 million skips, ~165 ms)."
+  echo
+  echo '```'
+  echo "${tight_cmd[*]/$build\/python/$build/python}"
+  echo '```'
+  echo
+  cat "$tmp/tight.md"
   echo
   if [ -n "$plot_line" ]; then
     echo "$plot_line"

@@ -19,6 +19,7 @@ from ._core import (  # noqa: F401  (re-exported)
     cp_indices,
     fit_cost_model,
     plan,
+    row_alignment,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "cp_indices",
     "fit_cost_model",
     "plan",
+    "row_alignment",
     "partition",
     "restore",
     "pack_to_padded",

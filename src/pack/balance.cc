@@ -64,6 +64,7 @@ std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> ite
                                                        int64_t capacity) {
   LoadTree tree(bins);
   std::vector<int64_t> tokens(static_cast<size_t>(bins), 0);
+  std::vector<double> load(static_cast<size_t>(bins), 0.0);
   std::vector<int32_t> bin_of(items.size(), -1);
   // Gather first: independent loads overlap, while loads inside the placement loop below would
   // each wait on a cache miss.
@@ -71,12 +72,22 @@ std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> ite
   for (size_t j = 0; j < order.size(); ++j) {
     seq[j] = items[static_cast<size_t>(order[j])];
   }
-  std::vector<std::pair<int32_t, double>> aside;
+  // Bins out of the tree because an item did not fit, by room left, most room on top. A bin
+  // gets nothing while aside, so its room and load stay put; it comes back as soon as an item
+  // fits it. Putting every skipped bin back after each item instead made near-full plans
+  // quadratic (each item skipped the same full bins again): 3.7 million skips for 100,000
+  // traces into 512 ranks whose capacity was 99.9% used.
+  std::priority_queue<std::pair<int64_t, int32_t>> aside;
   for (size_t j = 0; j < order.size(); ++j) {
     const Item& it = seq[j];
+    while (!aside.empty() && aside.top().first >= it.tokens) {
+      const int32_t bin = aside.top().second;
+      aside.pop();
+      tree.Set(bin, load[static_cast<size_t>(bin)]);
+    }
     int32_t b = tree.top_bin();
     while (b >= 0 && it.tokens > capacity - tokens[static_cast<size_t>(b)]) {
-      aside.emplace_back(b, tree.load(b));
+      aside.emplace(capacity - tokens[static_cast<size_t>(b)], b);
       tree.Set(b, LoadTree::kGone);
       b = tree.top_bin();
     }
@@ -85,11 +96,8 @@ std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> ite
     }
     bin_of[static_cast<size_t>(order[j])] = b;
     tokens[static_cast<size_t>(b)] += it.tokens;
-    tree.Set(b, tree.load(b) + it.cost);
-    for (const auto& [bin, load] : aside) {
-      tree.Set(bin, load);
-    }
-    aside.clear();
+    load[static_cast<size_t>(b)] += it.cost;
+    tree.Set(b, load[static_cast<size_t>(b)]);
   }
   return bin_of;
 }

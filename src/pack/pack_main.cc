@@ -1,7 +1,8 @@
 // bragg-pack: plan THD packing from a file of trace lengths, or print zigzag CP indices.
 //
 //   bragg-pack plan --lengths FILE --dp N (--max-tokens T | --micro-batches M) [--cp C] [--tp P]
-//                   [--sp] [--fp8] [--cost-a A --cost-b B | --hidden H --layers L]
+//                   [--sp] [--fp8 [--fp8-align trace|row]]
+//                   [--cost-a A --cost-b B | --hidden H --layers L]
 //                   [--method lpt|round-robin|greedy|kk|bshd] [--json]
 //   bragg-pack cp-indices --cu-seqlens-padded 0,8,20 --cp C --rank R
 
@@ -32,6 +33,7 @@ struct PlanFlags {
   int tp = 1;
   bool sp = false;
   bool fp8 = false;
+  std::string fp8_align = "trace";
   double cost_a = -1;
   double cost_b = -1;
   int64_t hidden = 0;
@@ -55,6 +57,7 @@ Result<pack::PackConfig> MakeConfig(const PlanFlags& f) {
   c.tp = f.tp;
   c.sequence_parallel = f.sp;
   c.fp8 = f.fp8;
+  BRAGG_ASSIGN_OR_RETURN(c.fp8_align, pack::ParseFp8Align(f.fp8_align));
   BRAGG_ASSIGN_OR_RETURN(c.method, pack::ParseMethod(f.method));
   if (f.hidden > 0 || f.layers > 0) {
     if (f.cost_a >= 0 || f.cost_b >= 0) {
@@ -82,11 +85,12 @@ Status RunPlan(const PlanFlags& f) {
   }
   const pack::PlanSummary& s = plan.summary;
   std::cout << fmt::format(
-      "traces {}  ranks {}  micro-batches/rank {}  alignment {}\n"
+      "traces {}  ranks {}  micro-batches/rank {}  alignment {} (rows {})\n"
       "max/mean {:.4f}  lower bound {:.4f}  step max/mean {:.4f}\n"
       "padding {:.4f}%  ({} real, {} padded tokens)  plan {:.2f} ms\n",
-      s.traces, s.ranks, s.micro_batches_per_rank, s.alignment, s.max_over_mean, s.lower_bound,
-      s.step_max_over_mean, 100 * s.padding_fraction, s.real_tokens, s.padded_tokens, s.plan_ms);
+      s.traces, s.ranks, s.micro_batches_per_rank, s.alignment, s.row_alignment, s.max_over_mean,
+      s.lower_bound, s.step_max_over_mean, 100 * s.padding_fraction, s.real_tokens, s.padded_tokens,
+      s.plan_ms);
   if (!s.oversized_trace_ids.empty()) {
     std::cout << fmt::format(
         "{} trace(s) cost more than a rank's mean on their own; consider a larger --cp\n",
@@ -125,7 +129,10 @@ int main(int argc, char** argv) {
   plan->add_option("--cp", pf.cp, "context-parallel size");
   plan->add_option("--tp", pf.tp, "tensor-parallel size");
   plan->add_flag("--sp", pf.sp, "sequence parallel");
-  plan->add_flag("--fp8", pf.fp8, "FP8: align traces to a multiple of 16");
+  plan->add_flag("--fp8", pf.fp8, "FP8: align to a multiple of 16 (see --fp8-align)");
+  plan->add_option("--fp8-align", pf.fp8_align,
+                   "with --fp8: 'trace' pads every trace to lcm(16, A) (default); 'row' pads "
+                   "traces to A and each packed row so every CP/SP rank holds a multiple of 16");
   plan->add_option("--cost-a", pf.cost_a, "cost per token (cost = a*s + b*s^2)");
   plan->add_option("--cost-b", pf.cost_b, "cost per token^2");
   plan->add_option("--hidden", pf.hidden, "derive the cost model from hidden size...");

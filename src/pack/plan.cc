@@ -31,6 +31,19 @@ Result<Method> ParseMethod(std::string_view name) {
       "unknown method '{}': use lpt, round-robin, greedy, kk or bshd", std::string(name)));
 }
 
+Result<Fp8Align> ParseFp8Align(std::string_view name) {
+  if (name == "trace") {
+    return Fp8Align::kTrace;
+  }
+  if (name == "row") {
+    return Fp8Align::kRow;
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("unknown FP8 alignment '{}': use trace or row", std::string(name)));
+}
+
+std::string_view Fp8AlignName(Fp8Align a) { return a == Fp8Align::kRow ? "row" : "trace"; }
+
 std::string_view MethodName(Method m) {
   switch (m) {
     case Method::kLpt:
@@ -58,10 +71,21 @@ Result<int64_t> Alignment(const PackConfig& c) {
   } else if (c.sequence_parallel) {
     a = c.tp;
   }
-  if (c.fp8) {
+  if (c.fp8 && c.fp8_align == Fp8Align::kTrace) {
     a = std::lcm(a, int64_t{16});
   }
   return a;
+}
+
+Result<int64_t> RowAlignment(const PackConfig& c) {
+  BRAGG_ASSIGN_OR_RETURN(const int64_t a, Alignment(c));
+  if (!c.fp8 || c.fp8_align != Fp8Align::kRow) {
+    return a;
+  }
+  // Zigzag gives each CP rank total/cp tokens of the row, and sequence parallel splits those
+  // over the TP ranks.
+  const int64_t split = static_cast<int64_t>(c.cp) * (c.sequence_parallel ? c.tp : 1);
+  return std::lcm(a, 16 * split);
 }
 
 std::vector<int32_t> PositionIds(const Row& row) {
@@ -117,7 +141,15 @@ struct Prepared {
   int64_t longest_padded = 0;
 };
 
-Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int64_t align) {
+// The most padded-to-A tokens one micro-batch may hold so that its row, padded to a multiple of
+// row_align, still fits max_tokens; kNoCapacity without max_tokens.
+int64_t Capacity(const PackConfig& c, int64_t row_align) {
+  return c.max_tokens > 0 ? c.max_tokens / row_align * row_align : balance::kNoCapacity;
+}
+
+Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int64_t align,
+                         int64_t row_align) {
+  const int64_t cap = Capacity(c, row_align);
   Prepared p;
   p.items.resize(traces.size());
   p.padded.resize(traces.size());
@@ -137,11 +169,11 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
                       t.loss_tokens, t.length));
     }
     const int64_t padded = AlignUp(t.length, align);
-    if (c.max_tokens > 0 && padded > c.max_tokens) {
+    if (padded > cap) {
       return absl::InvalidArgumentError(fmt::format(
-          "trace {} (id {}) has length {} ({} padded to {}), more than max_tokens={}: raise "
-          "max_tokens or split the trace over a larger CP size",
-          i, t.id, t.length, padded, align, c.max_tokens));
+          "trace {} (id {}) has length {} ({} padded to {}, its row to a multiple of {}), more "
+          "than max_tokens={}: raise max_tokens or split the trace over a larger CP size",
+          i, t.id, t.length, padded, align, row_align, c.max_tokens));
     }
     p.padded[i] = padded;
     p.items[i] = {.cost = t.cost >= 0 ? t.cost : c.cost.Cost(padded), .tokens = padded};
@@ -152,7 +184,10 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
   return p;
 }
 
-Row MakeRow(std::span<const Trace> traces, const Prepared& p, std::span<const int32_t> members) {
+// The row of `members`, its total padded up to a multiple of row_align (the extra tokens
+// lengthen the last trace's padded span, and its cost when that comes from the cost model).
+Row MakeRow(std::span<const Trace> traces, const Prepared& p, std::span<const int32_t> members,
+            const PackConfig& c, int64_t row_align) {
   Row row;
   row.trace_ids.reserve(members.size());
   row.cu_seqlens.reserve(members.size() + 1);
@@ -172,8 +207,18 @@ Row MakeRow(std::span<const Trace> traces, const Prepared& p, std::span<const in
     row.loss_tokens += t.loss_tokens >= 0 ? t.loss_tokens : t.length - 1;
     row.cost += p.items[static_cast<size_t>(i)].cost;
   }
+  const int64_t total = AlignUp(padded, row_align);
+  if (total != padded && !members.empty()) {
+    const size_t last = static_cast<size_t>(members.back());
+    const int64_t last_span = p.padded[last] + (total - padded);
+    row.cu_seqlens_padded.back() = static_cast<int32_t>(total);
+    row.max_seqlen = std::max(row.max_seqlen, static_cast<int32_t>(last_span));
+    if (traces[last].cost < 0) {
+      row.cost += c.cost.Cost(last_span) - p.items[last].cost;
+    }
+  }
   row.real_tokens = real;
-  row.total_tokens = padded;
+  row.total_tokens = total;
   return row;
 }
 
@@ -213,12 +258,18 @@ std::vector<std::vector<int32_t>> IdentityRankBins(int dp, int m) {
 // least-loaded micro-batch with room. m is small, so a linear scan beats a heap.
 bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> members, int m,
                int64_t cap, std::vector<double>& load, std::vector<int64_t>& tokens,
-               std::vector<int32_t>& local) {
+               std::vector<int32_t>& local, std::vector<balance::Item>& seq) {
   load.assign(static_cast<size_t>(m), 0.0);
   tokens.assign(static_cast<size_t>(m), 0);
   local.resize(members.size());
+  // Gather first: independent loads overlap; inside the loop each would wait on a cache miss
+  // (the members are scattered over all traces).
+  seq.resize(members.size());
   for (size_t j = 0; j < members.size(); ++j) {
-    const balance::Item& it = items[static_cast<size_t>(members[j])];
+    seq[j] = items[static_cast<size_t>(members[j])];
+  }
+  for (size_t j = 0; j < members.size(); ++j) {
+    const balance::Item& it = seq[j];
     int best = -1;
     for (int b = 0; b < m; ++b) {
       if (it.tokens <= cap - tokens[static_cast<size_t>(b)] &&
@@ -239,9 +290,10 @@ bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> me
 // The library's method: LPT over ranks (each rank holding at most m*cap tokens), swap
 // refinement between ranks while the costliest rank is more than 0.2% above the bound, then LPT of
 // each rank's traces into its micro-batches. Rank-level balance is what DP waits on; splitting
-// a balanced rank into equal micro-batches keeps every pipeline step alike across ranks. May
-// raise a.m when a rank's traces do not fit into m micro-batches. False if nothing fits.
-bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t cap,
+// a balanced rank into equal micro-batches keeps every pipeline step alike across ranks. False
+// if the traces do not fit m micro-batches per rank (the caller tries m + 1); at max_m, raises
+// a.m instead until every rank's traces fit.
+bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int64_t cap,
                std::span<const int32_t> order, Assignment& a) {
   const int64_t rank_cap = cap == balance::kNoCapacity || cap > balance::kNoCapacity / m
                                ? balance::kNoCapacity
@@ -280,12 +332,18 @@ bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t cap,
   std::vector<double> load;
   std::vector<int64_t> tokens;
   std::vector<int32_t> local;
+  std::vector<balance::Item> seq;
   a.bin_of.assign(p.items.size(), -1);
   for (int r = 0; r < c.dp; ++r) {
     std::span<const int32_t> mine(members.data() + start[static_cast<size_t>(r)],
                                   members.data() + start[static_cast<size_t>(r) + 1]);
-    // Every trace fits alone, so m = |mine| always succeeds.
-    if (!SplitRank(p.items, mine, m, cap, load, tokens, local)) {
+    if (!SplitRank(p.items, mine, m, cap, load, tokens, local, seq)) {
+      if (m < max_m) {
+        // Balance the ranks again with room for one more micro-batch each: keeping this
+        // assignment, made under the tighter rank capacity, left ranks 3% apart.
+        return false;
+      }
+      // Every trace fits alone, so m = |mine| always succeeds.
       ++m;
       r = -1;  // all ranks need the same count: start over with the larger m
       continue;
@@ -299,13 +357,13 @@ bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t cap,
   return true;
 }
 
-Result<Assignment> Assign(const Prepared& p, const PackConfig& c) {
-  const int64_t cap = c.max_tokens > 0 ? c.max_tokens : balance::kNoCapacity;
+Result<Assignment> Assign(const Prepared& p, const PackConfig& c, int64_t row_align) {
+  const int64_t cap = Capacity(c, row_align);
   const int64_t n = static_cast<int64_t>(p.items.size());
   int m = c.micro_batches;
   if (c.max_tokens > 0) {
     const int64_t per_rank = (p.padded_tokens + c.dp - 1) / c.dp;
-    m = static_cast<int>(std::max<int64_t>(1, (per_rank + c.max_tokens - 1) / c.max_tokens));
+    m = static_cast<int>(std::max<int64_t>(1, (per_rank + cap - 1) / cap));
   }
   const int64_t max_m = std::max<int64_t>(m, (n + c.dp - 1) / c.dp);
   std::vector<int32_t> order;
@@ -364,7 +422,7 @@ Result<Assignment> Assign(const Prepared& p, const PackConfig& c) {
       return a;
     }
     if (c.method == Method::kLpt) {
-      if (!AssignLpt(p, c, m, cap, order, a)) {
+      if (!AssignLpt(p, c, m, max_m, cap, order, a)) {
         if (m >= max_m) {
           break;
         }
@@ -399,8 +457,9 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
     return absl::InvalidArgumentError("too many traces (>= 2^31)");
   }
   BRAGG_ASSIGN_OR_RETURN(const int64_t align, Alignment(config));
-  BRAGG_ASSIGN_OR_RETURN(Prepared p, Prepare(traces, config, align));
-  BRAGG_ASSIGN_OR_RETURN(Assignment a, Assign(p, config));
+  BRAGG_ASSIGN_OR_RETURN(const int64_t row_align, RowAlignment(config));
+  BRAGG_ASSIGN_OR_RETURN(Prepared p, Prepare(traces, config, align, row_align));
+  BRAGG_ASSIGN_OR_RETURN(Assignment a, Assign(p, config, row_align));
 
   const size_t bins = static_cast<size_t>(a.m) * static_cast<size_t>(config.dp);
   // Members of each bin in arrival order (counting sort keeps it linear).
@@ -429,7 +488,7 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
                                        flat.data() + start[static_cast<size_t>(b) + 1]);
       MicroBatch mb;
       if (!bshd) {
-        mb.rows.push_back(MakeRow(traces, p, members));
+        mb.rows.push_back(MakeRow(traces, p, members, config, row_align));
         if (mb.rows[0].total_tokens > kMaxRowTokens) {
           return absl::InvalidArgumentError(fmt::format(
               "a packed row would hold {} tokens, over the int32 limit of cu_seqlens; use "
@@ -443,8 +502,9 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
         for (int32_t i : members) {
           longest = std::max(longest, p.padded[static_cast<size_t>(i)]);
         }
+        longest = AlignUp(longest, row_align);
         for (int32_t i : members) {
-          Row row = MakeRow(traces, p, std::span<const int32_t>(&i, 1));
+          Row row = MakeRow(traces, p, std::span<const int32_t>(&i, 1), config, 1);
           row.cu_seqlens_padded.back() = static_cast<int32_t>(longest);
           row.max_seqlen = static_cast<int32_t>(longest);
           row.total_tokens = longest;
@@ -470,6 +530,7 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
   s.ranks = config.dp;
   s.micro_batches_per_rank = a.m;
   s.alignment = align;
+  s.row_alignment = row_align;
   s.real_tokens = p.real_tokens;
   for (const RankPlan& rank : plan.ranks) {
     for (const MicroBatch& mb : rank.micro_batches) {

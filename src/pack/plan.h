@@ -43,6 +43,25 @@ enum class Method {
   kPaddedBshd,     // baseline: arrival order, fixed traces per micro-batch, padded to the max
 };
 
+// Where FP8's multiple of 16 applies (only with fp8).
+enum class Fp8Align {
+  // Every trace is padded to lcm(16, A): each trace's span is FP8-aligned on its own, which
+  // FP8 attention over THD may need.
+  kTrace,
+  // Traces are padded to A only, and each packed row's total to RowAlignment(), so the tokens
+  // every CP (and, with sequence parallel, TP) rank holds are a multiple of 16: the M dimension
+  // of its FP8 GEMMs and the K of their weight gradients. What FP8 linear layers need when
+  // attention runs in BF16 (TransformerEngine's default), and what NeMo-RL pads. The row's
+  // extra tokens lengthen its last trace's padded span, so cu_seqlens_padded still ends at the
+  // row's total and CP partitioning stays exact. Up to RowAlignment() - 1 tokens per row
+  // instead of up to 15 per trace.
+  kRow,
+};
+
+// Parses "trace" or "row". InvalidArgument otherwise.
+Result<Fp8Align> ParseFp8Align(std::string_view name);
+std::string_view Fp8AlignName(Fp8Align a);
+
 // Parses "lpt", "round-robin", "greedy", "kk", "bshd". InvalidArgument otherwise.
 Result<Method> ParseMethod(std::string_view name);
 std::string_view MethodName(Method m);
@@ -58,21 +77,29 @@ struct PackConfig {
   int tp = 1;
   bool sequence_parallel = false;
   bool fp8 = false;
+  Fp8Align fp8_align = Fp8Align::kTrace;
   CostModel cost;
   Method method = Method::kLpt;
   // kLpt only: run the swap refinement after LPT.
   bool refine = true;
 };
 
-// Per-trace padding multiple: 2*cp*tp when cp > 1, else tp with sequence parallel, else 1; with
-// FP8, lcm(16, that). InvalidArgument for non-positive sizes.
+// Per-trace padding multiple A: 2*cp*tp when cp > 1, else tp with sequence parallel, else 1; with
+// FP8 aligned per trace (Fp8Align::kTrace), lcm(16, that). InvalidArgument for non-positive
+// sizes.
 Result<int64_t> Alignment(const PackConfig& config);
+
+// Multiple of every packed row's total: A, or with FP8 aligned per row (Fp8Align::kRow)
+// lcm(A, 16*cp*(sp ? tp : 1)), the least total whose every CP/SP rank's share is a multiple of
+// 16. InvalidArgument for non-positive sizes.
+Result<int64_t> RowAlignment(const PackConfig& config);
 
 inline int64_t AlignUp(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
 // One packed THD row. cu_seqlens / cu_seqlens_padded have trace_ids.size() + 1 entries starting
 // at 0; trace k occupies [cu_seqlens_padded[k], cu_seqlens_padded[k] + length_k) for real tokens
-// and the rest of its padded span is padding.
+// and the rest of its padded span is padding (the last trace's span also holds the row's own
+// padding with Fp8Align::kRow).
 struct Row {
   std::vector<int64_t> trace_ids;
   std::vector<int32_t> cu_seqlens;
@@ -99,7 +126,8 @@ struct PlanSummary {
   int64_t traces = 0;
   int ranks = 0;
   int micro_batches_per_rank = 0;
-  int64_t alignment = 1;
+  int64_t alignment = 1;      // per trace (Alignment())
+  int64_t row_alignment = 1;  // per packed row (RowAlignment())
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   double padding_fraction = 0;  // (padded - real) / padded

@@ -16,6 +16,8 @@ nlohmann::json PlanToJson(const Plan& plan, bool include_ranks) {
       {"ranks", s.ranks},
       {"micro_batches_per_rank", s.micro_batches_per_rank},
       {"alignment", s.alignment},
+      {"row_alignment", s.row_alignment},
+      {"fp8_align", plan.config.fp8 ? std::string(Fp8AlignName(plan.config.fp8_align)) : "none"},
       {"real_tokens", s.real_tokens},
       {"padded_tokens", s.padded_tokens},
       {"padding_fraction", s.padding_fraction},

@@ -1,5 +1,6 @@
 // Property tests over random plans: 100,000 cases with 1-token traces, odd lengths, cp up to
-// 16, tp up to 8, FP8 on and off. Sizes are kept small so the whole run takes seconds.
+// 16, tp up to 8, FP8 on and off (aligned per trace or per row). Sizes are kept small so the whole
+// run takes seconds.
 
 #include <algorithm>
 #include <numeric>
@@ -51,16 +52,19 @@ Case RandomCase(std::mt19937_64& rng) {
   k.tp = static_cast<int>(uni(1, 8));
   k.sequence_parallel = uni(0, 1) == 1;
   k.fp8 = uni(0, 1) == 1;
+  k.fp8_align = uni(0, 1) == 1 ? Fp8Align::kRow : Fp8Align::kTrace;
   k.cost = {.a = 1, .b = static_cast<double>(uni(0, 4)) / 64};
   const int64_t align = *Alignment(k);
+  const int64_t row_align = *RowAlignment(k);
   int64_t longest = 0;
   for (const Trace& t : c.traces) {
-    longest = std::max(longest, AlignUp(t.length, align));
+    longest = std::max(longest, AlignUp(AlignUp(t.length, align), row_align));
   }
   if (uni(0, 1) == 0) {
     k.micro_batches = static_cast<int>(uni(1, 3));
   } else {
-    k.max_tokens = longest * uni(1, 3) + align * uni(0, 2);
+    // Not always a multiple of the row alignment: rows must still fit after their padding.
+    k.max_tokens = longest * uni(1, 3) + align * uni(0, 2) + uni(0, 1) * uni(0, row_align - 1);
   }
   return c;
 }
@@ -74,6 +78,12 @@ std::string Check(const Case& c) {
   }
   const Plan& plan = *plan_or;
   const int64_t align = *Alignment(k);
+  const int64_t row_align = *RowAlignment(k);
+  if (k.fp8 && (k.fp8_align == Fp8Align::kTrace ? align % 16 != 0 : row_align % 16 != 0)) {
+    return "FP8 alignment is not a multiple of 16";
+  }
+  // Every CP rank (and, with sequence parallel, TP rank) of an FP8 row holds a multiple of 16.
+  const int64_t share = static_cast<int64_t>(k.cp) * (k.sequence_parallel ? k.tp : 1);
   const int cp = k.cp;
   std::vector<int> placed(c.traces.size(), 0);
   if (static_cast<int>(plan.ranks.size()) != k.dp) {
@@ -112,15 +122,24 @@ std::string Check(const Case& c) {
         const int64_t len = c.traces[static_cast<size_t>(id)].length;
         const int64_t real = row.cu_seqlens[j + 1] - row.cu_seqlens[j];
         const int64_t padded = row.cu_seqlens_padded[j + 1] - row.cu_seqlens_padded[j];
-        if (real != len || padded % align != 0 || padded < len || padded - len >= align) {
-          return fmt::format("alignment broken: len {} padded {} align {}", len, padded, align);
+        // Only the last trace's span also holds the row's padding (less than row_align).
+        const int64_t slack = j + 1 == nt ? row_align : align;
+        if (real != len || padded % align != 0 || padded < len || padded - len >= slack) {
+          return fmt::format("alignment broken: len {} padded {} align {} row {}", len, padded,
+                             align, row_align);
         }
         ref_off.push_back(off);
-        off += padded;
+        off += AlignUp(len, align);
       }
       const int64_t total = row.total_tokens;
+      if (total != AlignUp(off, row_align)) {
+        return fmt::format("row of {} tokens, expected {} padded to {}", total, off, row_align);
+      }
       if (total % cp != 0) {
         return "row not divisible by cp";
+      }
+      if (k.fp8 && k.fp8_align == Fp8Align::kRow && total % (16 * share) != 0) {
+        return fmt::format("an FP8 rank holds {} tokens, not a multiple of 16", total / share);
       }
       const std::vector<int32_t> seg = SegmentIds(row);
       const std::vector<int32_t> pos = PositionIds(row);
@@ -234,7 +253,8 @@ TEST(PackPropertyTest, HundredThousandRandomCases) {
       ++failures;
       ADD_FAILURE() << "case " << i << " (dp=" << c.config.dp << " cp=" << c.config.cp
                     << " tp=" << c.config.tp << " sp=" << c.config.sequence_parallel
-                    << " fp8=" << c.config.fp8 << " traces=" << c.traces.size() << "): " << err;
+                    << " fp8=" << c.config.fp8 << " fp8_align=" << Fp8AlignName(c.config.fp8_align)
+                    << " traces=" << c.traces.size() << "): " << err;
     }
   }
   EXPECT_EQ(failures, 0);

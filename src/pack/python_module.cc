@@ -41,8 +41,8 @@ using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 std::shared_ptr<Plan> PlanPy(I64Array lengths, int dp, int64_t max_tokens, int micro_batches,
                              int cp, int tp, bool sp, bool fp8, double cost_a, double cost_b,
                              std::optional<I64Array> ids, std::optional<I64Array> loss_tokens,
-                             std::optional<F64Array> costs, const std::string& method,
-                             bool refine) {
+                             std::optional<F64Array> costs, const std::string& method, bool refine,
+                             const std::string& fp8_align) {
   if (lengths.ndim() != 1) {
     throw py::value_error("lengths must be a 1-D array");
   }
@@ -73,6 +73,7 @@ std::shared_ptr<Plan> PlanPy(I64Array lengths, int dp, int64_t max_tokens, int m
                     .tp = tp,
                     .sequence_parallel = sp,
                     .fp8 = fp8,
+                    .fp8_align = ValueOrThrow(ParseFp8Align(fp8_align)),
                     .cost = {.a = cost_a, .b = cost_b},
                     .method = ValueOrThrow(ParseMethod(method)),
                     .refine = refine};
@@ -92,6 +93,7 @@ py::dict SummaryDict(const Plan& p) {
   d["ranks"] = s.ranks;
   d["micro_batches_per_rank"] = s.micro_batches_per_rank;
   d["alignment"] = s.alignment;
+  d["row_alignment"] = s.row_alignment;
   d["real_tokens"] = s.real_tokens;
   d["padded_tokens"] = s.padded_tokens;
   d["padding_fraction"] = s.padding_fraction;
@@ -168,7 +170,10 @@ PYBIND11_MODULE(_core, m) {
         py::arg("fp8") = false, py::arg("cost_a") = 1.0, py::arg("cost_b") = 0.0,
         py::arg("ids") = py::none(), py::arg("loss_tokens") = py::none(),
         py::arg("costs") = py::none(), py::arg("method") = "lpt", py::arg("refine") = true,
-        "Plans THD packing; releases the GIL while planning. Raises ValueError on bad input.");
+        py::arg("fp8_align") = "trace",
+        "Plans THD packing; releases the GIL while planning. Raises ValueError on bad input. "
+        "fp8_align: 'trace' pads every trace to lcm(16, A) with fp8; 'row' pads traces to A and "
+        "each packed row so that every CP/SP rank holds a multiple of 16 tokens.");
 
   m.def(
       "cp_indices",
@@ -179,13 +184,28 @@ PYBIND11_MODULE(_core, m) {
       py::arg("cu_seqlens_padded"), py::arg("cp"), py::arg("rank"),
       "Zigzag token indices of CP rank `rank` (TransformerEngine's thd_get_partitioned_indices).");
 
+  auto align_config = [](int cp, int tp, bool sp, bool fp8, const std::string& fp8_align) {
+    return PackConfig{.cp = cp,
+                      .tp = tp,
+                      .sequence_parallel = sp,
+                      .fp8 = fp8,
+                      .fp8_align = ValueOrThrow(ParseFp8Align(fp8_align)),
+                      .cost = {}};
+  };
   m.def(
       "alignment",
-      [](int cp, int tp, bool sp, bool fp8) {
-        PackConfig c{.cp = cp, .tp = tp, .sequence_parallel = sp, .fp8 = fp8, .cost = {}};
-        return ValueOrThrow(Alignment(c));
+      [align_config](int cp, int tp, bool sp, bool fp8, const std::string& fp8_align) {
+        return ValueOrThrow(Alignment(align_config(cp, tp, sp, fp8, fp8_align)));
       },
-      py::arg("cp") = 1, py::arg("tp") = 1, py::arg("sp") = false, py::arg("fp8") = false);
+      py::arg("cp") = 1, py::arg("tp") = 1, py::arg("sp") = false, py::arg("fp8") = false,
+      py::arg("fp8_align") = "trace", "Per-trace padding multiple A.");
+  m.def(
+      "row_alignment",
+      [align_config](int cp, int tp, bool sp, bool fp8, const std::string& fp8_align) {
+        return ValueOrThrow(RowAlignment(align_config(cp, tp, sp, fp8, fp8_align)));
+      },
+      py::arg("cp") = 1, py::arg("tp") = 1, py::arg("sp") = false, py::arg("fp8") = false,
+      py::arg("fp8_align") = "trace", "Multiple of every packed row's total.");
 
   m.def(
       "cost_model_from_model_size",

@@ -75,6 +75,31 @@ def test_cp_round_trip_of_every_per_token_array():
     assert np.array_equal(bp.unpack_from_padded(experts, cu, cup).shape, (real, layers, top_k))
 
 
+def test_fp8_per_row_pads_rows_not_traces_and_partitions_exactly():
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 3000, 200)
+    cp, tp = 2, 2
+    trace = bp.plan(lengths, dp=4, max_tokens=16384, cp=cp, tp=tp, sp=True, fp8=True)
+    row = bp.plan(lengths, dp=4, max_tokens=16384, cp=cp, tp=tp, sp=True, fp8=True,
+                  fp8_align="row")
+    assert trace.summary["alignment"] == 16 and trace.summary["row_alignment"] == 16
+    assert row.summary["alignment"] == 8 and row.summary["row_alignment"] == 64
+    assert bp.alignment(cp=cp, tp=tp, sp=True, fp8=True, fp8_align="row") == 8
+    assert bp.row_alignment(cp=cp, tp=tp, sp=True, fp8=True, fp8_align="row") == 64
+    assert row.summary["padded_tokens"] < trace.summary["padded_tokens"]
+    for r in range(row.num_ranks):
+        for m in range(row.micro_batches_per_rank):
+            mb = row.micro_batch(r, m)
+            cup, total = mb["cu_seqlens_padded"], mb["total_tokens"]
+            assert total <= 16384 and total % 64 == 0 and cup[-1] == total
+            assert (np.diff(cup) % 8 == 0).all()
+            for k in range(cp):  # every CP rank, and its SP shards, hold a multiple of 16
+                assert len(bp.cp_indices(cup, cp, k)) == total // cp
+                assert (total // cp // tp) % 16 == 0
+    with pytest.raises(ValueError, match="trace or row"):
+        bp.plan(lengths, dp=1, micro_batches=1, fp8=True, fp8_align="sequence")
+
+
 def test_hostile_inputs_raise_value_error():
     with pytest.raises(ValueError):
         bp.plan(np.array([5, 0]), dp=1, micro_batches=1)
@@ -160,6 +185,17 @@ def test_cli_plan_json_contract(tmp_path):
     text = subprocess.run([CLI, "plan", "--lengths", str(f), "--dp", "2", "--micro-batches", "1"],
                           check=True, capture_output=True, text=True).stdout
     assert "max/mean" in text
+    row = json.loads(subprocess.run(
+        [CLI, "plan", "--lengths", str(f), "--dp", "2", "--micro-batches", "1", "--fp8",
+         "--fp8-align", "row", "--json"], check=True, capture_output=True, text=True).stdout)
+    assert row["summary"]["fp8_align"] == "row" and row["summary"]["row_alignment"] == 16
+    for rank in row["ranks"]:
+        for mb in rank["micro_batches"]:
+            assert mb["cu_seqlens_padded"][-1] % 16 == 0
+            assert all(d >= 0 for d in np.diff(mb["cu_seqlens_padded"]) - np.diff(mb["cu_seqlens"]))
+    bad = subprocess.run([CLI, "plan", "--lengths", str(f), "--dp", "2", "--micro-batches", "1",
+                          "--fp8", "--fp8-align", "rows"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "trace or row" in bad.stderr
 
 
 @needs_cli
