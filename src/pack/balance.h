@@ -28,6 +28,11 @@ std::optional<std::vector<int32_t>> Lpt(std::span<const Item> items, int bins, i
 // Costs must be >= 0 and not NaN.
 std::vector<int32_t> DecreasingCostOrder(std::span<const Item> items);
 
+// Indices by decreasing tokens, equal tokens by increasing index: DecreasingCostOrder() when
+// cost is an increasing function of tokens (a cost model, no explicit costs), found from keys
+// of a few bits instead of 64. Tokens must be >= 0.
+std::vector<int32_t> DecreasingTokenOrder(std::span<const Item> items);
+
 // Lpt() with a precomputed order (a subsequence of DecreasingCostOrder() for a subset).
 std::optional<std::vector<int32_t>> LptInOrder(std::span<const Item> items,
                                                std::span<const int32_t> order, int bins,

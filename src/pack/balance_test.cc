@@ -1,6 +1,8 @@
 #include "pack/balance.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -90,6 +92,51 @@ TEST(RefineTest, SwapsLowerTheMaximum) {
   }
   EXPECT_LT(rank_max(*bin_of), before);
   EXPECT_LT(rank_max(*bin_of), total / 4 * 1.01);
+}
+
+}  // namespace
+}  // namespace bragg::pack::balance
+
+namespace bragg::pack::balance {
+namespace {
+
+// Both orders against std::stable_sort, below and above the size where the radix sort takes
+// over, with ties, keys that differ only in high or only in low bits, and all-equal keys.
+TEST(OrderTest, RadixOrdersMatchAStableSort) {
+  std::mt19937_64 rng(3);
+  for (size_t n : {1ul, 7ul, 2047ul, 2048ul, 5000ul, 100000ul}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      std::vector<Item> items(n);
+      for (size_t i = 0; i < n; ++i) {
+        int64_t t = 0;
+        switch (kind) {
+          case 0:
+            t = static_cast<int64_t>(rng() % 65536) * 16;  // padded lengths
+            break;
+          case 1:
+            t = static_cast<int64_t>(rng() % 4) << 40;  // only high bits differ, many ties
+            break;
+          case 2:
+            t = static_cast<int64_t>(rng() >> 2);  // every bit
+            break;
+          default:
+            t = 4096;  // all equal
+        }
+        items[i] = {.cost = kind == 2 ? std::ldexp(static_cast<double>(rng() % 1000), -20)
+                                      : 3.0 * static_cast<double>(t) + 1e-9 * t * t,
+                    .tokens = t};
+      }
+      std::vector<int32_t> by_tokens(n), by_cost(n);
+      std::iota(by_tokens.begin(), by_tokens.end(), 0);
+      std::iota(by_cost.begin(), by_cost.end(), 0);
+      std::stable_sort(by_tokens.begin(), by_tokens.end(),
+                       [&](int32_t a, int32_t b) { return items[a].tokens > items[b].tokens; });
+      std::stable_sort(by_cost.begin(), by_cost.end(),
+                       [&](int32_t a, int32_t b) { return items[a].cost > items[b].cost; });
+      EXPECT_EQ(DecreasingTokenOrder(items), by_tokens) << "n " << n << " kind " << kind;
+      EXPECT_EQ(DecreasingCostOrder(items), by_cost) << "n " << n << " kind " << kind;
+    }
+  }
 }
 
 }  // namespace

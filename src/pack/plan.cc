@@ -139,6 +139,7 @@ struct Prepared {
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   int64_t longest_padded = 0;
+  bool explicit_costs = false;  // some trace gave its own cost
 };
 
 // The most padded-to-A tokens one micro-batch may hold so that its row, padded to a multiple of
@@ -177,6 +178,7 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
     }
     p.padded[i] = padded;
     p.items[i] = {.cost = t.cost >= 0 ? t.cost : c.cost.Cost(padded), .tokens = padded};
+    p.explicit_costs |= t.cost >= 0;
     p.real_tokens += t.length;
     p.padded_tokens += padded;
     p.longest_padded = std::max(p.longest_padded, padded);
@@ -195,7 +197,16 @@ Row MakeRow(std::span<const Trace> traces, const Prepared& p, std::span<const in
   row.cu_seqlens.push_back(0);
   row.cu_seqlens_padded.push_back(0);
   int64_t real = 0, padded = 0;
-  for (int32_t i : members) {
+  // A row's members are spread over all traces: ask for the next ones' data early.
+  constexpr size_t kAhead = 8;
+  for (size_t k = 0; k < members.size(); ++k) {
+    if (k + kAhead < members.size()) {
+      const size_t f = static_cast<size_t>(members[k + kAhead]);
+      __builtin_prefetch(&traces[f]);
+      __builtin_prefetch(&p.padded[f]);
+      __builtin_prefetch(&p.items[f]);
+    }
+    const int32_t i = members[k];
     const Trace& t = traces[static_cast<size_t>(i)];
     row.trace_ids.push_back(t.id);
     real += t.length;
@@ -368,7 +379,10 @@ Result<Assignment> Assign(const Prepared& p, const PackConfig& c, int64_t row_al
   const int64_t max_m = std::max<int64_t>(m, (n + c.dp - 1) / c.dp);
   std::vector<int32_t> order;
   if (c.method == Method::kLpt) {
-    order = balance::DecreasingCostOrder(p.items);
+    // Model costs increase with tokens, so ordering by tokens is ordering by cost, from keys of
+    // a few bits.
+    order = p.explicit_costs ? balance::DecreasingCostOrder(p.items)
+                             : balance::DecreasingTokenOrder(p.items);
   }
   for (;; ++m) {
     if (static_cast<int64_t>(m) * c.dp > std::numeric_limits<int32_t>::max()) {
