@@ -61,7 +61,8 @@ fi
   echo
   echo "Machine: ${cpu:-unknown CPU}, $(nproc) cores visible, load average $load at the time"
   echo "(shared machine: wall times include waiting for the CPU; the cpu column is this thread's"
-  echo "CPU time). Best of $repeat runs per row. Measured $(date -u +%Y-%m-%d)."
+  echo "CPU time). $repeat runs per row, the methods of a dataset taken in turn (a slow stretch of"
+  echo "the machine falls on one run of several rows); best and median. Measured $(date -u +%Y-%m-%d)."
   echo
   cat "$tmp/table.md"
   echo
@@ -74,9 +75,10 @@ fi
   echo "the \"FP8 per row\" rows: traces padded to A = 1 here, each row to a multiple of 16, which"
   echo "is what FP8 GEMMs need; docs/pack.md) it is met: at most 15 tokens per row of up to"
   echo "131,072. All methods pad alike at the same alignment, except BSHD."
-  echo "Where the planning time goes (perf, lognormal 100k): LPT over ranks ~30%, the per-rank"
-  echo "micro-batch split ~17%, building rows and cu_seqlens ~17%, radix sort ~7%, allocation and"
-  echo "summary the rest. Timings vary by about 1.5x with the load of this shared machine."
+  echo "Where the planning time goes (perf, lognormal 100k, 2026-12-01): LPT over ranks ~30%, the"
+  echo "per-rank micro-batch split ~14%, building rows and cu_seqlens ~9%, grouping and summary ~8%,"
+  echo "radix sort ~7%, swap refinement ~4%, allocation the rest. Timings on this shared VM move by"
+  echo "up to 1.5x from minute to minute, hence the median beside the best."
   echo
   echo "A plan whose first micro-batch count fills the capacity to 99.95% (the same lognormal"
   echo "shape, 100,000 traces into 512 ranks, max_tokens chosen for it): the ranks balance at that"
