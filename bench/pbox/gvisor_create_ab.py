@@ -6,11 +6,12 @@ after the other instead). Then every sandbox runs `true` and `python3 -c pass` t
 turn. Needs root, runsc and a build.
 
     bench/pbox/gvisor_create_ab.py --build build --sandboxes 10 \\
-        [--kinds pbox1,old1,pinned,pinned-isolate,pbox2,unpinned] [--old-init OLD/pbox-init]
+        [--kinds pbox1,old1,pinned,pinned-isolate,pbox2,unpinned]
+        [--old-init OLD/pbox-init | --old-build OLD]
 
 Kinds: pboxC (C CPUs per pbox sandbox), oldC (the same, from a second pboxd given
---init-path OLD_INIT), pinned / unpinned (runsc by hand, one CPU per sandbox in turn or
-none), -isolate after either (pbox-init --isolate with the agent's seccomp program, as
+--init-path OLD_INIT, or the pboxd and pbox-init of another build, --old-build), pinned /
+unpinned (runsc by hand, one CPU per sandbox in turn or none), -isolate after either (pbox-init --isolate with the agent's seccomp program, as
 pbox's gVisor runtime runs it), and -cgroup after pinned[-isolate] (placed in a cgroup v1 set
 of pbox's kind, runsc_peer.py --cgroup, instead of sched_setaffinity). Create is timed until the CreateSandbox RPC returns (pbox,
 Python client) or pbox-init's Ready frame (runsc); exec until the command's exit.
@@ -51,6 +52,7 @@ def main():
     ap.add_argument("--sandboxes", type=int, default=10, help="sandboxes of each kind")
     ap.add_argument("--kinds", default="pbox1,pinned,pinned-isolate,pbox2,unpinned")
     ap.add_argument("--old-init", default="", help="pbox-init of another build, for oldC")
+    ap.add_argument("--old-build", default="", help="another build directory, for oldC")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     sys.path.insert(0, os.path.join(build, "python"))
@@ -60,16 +62,18 @@ def main():
     import runsc_peer  # noqa: E402
 
     kinds = [k for k in args.kinds.split(",") if k]
-    if any(k.startswith("old") for k in kinds) and not args.old_init:
-        sys.exit("gvisor_create_ab: old kinds need --old-init")
+    if any(k.startswith("old") for k in kinds) and not (args.old_init or args.old_build):
+        sys.exit("gvisor_create_ab: old kinds need --old-init or --old-build")
     tmp = tempfile.mkdtemp(prefix="gvisor-ab-")
     agents, boxes, sandboxes = [], [], []
     try:
         agents.append(start_agent(build, tmp + "/new", []))
         client = {"pbox": pbox.Client(f"unix://{tmp}/new/s.sock")}
-        if args.old_init:
-            agents.append(start_agent(build, tmp + "/old",
-                                      ["--init-path", os.path.abspath(args.old_init)]))
+        if args.old_init or args.old_build:
+            old_build = os.path.abspath(args.old_build) if args.old_build else build
+            old_init = (os.path.abspath(args.old_init) if args.old_init
+                        else os.path.join(old_build, "src/pbox/pbox-init"))
+            agents.append(start_agent(old_build, tmp + "/old", ["--init-path", old_init]))
             client["old"] = pbox.Client(f"unix://{tmp}/old/s.sock")
 
         class PeerArgs:

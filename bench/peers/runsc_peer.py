@@ -44,7 +44,6 @@ import peerlib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS_IN = "/opt/bragg-tools"
-SECCOMP_IN = "/dev/pbox-seccomp"
 ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"]
 
 # init_protocol.h
@@ -171,14 +170,14 @@ class Sandbox:
                      f"workdir={self.dir}/layer/work", "overlay"], "/rootfs")
         self._mount(["--bind", "-o", "ro", "/usr"], "/rootfs/usr")
         # --isolate FILE: pbox-init puts commands in a PID namespace of their own and loads
-        # this seccomp program, as under pbox's gVisor runtime (docs/pbox.md); it needs the
-        # two capabilities pbox's bundle gives it for that.
+        # this seccomp program, sent ahead of the frames on its stdin, as under pbox's gVisor
+        # runtime (docs/pbox.md); it needs the two capabilities pbox's bundle gives it for that.
         isolate = getattr(args, "isolate", "")
         config = {
             "ociVersion": "1.0.0",
             "process": {"terminal": False, "user": {"uid": 0, "gid": 0},
                         "args": ["/dev/pbox-init", "--stream"] +
-                                ([f"--isolate={SECCOMP_IN}"] if isolate else []),
+                                (["--isolate"] if isolate else []),
                         "env": ENV[:1], "cwd": "/",
                         "noNewPrivileges": True},
             "root": {"path": "rootfs", "readonly": False},
@@ -190,8 +189,7 @@ class Sandbox:
                  "options": ["rbind", "rw"]},
                 {"destination": "/dev/pbox-init", "type": "bind", "source": args.init,
                  "options": ["bind", "ro"]},
-            ] + ([{"destination": SECCOMP_IN, "type": "bind", "source": isolate,
-                   "options": ["bind", "ro"]}] if isolate else []),
+            ],
             "linux": {"namespaces": [{"type": t} for t in
                                      ("pid", "network", "ipc", "uts", "mount")]},
         }
@@ -220,6 +218,11 @@ class Sandbox:
                  "--network=none", "--file-access=shared", "--ignore-cgroups", "run",
                  "--bundle", self.dir, name],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, preexec_fn=pin)
+        if isolate:
+            with open(isolate, "rb") as f:
+                program = f.read()
+            self.proc.stdin.write(struct.pack("<I", len(program)) + program)
+            self.proc.stdin.flush()
         typ, _, _ = self.read()
         if typ != READY:
             raise RuntimeError(f"expected Ready from pbox-init, got {typ:#x}")

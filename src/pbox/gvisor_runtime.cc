@@ -20,6 +20,7 @@
 #include "common/process.h"
 #include "fmt/format.h"
 #include "nlohmann/json.hpp"
+#include "pbox/init_protocol.h"
 #include "pbox/seccomp_filter.h"
 #include "spdlog/spdlog.h"
 
@@ -29,8 +30,6 @@ namespace {
 // Where pbox-init appears inside the sandbox (a read-only bind of the agent's binary; /dev is
 // the sentry's own tmpfs, so nothing shows up in the sandbox's root filesystem).
 constexpr char kInitInSandbox[] = "/dev/pbox-init";
-// The seccomp program pbox-init loads (GvisorSandboxPolicy::init_seccomp_file); it unmounts it.
-constexpr char kSeccompInSandbox[] = "/dev/pbox-seccomp";
 constexpr auto kReadyTimeout = std::chrono::seconds(60);
 
 Result<std::string> FindInPath(const std::string& name) {
@@ -294,20 +293,14 @@ std::string GvisorBundleConfig(const LaunchSpec& spec, const std::string& init_p
                     {"type", "bind"},
                     {"source", init_path},
                     {"options", {"bind", "ro"}}});
-  const bool isolate = !policy.init_seccomp_file.empty();
-  if (isolate) {
-    mounts.push_back({{"destination", kSeccompInSandbox},
-                      {"type", "bind"},
-                      {"source", policy.init_seccomp_file},
-                      {"options", {"bind", "ro"}}});
-  }
+  const bool isolate = !policy.init_seccomp_program.empty();
   json no_caps = json::array();
   // Only what pbox-init needs to set up the commands' PID namespace; it drops them before it
   // serves, and commands never have any.
   json init_caps = isolate ? json::array({"CAP_SYS_ADMIN", "CAP_SETPCAP"}) : no_caps;
   json init_args = {kInitInSandbox, "--stream"};
   if (isolate) {
-    init_args.push_back(fmt::format("--isolate={}", kSeccompInSandbox));
+    init_args.push_back("--isolate");  // the program follows on its stdin (Start)
   }
   json rlimits = json::array();
   if (spec.pids > 0) {
@@ -411,12 +404,14 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
   rt->policy_.nofile_hard = options.nofile_hard;
   BRAGG_RETURN_IF_ERROR(RemoveStale(rt->dir_));
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->dir_, 0700));
-  // The same program as the native runtime's, loaded by pbox-init in every sandbox.
-  rt->policy_.init_seccomp_file = rt->dir_ + "/seccomp.bpf";
+  // The same program as the native runtime's, loaded by pbox-init in every sandbox. Also
+  // written to <state_dir>/gvisor/seccomp.bpf, for a person (or bench/peers/runsc_peer.py) to
+  // see what sandboxes load; sandboxes get it on their channel.
+  rt->policy_.init_seccomp_program =
+      std::string(reinterpret_cast<const char*>(seccomp.prog()->filter),
+                  seccomp.prog()->len * sizeof(struct sock_filter));
   BRAGG_RETURN_IF_ERROR(
-      WriteStringToFile(rt->policy_.init_seccomp_file,
-                        std::string_view(reinterpret_cast<const char*>(seccomp.prog()->filter),
-                                         seccomp.prog()->len * sizeof(struct sock_filter))));
+      WriteStringToFile(rt->dir_ + "/seccomp.bpf", rt->policy_.init_seccomp_program));
   return rt;
 }
 
@@ -464,6 +459,12 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   argv.push_back(nullptr);
   std::vector<std::string> procs = spec.cgroup->ProcsFiles();
   BRAGG_ASSIGN_OR_RETURN(Pipe to_init, MakePipe());
+  if (!policy_.init_seccomp_program.empty()) {
+    // pbox-init's first read: the program preamble, ahead of every frame. At most 32 KiB, so
+    // the empty pipe takes it whole without blocking.
+    BRAGG_RETURN_IF_ERROR(WriteAll(to_init.write.get(),
+                                   init_protocol::ProgramPreamble(policy_.init_seccomp_program)));
+  }
   BRAGG_ASSIGN_OR_RETURN(Pipe from_init, MakePipe());
   BRAGG_ASSIGN_OR_RETURN(Pipe go, MakePipe());
   BRAGG_ASSIGN_OR_RETURN(UniqueFd log, OpenFile(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600));

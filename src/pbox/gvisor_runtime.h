@@ -47,12 +47,13 @@ struct GvisorSandboxPolicy {
   // The native runtime's deny list (SeccompProgram::denied()), given to gVisor as the OCI
   // seccomp filter of the sandbox's processes (runsc --oci-seccomp); empty: none.
   std::vector<std::string> denied_syscalls;
-  // Host path of the native runtime's seccomp program (SeccompProgram, classic BPF). When set,
-  // pbox-init puts commands in a PID namespace of their own, where it is invisible (gVisor
-  // does not honour PR_SET_DUMPABLE for /proc/1/fd; init_pid_namespace.h), then loads this
-  // program itself: it starts with CAP_SYS_ADMIN and CAP_SETPCAP, which it drops before it
-  // serves, and the OCI filter (denied_syscalls) is not used.
-  std::string init_seccomp_file;
+  // The native runtime's seccomp program (SeccompProgram, classic BPF: struct sock_filter[]
+  // bytes). When set, pbox-init puts commands in a PID namespace of their own, where it is
+  // invisible (gVisor does not honour PR_SET_DUMPABLE for /proc/1/fd; init_pid_namespace.h),
+  // then loads this program itself, sent ahead of the frames on its stdin (the program
+  // preamble, init_protocol.h): it starts with CAP_SYS_ADMIN and CAP_SETPCAP, which it drops
+  // before it serves, and the OCI filter (denied_syscalls) is not used.
+  std::string init_seccomp_program;
   uint64_t nofile_soft = 0;  // RLIMIT_NOFILE; both 0: leave runsc's
   uint64_t nofile_hard = 0;
 };

@@ -1,10 +1,10 @@
 // pbox-init: PID 1 of every native sandbox. See init_server.h.
 //
 // Usage: pbox-init [--channel-fd=N]   (N defaults to 3)
-//        pbox-init --stream [--isolate=SECCOMP_FILE]
+//        pbox-init --stream [--isolate]
 //            frames on stdin/stdout (the gVisor runtime); --isolate puts commands in a PID
-//            namespace of their own and loads the seccomp program in SECCOMP_FILE
-//            (init_pid_namespace.h)
+//            namespace of their own and loads the seccomp program the agent sends ahead of
+//            the frames (init_protocol.h, the program preamble; init_pid_namespace.h)
 //        pbox-init --sync | --remove PATH | --remove-tree PATH
 //            one-shot helpers for gVisor sandboxes (init_helpers.h)
 
@@ -36,14 +36,14 @@ int main(int argc, char** argv) {
     fprintf(stderr, "pbox-init: prctl(PR_SET_DUMPABLE): %s\n", strerror(errno));
     return 1;
   }
-  const std::string kIsolate = "--isolate=";
   bool isolate = false;
-  std::string seccomp_file;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (i > 0 && std::string(argv[i]).rfind(kIsolate, 0) == 0) {
+    if (i > 0 && std::strcmp(argv[i], "--isolate") == 0) {
       isolate = true;
-      seccomp_file = argv[i] + kIsolate.size();
+    } else if (i > 0 && std::strncmp(argv[i], "--isolate=", 10) == 0) {
+      fprintf(stderr, "pbox-init: --isolate takes no value: the program comes on stdin\n");
+      return 2;
     } else {
       args.push_back(argv[i]);
     }
@@ -58,12 +58,17 @@ int main(int argc, char** argv) {
   }
   bragg::pbox::InitServerOptions options;
   if (isolate) {
-    if (!stream || seccomp_file.empty()) {
-      fprintf(stderr, "pbox-init: --isolate=SECCOMP_FILE needs --stream and a file\n");
+    if (!stream) {
+      fprintf(stderr, "pbox-init: --isolate needs --stream\n");
       return 2;
     }
+    std::vector<sock_filter> filter;
+    if (!bragg::pbox::ReadProgramPreamble(0, &filter, &error)) {
+      fprintf(stderr, "pbox-init: cannot isolate commands: %s\n", error.c_str());
+      return 1;
+    }
     bragg::pbox::CommandNamespace ns;
-    if (!bragg::pbox::EnterCommandNamespace(seccomp_file.c_str(), &ns, &error)) {
+    if (!bragg::pbox::EnterCommandNamespace(filter, &ns, &error)) {
       fprintf(stderr, "pbox-init: cannot isolate commands: %s\n", error.c_str());
       return 1;
     }

@@ -12,7 +12,6 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "pbox/init_fds.h"
+#include "pbox/init_protocol.h"
 #include "pbox/raw_syscall.h"
 
 extern char** environ;
@@ -61,32 +61,6 @@ ssize_t ReadUpTo(int fd, char* buf, size_t cap) {
     done += static_cast<size_t>(n);
   }
   return static_cast<ssize_t>(done);
-}
-
-bool ReadSeccompProgram(const char* path, std::vector<sock_filter>* out, std::string* error) {
-  UniqueFd fd(open(path, O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) {
-    *error = ErrnoText("open", path, errno);
-    return false;
-  }
-  struct stat st;
-  if (fstat(fd.get(), &st) != 0) {
-    *error = ErrnoText("fstat", path, errno);
-    return false;
-  }
-  const size_t bytes = static_cast<size_t>(st.st_size);
-  if (bytes == 0 || bytes % sizeof(sock_filter) != 0 ||
-      bytes / sizeof(sock_filter) > BPF_MAXINSNS) {
-    *error = std::string(path) + ": not a seccomp program (" + std::to_string(bytes) + " bytes)";
-    return false;
-  }
-  out->resize(bytes / sizeof(sock_filter));
-  ssize_t n = ReadUpTo(fd.get(), reinterpret_cast<char*>(out->data()), bytes);
-  if (n != static_cast<ssize_t>(bytes)) {
-    *error = n < 0 ? ErrnoText("read", path, errno) : std::string(path) + ": short read";
-    return false;
-  }
-  return true;
 }
 
 // The capability bounding set, from the CapBnd line of `proc_dir`/self/status.
@@ -208,9 +182,33 @@ void WipeEnvironment() {
 
 }  // namespace
 
-bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std::string* error) {
-  std::vector<sock_filter> filter;
-  if (!ReadSeccompProgram(seccomp_file, &filter, error)) {
+bool ReadProgramPreamble(int fd, std::vector<sock_filter>* out, std::string* error) {
+  namespace proto = init_protocol;
+  char prefix[proto::kStreamPrefixBytes];
+  ssize_t n = ReadUpTo(fd, prefix, sizeof(prefix));
+  if (n != static_cast<ssize_t>(sizeof(prefix))) {
+    *error = n < 0 ? ErrnoText("read", "the seccomp program's length", errno)
+                   : "the channel ended before the seccomp program";
+    return false;
+  }
+  size_t bytes = 0;
+  if (!proto::ParseProgramPrefix(std::string_view(prefix, sizeof(prefix)), &bytes, error)) {
+    return false;
+  }
+  out->resize(bytes / sizeof(sock_filter));
+  n = ReadUpTo(fd, reinterpret_cast<char*>(out->data()), bytes);
+  if (n != static_cast<ssize_t>(bytes)) {
+    *error = n < 0 ? ErrnoText("read", "the seccomp program", errno)
+                   : "the channel ended inside the seccomp program";
+    return false;
+  }
+  return true;
+}
+
+bool EnterCommandNamespace(std::span<const sock_filter> filter, CommandNamespace* out,
+                           std::string* error) {
+  if (filter.empty() || filter.size() > BPF_MAXINSNS) {
+    *error = "seccomp program of " + std::to_string(filter.size()) + " instructions";
     return false;
   }
   out->outer_proc.Reset(open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
@@ -263,9 +261,7 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
   out->holder = pid;
   ready_write.Reset();
   // The rest of our own set-up runs while the holder sets up; commands only start once it has
-  // said "ok" (below), when it holds no fd of ours any more. The program's file is no
-  // business of commands'.
-  (void)umount2(seccomp_file, MNT_DETACH);
+  // said "ok" (below), when it holds no fd of ours any more.
   // Only what the bounding set holds (the agent's bundle gives two): a system call per
   // capability the kernel knows would be 41 round trips to the sentry.
   for (int cap = 0; cap < 64; ++cap) {
@@ -282,7 +278,8 @@ bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std:
     *error = ErrnoText("prctl", "PR_SET_NO_NEW_PRIVS", errno);
     return false;
   }
-  struct sock_fprog prog = {static_cast<unsigned short>(filter.size()), filter.data()};
+  struct sock_fprog prog = {static_cast<unsigned short>(filter.size()),
+                            const_cast<sock_filter*>(filter.data())};
   if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
     *error = ErrnoText("prctl", "PR_SET_SECCOMP", errno);
     return false;

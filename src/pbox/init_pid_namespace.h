@@ -16,9 +16,12 @@
 // capability before it serves; the seccomp filter (which would forbid the unshare) is loaded
 // last.
 
+#include <linux/filter.h>
 #include <sys/types.h>
 
+#include <span>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 
@@ -39,15 +42,20 @@ struct CommandNamespace {
 // mounts the namespace's proc on /proc, drops every capability, blocks every signal, closes
 // every fd and only reaps orphans, through raw system calls (see HolderMain). pbox-init's
 // environment strings, which the holder's /proc/1/environ would show, are overwritten first.
-// `seccomp_file`: a classic BPF program (struct sock_filter[]) that is loaded last, after every
-// capability is dropped; the file's mount is removed. Returns false and sets `*error` (naming
-// the failed call) on any failure: the caller must then exit, since commands would not be
-// isolated.
+// `filter`: a classic BPF program (1..BPF_MAXINSNS instructions) that is loaded last, after
+// every capability is dropped. Returns false and sets `*error` (naming the failed call) on any
+// failure: the caller must then exit, since commands would not be isolated.
 //
 // What commands can learn of pbox-init through the holder: its command line, and from
 // /proc/1/maps the layout of the memory they share (gVisor does not check dumpability
 // there). Its memory itself stays closed: /proc/1/mem and ptrace need the mm to be dumpable,
 // which pbox-init turned off at its start, and gVisor has no process_vm_readv.
-bool EnterCommandNamespace(const char* seccomp_file, CommandNamespace* out, std::string* error);
+bool EnterCommandNamespace(std::span<const sock_filter> filter, CommandNamespace* out,
+                           std::string* error);
+
+// Reads the program preamble (init_protocol.h) from `fd`, pbox-init's stdin under --isolate:
+// exactly its bytes, none of the frames behind it. Returns false and sets `*error` when the
+// length is refused or the channel ends or fails first.
+bool ReadProgramPreamble(int fd, std::vector<sock_filter>* out, std::string* error);
 
 }  // namespace bragg::pbox

@@ -606,6 +606,28 @@ bool ParseStreamPrefix(std::string_view prefix, size_t* frame_bytes, std::string
   return true;
 }
 
+std::string ProgramPreamble(std::string_view program) {
+  std::string out;
+  Writer(&out).U32(static_cast<uint32_t>(program.size()));
+  out.append(program);
+  return out;
+}
+
+bool ParseProgramPrefix(std::string_view prefix, size_t* program_bytes, std::string* error) {
+  Reader r(prefix);
+  uint32_t len = 0;
+  if (prefix.size() != kStreamPrefixBytes || !r.U32(&len)) {
+    return Fail(error, "program prefix must be " + std::to_string(kStreamPrefixBytes) + " bytes");
+  }
+  if (len == 0 || len % 8 != 0 || len > kMaxProgramBytes) {
+    return Fail(error, "seccomp program of " + std::to_string(len) +
+                           " bytes: must be a multiple of 8 in 8.." +
+                           std::to_string(kMaxProgramBytes));
+  }
+  *program_bytes = len;
+  return true;
+}
+
 const char* FrameTypeName(FrameType type) {
   switch (type) {
     case FrameType::kSpawn:

@@ -107,6 +107,28 @@ TEST(InitProtocolTest, StreamPrefixBoundsTheFrame) {
   EXPECT_FALSE(ParseStreamPrefix(std::string("\x10\0\0"), &n, &error));
 }
 
+// The program preamble (pbox-init --isolate): a u32 length, then the program; lengths that
+// are 0, not whole instructions, or over BPF_MAXINSNS instructions are refused.
+TEST(InitProtocolTest, ProgramPreambleBoundsTheProgram) {
+  const std::string program = "abcdefgh12345678";
+  const std::string pre = ProgramPreamble(program);
+  ASSERT_EQ(pre.size(), kStreamPrefixBytes + program.size());
+  EXPECT_EQ(pre.substr(0, 4), std::string("\x10\x00\x00\x00", 4));
+  EXPECT_EQ(pre.substr(4), program);
+  size_t len = 0;
+  std::string error;
+  ASSERT_TRUE(ParseProgramPrefix(pre.substr(0, 4), &len, &error)) << error;
+  EXPECT_EQ(len, 16u);
+  ASSERT_TRUE(ParseProgramPrefix(StreamPrefix(kMaxProgramBytes), &len, &error)) << error;
+  EXPECT_EQ(len, kMaxProgramBytes);
+  for (size_t bad : {size_t{0}, size_t{4}, size_t{12}, kMaxProgramBytes + 8, size_t{1} << 31}) {
+    error.clear();
+    EXPECT_FALSE(ParseProgramPrefix(StreamPrefix(bad), &len, &error)) << bad;
+    EXPECT_NE(error.find("seccomp program"), std::string::npos) << error;
+  }
+  EXPECT_FALSE(ParseProgramPrefix(std::string("\x08\x00\x00", 3), &len, &error));
+}
+
 TEST(InitProtocolTest, SpawnFieldsSurvive) {
   SpawnFrame in = SampleSpawn();
   DecodeResult r = DecodeFrame(MustEncode(in), SpawnFdCount(in.flags));

@@ -943,19 +943,19 @@ class IsolatedInitTest : public ::testing::Test {
     auto dir = TempDir::Create("/tmp", "pbox-init-isolated-");
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = std::move(*dir);
-    // Allow-all: the test is about the mechanism; the agent's real program is the native one.
-    struct sock_filter allow = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
-    const std::string bpf = dir_.path() + "/seccomp.bpf";
-    ASSERT_TRUE(
-        WriteStringToFile(bpf, std::string(reinterpret_cast<const char*>(&allow), sizeof(allow)))
-            .ok());
-    flag_ = "--isolate=" + bpf;
     // pbox-init inherits the test's environment: this entry must not be readable through the
     // holder's /proc/1/environ.
     ::setenv(kSecretName, kSecretValue, 1);
-    auto init = StartStreamInit(flag_.c_str());
+    auto init = StartStreamInit("--isolate");
     ::unsetenv(kSecretName);
     ASSERT_TRUE(init.ok()) << init.status();
+    // Allow-all, as the agent sends its program: ahead of the frames, on the same pipe. The
+    // test is about the mechanism; the agent's real program is the native one.
+    struct sock_filter allow = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    ASSERT_TRUE(
+        WriteAll(init->second.get(), proto::ProgramPreamble(std::string_view(
+                                         reinterpret_cast<const char*>(&allow), sizeof(allow))))
+            .ok());
     init_ = std::move(init->first.process);
     auto client = InitClient::CreateStream(std::move(init->second), std::move(init->first.channel));
     ASSERT_TRUE(client.ok()) << client.status();
@@ -1006,7 +1006,6 @@ class IsolatedInitTest : public ::testing::Test {
   static constexpr char kSecretName[] = "PBOX_INIT_TEST_SECRET";
   static constexpr char kSecretValue[] = "hunter2-not-for-commands";
   TempDir dir_;
-  std::string flag_;
   ChildProcess init_;
   std::unique_ptr<InitClient> client_;
 };
@@ -1096,13 +1095,46 @@ TEST_F(IsolatedInitTest, HolderDeathEndsInit) {
   }
 }
 
+// --isolate takes no value, and pbox-init refuses to serve unless a well-formed program
+// arrives first: an empty, odd-sized or oversized length, or a channel that ends before or
+// inside the program, each end it with a non-zero status and nothing run.
 TEST(IsolatedInitFlagsTest, IsolateNeedsTheStreamAndAProgram) {
-  for (const char* flags : {"--isolate=/nonexistent/seccomp.bpf", "--isolate="}) {
-    auto init = StartStreamInit(flags);
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "needs root (CAP_SYS_ADMIN) to unshare a pid namespace";
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  struct Case {
+    const char* flag;
+    std::string bytes;  // what the channel carries before it closes
+  };
+  const std::string program(16, '\0');
+  std::vector<Case> cases = {
+      {"--isolate=/dev/pbox-seccomp", proto::ProgramPreamble(program)},
+      {"--isolate", ""},
+      {"--isolate", std::string("\x08\x00", 2)},
+      {"--isolate", proto::StreamPrefix(0)},
+      {"--isolate", proto::StreamPrefix(12) + std::string(12, '\0')},
+      {"--isolate", proto::StreamPrefix(proto::kMaxProgramBytes + 8)},
+      {"--isolate", proto::StreamPrefix(64) + std::string(40, '\0')},
+  };
+  std::string error;
+  size_t len = 0;
+  EXPECT_TRUE(proto::ParseProgramPrefix(proto::StreamPrefix(8), &len, &error));
+  EXPECT_EQ(len, 8u);
+  EXPECT_FALSE(proto::ParseProgramPrefix(proto::StreamPrefix(12), &len, &error));
+  EXPECT_NE(error.find("multiple of 8"), std::string::npos) << error;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    auto init = StartStreamInit(cases[i].flag);
     ASSERT_TRUE(init.ok()) << init.status();
+    (void)WriteAll(init->second.get(), cases[i].bytes);
+    init->second.Reset();
     auto exit = init->first.process.Wait(milliseconds(10000));
     ASSERT_TRUE(exit.ok()) << exit.status();
-    EXPECT_NE(exit->exit_code, 0) << flags;
+    EXPECT_NE(exit->exit_code, 0) << "case " << i;
+    // No Ready frame: it never served.
+    std::string out;
+    EXPECT_TRUE(ReadToEof(init->first.channel.get(), &out, milliseconds(2000)));
+    EXPECT_TRUE(out.empty()) << "case " << i;
   }
 }
 
