@@ -58,6 +58,9 @@ Result<pack::PackConfig> MakeConfig(const PlanFlags& f) {
   c.sequence_parallel = f.sp;
   c.fp8 = f.fp8;
   BRAGG_ASSIGN_OR_RETURN(c.fp8_align, pack::ParseFp8Align(f.fp8_align));
+  if (!f.fp8 && c.fp8_align != pack::Fp8Align::kTrace) {
+    return absl::InvalidArgumentError("--fp8-align row needs --fp8");
+  }
   BRAGG_ASSIGN_OR_RETURN(c.method, pack::ParseMethod(f.method));
   if (f.hidden > 0 || f.layers > 0) {
     if (f.cost_a >= 0 || f.cost_b >= 0) {

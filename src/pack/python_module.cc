@@ -66,6 +66,9 @@ std::shared_ptr<Plan> PlanPy(I64Array lengths, int dp, int64_t max_tokens, int m
       traces[i].cost = costs->at(static_cast<py::ssize_t>(i));
     }
   }
+  if (!fp8 && fp8_align != "trace") {
+    throw py::value_error("fp8_align='" + fp8_align + "' needs fp8=True");
+  }
   PackConfig config{.dp = dp,
                     .max_tokens = max_tokens,
                     .micro_batches = micro_batches,

@@ -98,6 +98,8 @@ def test_fp8_per_row_pads_rows_not_traces_and_partitions_exactly():
                 assert (total // cp // tp) % 16 == 0
     with pytest.raises(ValueError, match="trace or row"):
         bp.plan(lengths, dp=1, micro_batches=1, fp8=True, fp8_align="sequence")
+    with pytest.raises(ValueError, match="needs fp8"):
+        bp.plan(lengths, dp=1, micro_batches=1, fp8_align="row")
 
 
 def test_hostile_inputs_raise_value_error():
@@ -196,6 +198,9 @@ def test_cli_plan_json_contract(tmp_path):
     bad = subprocess.run([CLI, "plan", "--lengths", str(f), "--dp", "2", "--micro-batches", "1",
                           "--fp8", "--fp8-align", "rows"], capture_output=True, text=True)
     assert bad.returncode != 0 and "trace or row" in bad.stderr
+    bad = subprocess.run([CLI, "plan", "--lengths", str(f), "--dp", "2", "--micro-batches", "1",
+                          "--fp8-align", "row"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "needs --fp8" in bad.stderr
 
 
 @needs_cli
