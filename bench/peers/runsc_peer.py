@@ -211,6 +211,11 @@ class Sandbox:
             else:
                 def pin():
                     os.sched_setaffinity(0, {cpu})
+        preamble = b""
+        if isolate:  # the program preamble (init_protocol.h), made before the clock starts
+            with open(isolate, "rb") as f:
+                program = f.read()
+            preamble = struct.pack("<I", len(program)) + program
         t = time.monotonic()
         with open(self.dir + "/runsc.log", "w") as log:
             self.proc = subprocess.Popen(
@@ -219,9 +224,7 @@ class Sandbox:
                  "--bundle", self.dir, name],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, preexec_fn=pin)
         if isolate:
-            with open(isolate, "rb") as f:
-                program = f.read()
-            self.proc.stdin.write(struct.pack("<I", len(program)) + program)
+            self.proc.stdin.write(preamble)
             self.proc.stdin.flush()
         typ, _, _ = self.read()
         if typ != READY:
