@@ -54,6 +54,26 @@ std::shared_ptr<const FrozenLayer> Sandbox::frozen_layer() const {
   return frozen_layer_;
 }
 
+Status Sandbox::Freeze() {
+  std::lock_guard<std::mutex> lock(freeze_mu_);
+  if (freeze_holders_ == 0) {
+    BRAGG_RETURN_IF_ERROR(cgroup_->Freeze(true));
+  }
+  ++freeze_holders_;
+  return absl::OkStatus();
+}
+
+Status Sandbox::Thaw() {
+  std::lock_guard<std::mutex> lock(freeze_mu_);
+  if (freeze_holders_ == 0) {
+    return absl::FailedPreconditionError(fmt::format("sandbox {} is not frozen", id_));
+  }
+  if (--freeze_holders_ > 0) {
+    return absl::OkStatus();  // another holder still needs it stopped
+  }
+  return cgroup_->Freeze(false);
+}
+
 void Sandbox::Touch() { last_used_unix_ms_.store(UnixMillisNow()); }
 
 Status Sandbox::Destroy() {

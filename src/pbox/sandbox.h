@@ -135,8 +135,13 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   Result<UniqueFd> OpenWritableLayer() { return runtime_->OpenWritableLayer(); }
   // RuntimeSandbox::FlushWrites.
   Status FlushWrites(std::chrono::milliseconds timeout) { return runtime_->FlushWrites(timeout); }
-  // Stops or resumes every process of the sandbox (its cgroup's freezer).
-  Status Freeze(bool frozen) { return cgroup_->Freeze(frozen); }
+  // Stops every process of the sandbox (its cgroup's freezer) for one holder; Thaw lets go of
+  // that hold. Counted: the sandbox resumes only when its last holder thaws, so that
+  // concurrent clones of one source each copy it stopped (one clone's thaw used to resume the
+  // source while another still copied: a file renamed meanwhile failed that copy). When the
+  // freezer cannot stop it, Freeze fails and holds nothing.
+  Status Freeze();
+  Status Thaw();
 
  private:
   friend class RunningCommand;
@@ -157,6 +162,8 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   ImageLease image_lease_;
   mutable std::mutex layer_mu_;
   std::shared_ptr<const FrozenLayer> frozen_layer_;
+  std::mutex freeze_mu_;  // held across the freezer's writes, so holders queue behind them
+  int freeze_holders_ = 0;
 };
 
 int64_t UnixMillisNow();

@@ -129,7 +129,7 @@ Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
                  std::string(flushed.message()));
   }
   auto t_freeze = std::chrono::steady_clock::now();
-  Status frozen = source->Freeze(true);
+  Status frozen = source->Freeze();
   auto t_frozen = std::chrono::steady_clock::now();
   if (!frozen.ok()) {
     spdlog::warn("clone of {}: cannot freeze it ({}); copying it while it runs", source_id,
@@ -138,7 +138,7 @@ Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
   auto layer = FrozenLayer::Create(layers_dir_, NewId("fl-"), upper.get(), source->frozen_layer());
   auto t_copied = std::chrono::steady_clock::now();
   if (frozen.ok()) {
-    if (Status thawed = source->Freeze(false); !thawed.ok() && !source->destroying()) {
+    if (Status thawed = source->Thaw(); !thawed.ok() && !source->destroying()) {
       spdlog::error("clone of {}: cannot thaw it: {}", source_id, std::string(thawed.message()));
     }
   }

@@ -36,6 +36,9 @@ target_link_libraries(pbox_agent PUBLIC
   bragg_common
   nlohmann_json::nlohmann_json PkgConfig::SECCOMP absl::synchronization)
 
+bragg_test(pbox_sandbox_freeze_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/sandbox_freeze_test.cc
+           LIBS pbox_agent)
+
 add_executable(pboxd ${CMAKE_CURRENT_SOURCE_DIR}/pboxd_main.cc)
 target_link_libraries(pboxd PRIVATE pbox_agent CLI11::CLI11)
 add_dependencies(pboxd pbox-init)
