@@ -26,9 +26,9 @@ def main():
           "(best of %d) | max/mean | LB |" % args.repeat)
     print("|---|---:|---:|---:|---:|---:|---:|")
     for align in ("trace", "row"):
+        a_trace = bp.alignment(fp8=True, fp8_align=align)
         row_align = bp.row_alignment(fp8=True, fp8_align=align)
-        padded = int(sum(-(-int(x) // bp.alignment(fp8=True, fp8_align=align))
-                         * bp.alignment(fp8=True, fp8_align=align) for x in lengths))
+        padded = int(((lengths + a_trace - 1) // a_trace * a_trace).sum())
         cap = int(padded / dp / m / 0.9995) // row_align * row_align
         best, s = float("inf"), None
         for _ in range(args.repeat):

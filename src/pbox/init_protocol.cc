@@ -592,11 +592,24 @@ std::string StreamPrefix(size_t frame_bytes) {
   return out;
 }
 
-bool ParseStreamPrefix(std::string_view prefix, size_t* frame_bytes, std::string* error) {
+namespace {
+
+// The u32 of a stream transport length prefix (frame or program preamble).
+bool PrefixLength(std::string_view prefix, const char* what, uint32_t* len, std::string* error) {
   Reader r(prefix);
+  if (prefix.size() != kStreamPrefixBytes || !r.U32(len)) {
+    return Fail(error, std::string(what) + " prefix must be " + std::to_string(kStreamPrefixBytes) +
+                           " bytes");
+  }
+  return true;
+}
+
+}  // namespace
+
+bool ParseStreamPrefix(std::string_view prefix, size_t* frame_bytes, std::string* error) {
   uint32_t len = 0;
-  if (prefix.size() != kStreamPrefixBytes || !r.U32(&len)) {
-    return Fail(error, "stream prefix must be " + std::to_string(kStreamPrefixBytes) + " bytes");
+  if (!PrefixLength(prefix, "stream", &len, error)) {
+    return false;
   }
   if (len < kHeaderBytes || len > kMaxFrameBytes) {
     return Fail(error, "stream frame length " + std::to_string(len) + " outside " +
@@ -614,10 +627,9 @@ std::string ProgramPreamble(std::string_view program) {
 }
 
 bool ParseProgramPrefix(std::string_view prefix, size_t* program_bytes, std::string* error) {
-  Reader r(prefix);
   uint32_t len = 0;
-  if (prefix.size() != kStreamPrefixBytes || !r.U32(&len)) {
-    return Fail(error, "program prefix must be " + std::to_string(kStreamPrefixBytes) + " bytes");
+  if (!PrefixLength(prefix, "program", &len, error)) {
+    return false;
   }
   if (len == 0 || len % 8 != 0 || len > kMaxProgramBytes) {
     return Fail(error, "seccomp program of " + std::to_string(len) +
