@@ -225,9 +225,11 @@ Stats HostExec(const std::vector<std::string>& argv, int rounds) {
   return st;
 }
 
-// The floor: the same bytes up and back down over one loopback TCP connection to an echo
-// thread (what any network service must at least pay).
-Stats LoopbackFloor(size_t bytes, int rounds) {
+// The floor: the same bytes (`payload`, the sandboxes' round trip's) up and back down over one
+// loopback TCP connection to an echo thread (what any network service must at least pay),
+// checked after each round as the sandboxes' are.
+Stats LoopbackFloor(const std::string& payload, int rounds) {
+  const size_t bytes = payload.size();
   bragg::UniqueFd ls(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -260,11 +262,11 @@ Stats LoopbackFloor(size_t bytes, int rounds) {
   if (::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     Die(bragg::ErrnoError("connect", "127.0.0.1"), "loopback floor");
   }
-  std::string data(bytes, 'x'), back(bytes, '\0');
+  std::string back(bytes, '\0');
   Stats st;
   for (int r = 0; r < rounds; ++r) {
     auto t0 = Clock::now();
-    std::thread sender([&] { (void)bragg::WriteAll(c.get(), data); });
+    std::thread sender([&] { (void)bragg::WriteAll(c.get(), payload); });
     size_t got = 0;
     while (got < bytes) {
       ssize_t n = ::read(c.get(), back.data() + got, bytes - got);
@@ -274,7 +276,11 @@ Stats LoopbackFloor(size_t bytes, int rounds) {
       got += static_cast<size_t>(n);
     }
     sender.join();
-    st.v.push_back(Ms(t0));
+    double ms = Ms(t0);
+    if (got != bytes || back != payload) {
+      Die(absl::DataLossError("the echoed bytes differ from the sent ones"), "loopback floor");
+    }
+    st.v.push_back(ms);
   }
   c.Reset();
   echo.join();
@@ -284,7 +290,8 @@ Stats LoopbackFloor(size_t bytes, int rounds) {
 // The floor for the concurrent phase: `conns` loopback TCP connections, each moving the same
 // bytes up and back at once, `rounds` times. Returns per-connection round trips; `gbps` gets
 // the aggregate rate (bytes both ways over the wall time of all rounds).
-Stats LoopbackFloorConcurrent(size_t bytes, size_t conns, int rounds, double* gbps) {
+Stats LoopbackFloorConcurrent(const std::string& payload, size_t conns, int rounds, double* gbps) {
+  const size_t bytes = payload.size();
   bragg::UniqueFd ls(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -336,7 +343,6 @@ Stats LoopbackFloorConcurrent(size_t bytes, size_t conns, int rounds, double* gb
     clients.push_back(std::move(c));
   }
   acceptor.join();
-  std::string data(bytes, 'x');
   Stats st;
   std::mutex mu;
   auto t_all = Clock::now();
@@ -344,10 +350,14 @@ Stats LoopbackFloorConcurrent(size_t bytes, size_t conns, int rounds, double* gb
     ParallelFor(conns, conns, [&](size_t i) {
       std::string back(bytes, '\0');
       auto t0 = Clock::now();
-      if (!bragg::WriteAll(clients[i].get(), data).ok() || !read_full(clients[i].get(), &back)) {
+      if (!bragg::WriteAll(clients[i].get(), payload).ok() || !read_full(clients[i].get(), &back)) {
         Die(absl::InternalError("short transfer"), "concurrent loopback floor");
       }
       double ms = Ms(t0);
+      if (back != payload) {
+        Die(absl::DataLossError("the echoed bytes differ from the sent ones"),
+            "concurrent loopback floor");
+      }
       std::lock_guard<std::mutex> lock(mu);
       st.v.push_back(ms);
     });
@@ -477,9 +487,10 @@ int main(int argc, char** argv) {
   std::cerr << fmt::format("pbox-bench: {} sandboxes, runtime {}, {} rounds, agent cpus {}\n",
                            sandboxes, rt, rounds, info->cpuset());
 
-  // create -> first exec ready
+  // create -> first exec ready; and create, then the first `true` run to its exit (the time
+  // until a first command has run, whatever a runtime counts as ready).
   std::vector<std::string> ids(sandboxes);
-  Stats create;
+  Stats create, create_exec;
   std::mutex mu;
   auto t_create = Clock::now();
   // One at a time: the latency a rollout sees, with up to N-1 sandboxes already live.
@@ -495,9 +506,15 @@ int main(int argc, char** argv) {
       Die(sb.status(), "CreateSandbox");
     }
     double ms = Ms(t0);
+    auto first = client.Run(bragg::pbox::client::RunArgs{.sandbox_id = sb->id(), .argv = {"true"}});
+    double ms_exec = Ms(t0);
+    if (!first.ok() || first->result().exit_code() != 0) {
+      Die(first.ok() ? absl::InternalError(first->stderr()) : first.status(), "first Run");
+    }
     ids[i] = sb->id();
     std::lock_guard<std::mutex> lock(mu);
     create.v.push_back(ms);
+    create_exec.v.push_back(ms_exec);
     if (create.v.size() % 25 == 0) {
       std::cerr << fmt::format("  created {}/{}\n", create.v.size(), sandboxes);
     }
@@ -642,12 +659,12 @@ int main(int argc, char** argv) {
     }
   }
 
-  Stats floor = LoopbackFloor(kMiB, std::max(rounds * 20, 50));
+  Stats floor = LoopbackFloor(payload, std::max(rounds * 20, 50));
   std::cerr << fmt::format("  loopback TCP floor, 1 MiB up and back: p50 {:.3f} ms\n",
                            floor.Pct(50));
 
   double floor_gbps = 0;
-  Stats floor_conc = LoopbackFloorConcurrent(kMiB, sandboxes, rounds, &floor_gbps);
+  Stats floor_conc = LoopbackFloorConcurrent(payload, sandboxes, rounds, &floor_gbps);
   std::cerr << fmt::format("  loopback TCP floor, {} at once: p50 {:.3f} ms, {:.2f} GB/s\n",
                            sandboxes, floor_conc.Pct(50), floor_gbps);
 
@@ -666,6 +683,7 @@ int main(int argc, char** argv) {
       {"rounds", rounds},
       {"metrics",
        {{"create_ms", create.Json()},
+        {"create_exec_ms", create_exec.Json()},
         {"exec_true_ms", exec_true.Json()},
         {"exec_python_ms", exec_python.Json()},
         {"rtt_1mib_ms", rtt.Json()},

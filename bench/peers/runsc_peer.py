@@ -18,7 +18,11 @@ With --cgroup (cgroup v1) it is placed instead, as pbox places it, in a cgroup o
 the cpu, cpuacct, cpuset (one CPU, in turn), memory (1 GiB limit), pids (512) and freezer
 hierarchies, joined through `tasks` before `runsc` is executed.
 
-- create: `runsc run` until pbox-init's Ready frame;
+- create: from the first step of the sandbox's bundle (its directories, the tmpfs, overlay and
+  /usr mounts made with mount(2), config.json, and with --cgroup its cgroups) until pbox-init's
+  Ready frame, the interval pbox-bench times for pbox (whose agent does the same steps inside
+  CreateSandbox); `create_runsc_ms` is the `runsc run` -> Ready part of it alone;
+- create_exec: create, then `true` run to its exit (the first command);
 - exec: Spawn of `true` / `python3 -c pass` until its Exited frame;
 - 1 MiB round trip: `cat > /tmp/bench.bin` fed by Stdin frames, then `cat /tmp/bench.bin`
   read back from Output frames, bytes checked; one sandbox at a time, then all at once;
@@ -30,6 +34,7 @@ missing, or the first sandbox cannot start.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -67,6 +72,18 @@ def spawn_frame(fid, argv, flags):
     cwd = b"/"
     return frame(SPAWN, fid, struct.pack("<I", flags | STREAM_STDIO) +
                  struct.pack("<I", len(cwd)) + cwd + strlist(argv) + strlist(ENV))
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
+
+
+def mount(source, target, fstype, flags, data):
+    """mount(2) itself: a `mount` command per mount would time a fork and exec of mount(8)."""
+    if LIBC.mount(source.encode(), target.encode(), fstype.encode() if fstype else None,
+                  ctypes.c_ulong(flags), data.encode() if data else None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
 CGROUP_V1 = "/sys/fs/cgroup"
@@ -160,19 +177,27 @@ class Sandbox:
             raise
 
     def _start(self, name, args):
+        preamble = b""
+        isolate = getattr(args, "isolate", "")
+        if isolate:  # the program preamble (init_protocol.h): pbox's agent holds it in memory
+            with open(isolate, "rb") as f:
+                program = f.read()
+            preamble = struct.pack("<I", len(program)) + program
+        t = time.monotonic()
         os.makedirs(self.dir + "/layer")
         os.makedirs(self.dir + "/rootfs")
-        self._mount(["-t", "tmpfs", "-o", "size=1g", "pbox"], "/layer")
+        self._mount("pbox", "/layer", "tmpfs", MS_NOSUID | MS_NODEV, "size=1g")
         os.makedirs(self.dir + "/layer/upper")
         os.makedirs(self.dir + "/layer/work")
-        self._mount(["-t", "overlay", "-o",
-                     f"lowerdir={args.skeleton},upperdir={self.dir}/layer/upper,"
-                     f"workdir={self.dir}/layer/work", "overlay"], "/rootfs")
-        self._mount(["--bind", "-o", "ro", "/usr"], "/rootfs/usr")
+        self._mount("overlay", "/rootfs", "overlay", MS_NOSUID | MS_NODEV,
+                    f"lowerdir={args.skeleton},upperdir={self.dir}/layer/upper,"
+                    f"workdir={self.dir}/layer/work")
+        self._mount("/usr", "/rootfs/usr", "", MS_BIND, "")
+        mount("", self.dir + "/rootfs/usr", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID |
+              MS_NODEV, "")
         # --isolate FILE: pbox-init puts commands in a PID namespace of their own and loads
         # this seccomp program, sent ahead of the frames on its stdin, as under pbox's gVisor
         # runtime (docs/pbox.md); it needs the two capabilities pbox's bundle gives it for that.
-        isolate = getattr(args, "isolate", "")
         config = {
             "ociVersion": "1.0.0",
             "process": {"terminal": False, "user": {"uid": 0, "gid": 0},
@@ -211,12 +236,7 @@ class Sandbox:
             else:
                 def pin():
                     os.sched_setaffinity(0, {cpu})
-        preamble = b""
-        if isolate:  # the program preamble (init_protocol.h), made before the clock starts
-            with open(isolate, "rb") as f:
-                program = f.read()
-            preamble = struct.pack("<I", len(program)) + program
-        t = time.monotonic()
+        t_run = time.monotonic()
         with open(self.dir + "/runsc.log", "w") as log:
             self.proc = subprocess.Popen(
                 [args.runsc, "--root", self.dir + "/runsc-root", "--platform", args.platform,
@@ -229,10 +249,14 @@ class Sandbox:
         typ, _, _ = self.read()
         if typ != READY:
             raise RuntimeError(f"expected Ready from pbox-init, got {typ:#x}")
-        self.create_ms = (time.monotonic() - t) * 1000.0
+        now = time.monotonic()
+        self.create_ms = (now - t) * 1000.0
+        self.create_runsc_ms = (now - t_run) * 1000.0
+        self.run(["true"])  # the first command, as pbox-bench runs one after each create
+        self.create_exec_ms = (time.monotonic() - t) * 1000.0
 
-    def _mount(self, opts, sub):
-        subprocess.check_call(["mount"] + opts + [self.dir + sub])
+    def _mount(self, source, sub, fstype, flags, data):
+        mount(source, self.dir + sub, fstype, flags, data)
         self.mounts.append(self.dir + sub)
 
     def read(self):
@@ -346,8 +370,10 @@ def main():
                     peerlib.skip(f"runsc cannot start a sandbox here: {str(e).splitlines()[-1]}")
                 raise
         create = [b.create_ms for b in boxes]
-        print(f"runsc: {n} sandboxes, create p50 {peerlib.pct(create, 50):.1f} ms",
-              file=sys.stderr)
+        create_runsc = [b.create_runsc_ms for b in boxes]
+        create_exec = [b.create_exec_ms for b in boxes]
+        print(f"runsc: {n} sandboxes, create p50 {peerlib.pct(create, 50):.1f} ms "
+              f"(runsc run -> Ready {peerlib.pct(create_runsc, 50):.1f} ms)", file=sys.stderr)
 
         def exec_all(argv):
             return [b.run(argv)[0] for _ in range(args.rounds) for b in boxes]
@@ -387,14 +413,18 @@ def main():
         version = subprocess.run([args.runsc, "--version"], capture_output=True,
                                  text=True).stdout.splitlines()[0]
         peerlib.write_result(
-            args.json, "runsc-by-hand-pinned" if args.pin else "runsc-by-hand", n,
-            {"create_ms": peerlib.summary(create), "exec_true_ms": peerlib.summary(exec_true),
+            args.json, "runsc-by-hand" + ("-pinned" if args.pin else "") +
+            ("-isolated" if args.isolate else ""), n,
+            {"create_ms": peerlib.summary(create), "create_runsc_ms": peerlib.summary(create_runsc),
+             "create_exec_ms": peerlib.summary(create_exec),
+             "exec_true_ms": peerlib.summary(exec_true),
              "exec_python_ms": peerlib.summary(exec_python), "rtt_1mib_ms": peerlib.summary(rtt),
              "rtt_1mib_concurrent_ms": peerlib.summary(rtt_conc)},
             gbps, peerlib.tools_json(names, tool_ms),
             [f"{version}, --platform={args.platform} --network=none --file-access=shared "
              f"--ignore-cgroups (no memory limit), {n} sandboxes, pbox-init --stream driven "
-             "directly, /usr bound read-only; files travel as stdin/stdout of cat"
+             "directly, /usr bound read-only; files travel as stdin/stdout of cat; create timed "
+             "from the bundle's first step (mounts through mount(2), config.json) to Ready"
              + ("; pbox-init --isolate (commands in their own PID namespace)" if args.isolate
                 else "")
              + (f"; each sandbox pinned to one of CPUs {args.pin_cpus} in turn "
