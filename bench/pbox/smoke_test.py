@@ -22,6 +22,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METRICS = ["create_ms", "exec_true_ms", "exec_python_ms", "rtt_1mib_ms", "rtt_1mib_concurrent_ms"]
+# Beyond the contract: every system's create and first `true`; runsc's `runsc run` alone.
+CREATE_EXEC = ["create_exec_ms"]
+RUNSC_EXTRA = ["create_exec_ms", "create_runsc_ms"]
 # Two cheap tools stand in for bench/pbox/tools (whose numpy and scipy imports cost seconds on
 # a loaded machine): the contract is the same, and --tools is exercised.
 TOOLS = ["echo_seed", "write_file"]
@@ -57,6 +60,11 @@ def check_shape(d, who, sandboxes, counts, tool_samples, metrics=METRICS):
             check(e["p50"] <= e["p99"], f"{who}: {key} p50 <= p99 ({e})")
         if key in counts:
             check(e.get("n") == counts[key], f"{who}: {key} n == {counts[key]} ({e.get('n')})")
+    # Create and a first command take longer than the create alone; `runsc run` alone, less.
+    for longer, shorter in (("create_exec_ms", "create_ms"), ("create_ms", "create_runsc_ms")):
+        if longer in m and shorter in m:
+            check(m[longer].get("p50", 0) >= m[shorter].get("p50", 1),
+                  f"{who}: {longer} p50 >= {shorter} p50 ({m[longer]}, {m[shorter]})")
     check(positive(d.get("throughput_gbps")), f"{who}: throughput_gbps positive")
     tools = d.get("tools", {})
     want = TOOLS if tool_samples else []
@@ -103,9 +111,9 @@ def main():
             with open(out) as f:
                 d = json.load(f)
             check(json.loads(p.stdout) == d, "stdout and --json hold the same object")
-            counts = {"create_ms": 3, "exec_true_ms": 6, "exec_python_ms": 6, "rtt_1mib_ms": 6,
-                      "rtt_1mib_concurrent_ms": 6}
-            check_shape(d, "pbox-bench", 3, counts, 2)
+            counts = {"create_ms": 3, "create_exec_ms": 3, "exec_true_ms": 6,
+                      "exec_python_ms": 6, "rtt_1mib_ms": 6, "rtt_1mib_concurrent_ms": 6}
+            check_shape(d, "pbox-bench", 3, counts, 2, METRICS + CREATE_EXEC)
             floor = d.get("floor", {})
             check(floor.get("runtime") == "floor", "floor: runtime is 'floor'")
             check_shape(floor, "floor", 3, {"rtt_1mib_concurrent_ms": 6}, 2,
@@ -149,7 +157,8 @@ def main():
             with open(out) as f:
                 d = json.load(f)
             check(d.get("runtime") == "podman-runc", "podman peer: runtime is podman-runc")
-            check_shape(d, "podman peer", 1, {m: 1 for m in METRICS}, 1)
+            check_shape(d, "podman peer", 1, {m: 1 for m in METRICS + CREATE_EXEC}, 1,
+                        METRICS + CREATE_EXEC)
         print(f"podman part: {time.monotonic() - t1:.1f} s")
 
     # The gVisor runtime's peer: runsc by hand on pbox-init (the one beside pboxd); no tools,
@@ -170,8 +179,39 @@ def main():
                 d = json.load(f)
             check(d.get("runtime") == "runsc-by-hand", "runsc peer: runtime is runsc-by-hand")
             check(d.get("peer_of") == "gvisor", "runsc peer: the peer of pbox's gVisor runtime")
-            check_shape(d, "runsc peer", 1, {m: 1 for m in METRICS}, 0)
+            check_shape(d, "runsc peer", 1, {m: 1 for m in METRICS + RUNSC_EXTRA}, 0,
+                        METRICS + RUNSC_EXTRA)
         print(f"runsc part: {time.monotonic() - t2:.1f} s")
+
+        # The isolated runsc peer: pbox-init --isolate with the program pboxd wrote.
+        program = os.path.join(tmp, "state/gvisor/seccomp.bpf")
+        out = os.path.join(tmp, "runsc-isolated.json")
+        env = dict(os.environ, PBOX_INIT=os.path.join(os.path.dirname(os.path.abspath(pboxd)),
+                                                      "pbox-init"), PBOX_INIT_SECCOMP=program)
+        argv = ["/usr/bin/python3", os.path.join(ROOT, "bench/peers/runsc_isolated_peer.py"),
+                "--sandboxes", "1", "--rounds", "1", "--tool-samples", "0", "--tools", tools]
+        if not os.path.isfile(program):
+            print("isolated runsc peer not run: this pboxd offers no gVisor runtime")
+        else:
+            t3 = time.monotonic()
+            p = subprocess.run(argv + ["--json", out], capture_output=True, text=True,
+                               timeout=120, env=env)
+            check(p.returncode == 0, f"isolated runsc peer exits 0 ({p.returncode}: "
+                  f"{p.stderr[-800:]})")
+            if p.returncode == 0:
+                with open(out) as f:
+                    d = json.load(f)
+                check(d.get("runtime") == "runsc-by-hand-pinned-isolated",
+                      f"isolated runsc peer: runtime ({d.get('runtime')})")
+                check_shape(d, "isolated runsc peer", 1,
+                            {m: 1 for m in METRICS + RUNSC_EXTRA}, 0, METRICS + RUNSC_EXTRA)
+            print(f"isolated runsc part: {time.monotonic() - t3:.1f} s")
+        # Without a program it is skipped with a note, not run unisolated.
+        env["PBOX_INIT_SECCOMP"] = os.path.join(tmp, "no-such-program")
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        check(p.returncode == 3 and "seccomp" in p.stderr,
+              f"isolated runsc peer without a program exits 3 ({p.returncode}: "
+              f"{p.stderr[-300:]})")
     shutil.rmtree(tmp, ignore_errors=True)
     if failures:
         print(f"{len(failures)} check(s) failed")
