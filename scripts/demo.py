@@ -1,11 +1,19 @@
 #!/usr/bin/python3
-"""make demo: a rollout-like workload against a real pboxd, through the Python client.
+"""make demo: Bragg end to end on this machine, through its Python clients.
 
-Starts pboxd on a temp socket (binaries from --build), opens a session, creates 100 sandboxes
-at once, and in each: uploads a 1 MiB numpy array of a diffraction-like signal, runs an FFT +
-peak-finding analysis with numpy inside the sandbox, downloads its JSON result and checks it
-against the same computation done here. Prints progress, then p50/p99 latencies and
-throughput; destroys everything, stops the agent. Exits 0 only if every check held.
+Part 1: starts pboxd on a temp socket (binaries from --build), opens a session, creates 100
+sandboxes at once, and in each: uploads a 1 MiB numpy array of a diffraction-like signal, runs
+an FFT + peak-finding analysis with numpy inside the sandbox, downloads its JSON result and
+checks it against the same computation done here. Prints progress, then p50/p99 latencies and
+throughput.
+
+Part 2 (scripts/demo_rollout.py, --skip-rollout-step to leave it out): one RL rollout step:
+multi-turn rollouts through bragg-gateway (sticky) over simulated SGLang workers, their tool
+calls in pbox sandboxes on the same agent, a trainer checkpoint converted by bragg-reshard and
+loaded by the whole fleet in place mid-rollout, delta router replay, and the trajectories
+packed for training by bragg_pack.
+
+Destroys everything, stops the agent. Exits 0 only if every check held.
 """
 
 from __future__ import annotations
@@ -91,6 +99,8 @@ def main() -> int:
     ap.add_argument("--build", default="build", help="CMake build directory")
     ap.add_argument("--sandboxes", type=int, default=N_SANDBOXES)
     ap.add_argument("--workers", type=int, default=16, help="client threads")
+    ap.add_argument("--skip-rollout-step", action="store_true",
+                    help="part 1 only: no gateway, workers, trainer checkpoint or packing")
     args = ap.parse_args()
 
     build = Path(args.build).resolve()
@@ -127,6 +137,12 @@ def main() -> int:
                 return 1
             time.sleep(0.05)
         ok = run_workload(pbox, f"unix://{root}/pbox.sock", args.sandboxes, args.workers)
+        if ok and not args.skip_rollout_step:
+            import demo_rollout
+
+            print("\n== one RL rollout step: gateway, simulated workers, pbox tools, "
+                  "bragg-reshard weights, bragg_pack ==", flush=True)
+            ok = demo_rollout.run_rollout_step(build, pbox, f"unix://{root}/pbox.sock", root)
     finally:
         if agent.poll() is None:
             agent.send_signal(signal.SIGTERM)
