@@ -5,7 +5,7 @@ run, repeats each configuration, and writes the pbox part of docs/benchmarks.md 
 pbox-bench markers; the other sections are kept) with charts in docs/img/.
 
     bench/pbox/run.py --build build [--sandboxes 100] [--gvisor-sandboxes 50] [--repeat 4]
-                      [--rounds 2] [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 600]
+                      [--rounds 2] [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 660]
 
 Per metric: min / median / max over the runs of each run's p50, the median p99, and the ratio
 of each system's median p50 to pbox's; the floor (the host without isolation, loopback TCP) is
@@ -508,7 +508,7 @@ def main():
     ap.add_argument("--peer-rounds", type=int, default=1)
     ap.add_argument("--pboxd-arg", action="append", default=[],
                     help="extra pboxd argument (repeatable), e.g. for a runtime's setup")
-    ap.add_argument("--budget-s", type=float, default=600,
+    ap.add_argument("--budget-s", type=float, default=660,
                     help="stop repeating when another repeat would end past this")
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs/benchmarks.md"))
     ap.add_argument("--no-doc", action="store_true", help="print the section, write nothing")
