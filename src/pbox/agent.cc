@@ -323,6 +323,7 @@ Status RunAgent(const AgentConfig& config) {
     }
     DataServerOptions data_options;
     data_options.max_connections = config.max_data_connections;
+    data_options.stall_timeout = std::chrono::milliseconds(config.data_stall_timeout_ms);
     BRAGG_ASSIGN_OR_RETURN(data_server,
                            DataServer::Start(&tickets, unix_paths, tcp_hosts, config.data_port,
                                              data_options, &metrics));

@@ -39,6 +39,7 @@ struct AgentConfig {
   uint16_t data_port = 0;                   // TCP port of the data channel; 0: a free one
   uint32_t transfer_ticket_ttl_ms = 10000;  // an unused transfer ticket lapses after this
   uint32_t max_data_connections = 1024;
+  uint32_t data_stall_timeout_ms = 30000;  // a data transfer (or a request header) stalled
 };
 
 // What ReapAgentState found and removed.

@@ -84,6 +84,35 @@ Result<size_t> ReadFull(int fd, char* out, size_t size, milliseconds timeout) {
   return got;
 }
 
+// ReadFull within one overall deadline (a request's header: a peer that sends it a byte at a
+// time must not hold the connection, and its thread, for stall_timeout per byte).
+Result<size_t> ReadFullBy(int fd, char* out, size_t size,
+                          std::chrono::steady_clock::time_point by) {
+  size_t got = 0;
+  while (got < size) {
+    ssize_t n = ::recv(fd, out + got, size - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) {
+      break;
+    }
+    if (errno == EINTR) {
+      continue;
+    }
+    if (errno != EAGAIN) {
+      return ErrnoError("recv", "data connection");
+    }
+    auto left = std::chrono::duration_cast<milliseconds>(by - std::chrono::steady_clock::now());
+    if (left <= milliseconds(0)) {
+      return absl::DeadlineExceededError("data connection: the request header did not arrive");
+    }
+    BRAGG_RETURN_IF_ERROR(WaitFor(fd, POLLIN, left, "data connection"));
+  }
+  return got;
+}
+
 Status WriteFull(int fd, std::string_view data, milliseconds timeout, int flags = 0) {
   while (!data.empty()) {
     ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL | flags);
@@ -476,7 +505,12 @@ void DataServer::AcceptLoop() {
         }
         UniqueFd sock(c);
         std::unique_lock<std::mutex> lock(mu_);
-        if (open_.size() >= options_.max_connections) {
+        if (open_.size() >= options_.max_connections && !waiting_.empty()) {
+          // Room from the longest idle connection: its thread sees EOF and ends (its client
+          // finds the connection closed when it next takes it from its pool, and dials again).
+          ::shutdown(waiting_.front(), SHUT_RDWR);
+          waiting_.erase(waiting_.begin());
+        } else if (open_.size() >= options_.max_connections) {
           lock.unlock();
           DataStatus busy = StatusFrame(absl::ResourceExhaustedError(
               fmt::format("the agent has {} data connections open, its limit: retry, or close idle "
@@ -515,11 +549,21 @@ void DataServer::Serve(UniqueFd sock) {
   bool pipe_ready = false;
   for (bool first = true;; first = false) {
     // Between transfers a pooled connection may sit idle; mid-request it may not stall.
-    if (!WaitFor(fd, POLLIN, first ? options_.stall_timeout : options_.idle_timeout, "data").ok()) {
+    if (!first) {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_.push_back(fd);
+    }
+    const bool woke =
+        WaitFor(fd, POLLIN, first ? options_.stall_timeout : options_.idle_timeout, "data").ok();
+    if (!first) {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::erase(waiting_, fd);
+    }
+    if (!woke) {
       break;
     }
     char head[kDataRequestBytes];
-    Result<size_t> got = ReadFull(fd, head, sizeof(head), options_.stall_timeout);
+    Result<size_t> got = ReadFullBy(fd, head, sizeof(head), Clock::now() + options_.stall_timeout);
     if (!got.ok() || *got == 0) {
       break;
     }
@@ -592,6 +636,7 @@ void DataServer::Serve(UniqueFd sock) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   open_.erase(fd);
+  std::erase(waiting_, fd);
   sock.Reset();
   idle_.notify_all();
 }

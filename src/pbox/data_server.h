@@ -8,7 +8,9 @@
 // wire format is data_protocol.h.
 //
 // Every connection has its own thread, never a gRPC one, so a slow data client holds only
-// its own; connections are capped, and one that makes no progress for stall_timeout (or sits
+// its own; connections are capped (at the cap an idle one is closed to make room; a request's
+// header must arrive whole within stall_timeout), and one that makes no progress for
+// stall_timeout (or sits
 // idle between transfers for idle_timeout) is closed.
 
 #include <atomic>
@@ -79,6 +81,10 @@ class DataServer {
   mutable std::mutex mu_;
   std::condition_variable idle_;
   std::set<int> open_;  // sockets of live connections, shut down by the destructor
+  // Those of open_ idle between transfers: at the connection limit the oldest of them is shut
+  // down to make room (clients keep pools of idle connections and dial again when one closes).
+  // Shut down and closed only under mu_, so a number here is always the connection's.
+  std::vector<int> waiting_;
   bool stopping_ = false;
 };
 

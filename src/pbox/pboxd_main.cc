@@ -92,6 +92,11 @@ int main(int argc, char** argv) {
                  "data-channel connections open at once")
       ->capture_default_str()
       ->check(CLI::Range(1u, 65536u));
+  app.add_option("--data-stall-timeout-ms", config.data_stall_timeout_ms,
+                 "a data-channel transfer that moves no byte for this long fails; a request "
+                 "header must arrive whole within it")
+      ->capture_default_str()
+      ->check(CLI::Range(100u, 3600000u));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   bool reap = false;

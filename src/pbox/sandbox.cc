@@ -198,10 +198,13 @@ Status RunningCommand::Signal(int signal) {
   if (signal <= 0 || signal >= NSIG) {
     return absl::InvalidArgumentError(fmt::format("bad signal number {}", signal));
   }
+  if (signal == SIGKILL) {
+    client_killed_.store(true);
+  }
   return sandbox_->runtime_->init()->Kill(handle_->id(), signal, /*whole_tree=*/false);
 }
 
-CommandResult RunningCommand::Pump(OutputSink& sink) {
+CommandResult RunningCommand::Pump(OutputSink& sink, const std::function<bool()>& cancelled) {
   using Clock = std::chrono::steady_clock;
   CommandResult result;
   const bool has_deadline = timeout_.count() > 0;
@@ -233,6 +236,10 @@ CommandResult RunningCommand::Pump(OutputSink& sink) {
       done_idx = n;
       fds[n++] = {handle_->done_fd(), POLLIN, 0};
     }
+    if (cancelled && !killed && !exited_at.has_value() && cancelled()) {
+      result.cancelled = true;
+      kill_tree();
+    }
     int wait_ms = -1;
     Clock::time_point now = Clock::now();
     if (exited_at.has_value()) {
@@ -249,6 +256,9 @@ CommandResult RunningCommand::Pump(OutputSink& sink) {
       }
       wait_ms =
           static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count());
+    }
+    if (cancelled && !killed) {
+      wait_ms = wait_ms < 0 ? kCancelPollMs : std::min(wait_ms, kCancelPollMs);
     }
     int r = ::poll(fds, static_cast<nfds_t>(n), wait_ms);
     if (r < 0) {
@@ -320,7 +330,7 @@ CommandResult RunningCommand::Pump(OutputSink& sink) {
   // pbox-init reported this exit, so it outlived every OOM kill counted before the command
   // started, and (but for a kill in the instant since) those counted now.
   uint64_t survived = oom_kills_before_;
-  if (exit->signal == SIGKILL && !result.timed_out) {
+  if (exit->signal == SIGKILL && !result.timed_out && !result.cancelled && !client_killed_.load()) {
     auto ooms = sandbox_->cgroup_->OomKills();
     if (ooms.ok() && *ooms > oom_kills_before_) {
       result.oom_killed = true;

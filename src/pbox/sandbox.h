@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,6 +50,7 @@ struct CommandResult {
   int signal = 0;
   bool timed_out = false;
   bool oom_killed = false;
+  bool cancelled = false;  // the caller went away (Pump's `cancelled`): the tree was killed
   uint64_t stdout_bytes = 0;
   uint64_t stderr_bytes = 0;
   double wall_ms = 0;
@@ -76,7 +78,10 @@ class RunningCommand {
   // Streams output to `sink` until the command exits (and its pipes drain, or 200 ms pass
   // after exit if a background process keeps them open), its timeout expires (the whole
   // process tree is killed), or the sink refuses data. Then returns what happened.
-  CommandResult Pump(OutputSink& sink);
+  // `cancelled`, when given, is asked at least every kCancelPollMs while the command runs:
+  // once it says true (the caller went away), the whole process tree is killed the same way.
+  CommandResult Pump(OutputSink& sink, const std::function<bool()>& cancelled = {});
+  static constexpr int kCancelPollMs = 250;
   // Blocks while the pipe is full. FailedPrecondition if stdin was not requested or closed.
   Status WriteStdin(std::string_view data);
   void CloseStdin();
@@ -94,6 +99,8 @@ class RunningCommand {
   std::chrono::milliseconds timeout_{0};
   std::chrono::steady_clock::time_point started_;
   uint64_t oom_kills_before_ = 0;
+  // The client sent SIGKILL itself (Signal): such a death is not the OOM killer's.
+  std::atomic<bool> client_killed_{false};
 };
 
 // Thread-safe.

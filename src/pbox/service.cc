@@ -499,7 +499,9 @@ grpc::Status PboxService::Exec(
     reader_done.set_value();
   });
   StreamSink sink(stream);
-  CommandResult result = running->Pump(sink);
+  // A cancelled call (the client cancelled, died, or its deadline passed) kills the command:
+  // nothing would read its output, and it would hold the client's exec slot.
+  CommandResult result = running->Pump(sink, [ctx] { return ctx->IsCancelled(); });
   running->CloseStdin();
   metrics_->exec_seconds->Observe(result.wall_ms / 1000.0);
   if (result.timed_out) {
@@ -567,7 +569,7 @@ grpc::Status PboxService::Run(grpc::ServerContext* ctx, const v1::RunRequest* re
     });
   }
   BufferSink sink(cap);
-  CommandResult result = running->Pump(sink);
+  CommandResult result = running->Pump(sink, [ctx] { return ctx->IsCancelled(); });
   running->CloseStdin();
   if (writer.joinable()) {
     writer.join();

@@ -630,5 +630,68 @@ TEST(TransferFallbackTest, AgentWithoutDataChannelUsesGrpc) {
   EXPECT_FALSE(::access(((*a)->unix_endpoint().substr(7) + ".data").c_str(), F_OK) == 0);
 }
 
+// A data channel of 2 connections and a 600 ms stall limit.
+class DataLimitsTest : public SharedAgentTest<DataLimitsTest> {
+ public:
+  static std::vector<std::string> AgentFlags() {
+    return {"--max-sandboxes",         "4",  "--max-data-connections", "2",
+            "--data-stall-timeout-ms", "600"};
+  }
+};
+
+TEST_F(DataLimitsTest, AHeaderSentAByteAtATimeIsCutOff) {
+  // Each byte within the stall limit, the whole header in 4.8 s: the header's deadline is one,
+  // so the connection (and its thread) goes well before the last byte.
+  Raw raw(agent_->unix_endpoint() + ".data");
+  const std::string head =
+      EncodeDataRequest({.op = DataOp::kDownload, .size = 0, .ticket = Ticket{}});
+  auto closed = [&] {
+    struct pollfd p = {raw.fd(), POLLIN, 0};
+    char c;
+    return ::poll(&p, 1, 0) == 1 && ::recv(raw.fd(), &c, 1, MSG_DONTWAIT) <= 0;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  size_t sent = 0;
+  while (sent < head.size() && !closed()) {
+    if (::send(raw.fd(), head.data() + sent, 1, MSG_NOSIGNAL) != 1) {
+      break;
+    }
+    ++sent;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_LT(sent, head.size()) << "the agent waited for the whole header, a byte at a time";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
+}
+
+TEST_F(DataLimitsTest, IdleConnectionsMakeRoomAtTheLimit) {
+  v1::SandboxSpec spec;
+  spec.set_memory_bytes(128 << 20);
+  auto sb = client_->Create(spec);
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  const std::string id = sb->id();
+  // Two clients each keep one idle pooled data connection: the agent's limit of 2.
+  auto a = agent_->NewClient();
+  auto b = agent_->NewClient();
+  auto c = agent_->NewClient();
+  ASSERT_TRUE(a->WriteFile(id, "/a", "one").ok());
+  ASSERT_TRUE(b->WriteFile(id, "/b", "two").ok());
+  ASSERT_TRUE(a->uses_data_channel() && b->uses_data_channel());
+  // The agent's threads of those connections go back to waiting (idle) just after replying.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // A third client's transfer is not refused: an idle connection makes room for it.
+  auto w = c->WriteFile(id, "/c", "three");
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(c->uses_data_channel());
+  // The clients whose idle connections went still transfer (they dial again, or fall back).
+  for (int round = 0; round < 3; ++round) {
+    for (auto* cl : {a.get(), b.get(), c.get()}) {
+      auto r = cl->ReadFile(id, "/c");
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(*r, "three");
+    }
+  }
+  EXPECT_TRUE(client_->Destroy(id).ok());
+}
+
 }  // namespace
 }  // namespace bragg::pbox::testing

@@ -200,3 +200,58 @@ def test_concurrent_execs_in_one_sandbox(sandbox: pbox.Sandbox) -> None:
         t.join()
     assert time.monotonic() - t0 < 4  # concurrent, not 8 x 0.2 s in a row plus slack
     assert all(results[i].stdout == f"{i}\n".encode() for i in range(8))
+
+
+def _wait_running_execs(sandbox: pbox.Sandbox, want: int, what: str, limit_s: float = 15) -> None:
+    deadline = time.monotonic() + limit_s
+    while sandbox.refresh().running_execs != want:
+        assert time.monotonic() < deadline, f"{what}: running_execs stayed " \
+            f"{sandbox.refresh().running_execs}, expected {want}"
+        time.sleep(0.05)
+
+
+SLEEPERS = ("import os\n"
+            "n = 0\n"
+            "for p in os.listdir('/proc'):\n"
+            "    try:\n"
+            "        n += p.isdigit() and open(f'/proc/{p}/cmdline', 'rb').read() == "
+            "b'sleep\\x003600\\x00'\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "print(n)\n")
+
+
+def test_cancelled_exec_kills_its_command(sandbox: pbox.Sandbox) -> None:
+    # A silent command: nothing it writes would tell the agent that the client is gone.
+    proc = sandbox.exec(["sleep", "3600"])
+    _wait_running_execs(sandbox, 1, "exec started")
+    proc.cancel()
+    _wait_running_execs(sandbox, 0, "after cancel")
+    assert sandbox.run(["/usr/bin/python3", "-c", SLEEPERS]).stdout == b"0\n"
+
+
+def test_cancelled_run_kills_its_command(client: pbox.Client, sandbox: pbox.Sandbox) -> None:
+    from pbox import _common as c
+
+    req, _ = c.run_request(sandbox.id, ["sleep", "3600"], None, None, None, None, None)
+    call = client._stub.Run.future(req, metadata=client._md)
+    _wait_running_execs(sandbox, 1, "run started")
+    call.cancel()
+    _wait_running_execs(sandbox, 0, "after cancel")
+    assert sandbox.run(["/usr/bin/python3", "-c", SLEEPERS]).stdout == b"0\n"
+
+
+def test_client_sigkill_is_not_reported_as_oom(sandbox: pbox.Sandbox) -> None:
+    # A sibling dies of the OOM killer while this command is killed by the client's SIGKILL:
+    # only the sibling is an OOM kill.
+    if on_gvisor():
+        pytest.skip("under gVisor the OOM killer takes the sentry, so the whole sandbox")
+    with sandbox.exec(["sleep", "3600"]) as victim:
+        _wait_running_execs(sandbox, 1, "exec started")
+        hog = sandbox.run(["/usr/bin/python3", "-c",
+                           "b = []\nwhile True: b.append(bytearray(16 << 20))"], timeout=60)
+        victim.kill()
+        res = victim.wait()
+    assert res.signal == signal.SIGKILL
+    assert hog.oom_killed, f"the hog was not OOM-killed: {hog.describe()}"
+    assert not res.oom_killed, "a client SIGKILL was reported as an OOM kill"
