@@ -21,6 +21,7 @@
 #include "fmt/format.h"
 #include "nlohmann/json.hpp"
 #include "pbox/init_protocol.h"
+#include "pbox/read_only_tree.h"
 #include "pbox/seccomp_filter.h"
 #include "spdlog/spdlog.h"
 
@@ -564,9 +565,18 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
     BRAGG_ASSIGN_OR_RETURN(ScopedMount m,
                            ScopedMount::Mount(b.source, target, "", MS_BIND | MS_REC));
     inner.push_back(std::move(m));
-    if (::mount(nullptr, target.c_str(), nullptr,
-                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
-      return ErrnoError("mount", "read-only remount of " + target);
+    if (int err = SetTreeReadOnly(target.c_str()); err == ENOSYS) {
+      // An older kernel: a plain bind, without the mounts beneath the source, which a
+      // remount would leave writable.
+      inner.pop_back();
+      BRAGG_ASSIGN_OR_RETURN(ScopedMount plain, ScopedMount::Mount(b.source, target, "", MS_BIND));
+      inner.push_back(std::move(plain));
+      if (::mount(nullptr, target.c_str(), nullptr,
+                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
+        return ErrnoError("mount", "read-only remount of " + target);
+      }
+    } else if (err != 0) {
+      return ErrnoError("mount_setattr", "read-only " + target, err);
     }
   }
   {

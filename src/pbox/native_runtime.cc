@@ -25,6 +25,7 @@
 #include "common/fs.h"
 #include "common/process.h"
 #include "fmt/format.h"
+#include "pbox/read_only_tree.h"
 #include "spdlog/spdlog.h"
 
 namespace bragg::pbox {
@@ -253,8 +254,19 @@ Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
     if (::mount(source.c_str(), target.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) {
       Fail(plan, kStepBind);
     }
-    if (::mount(nullptr, target.c_str(), nullptr,
-                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
+    if (int err = SetTreeReadOnly(target.c_str()); err == ENOSYS) {
+      // An older kernel: a plain bind, without the mounts beneath the source, which a
+      // remount would leave writable.
+      if (::umount2(target.c_str(), MNT_DETACH) != 0 ||
+          ::mount(source.c_str(), target.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+        Fail(plan, kStepBind);
+      }
+      if (::mount(nullptr, target.c_str(), nullptr,
+                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
+        Fail(plan, kStepBindRo);
+      }
+    } else if (err != 0) {
+      errno = err;
       Fail(plan, kStepBindRo);
     }
   }

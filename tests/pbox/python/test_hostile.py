@@ -337,3 +337,29 @@ def test_network_none_reaches_nothing(agent, client, sandbox, other) -> None:
     r = sandbox.run(["/usr/bin/python3", "-c", code], timeout=30)
     assert r.ok and r.stdout.startswith(b"refused"), r
     assert_agent_fine(agent, client, other)
+
+
+def test_mounts_beneath_a_read_only_bind_stay_read_only(session: pbox.Session) -> None:
+    """The host image binds the host's /usr read-only; a filesystem the host has mounted
+    beneath it (an NFS /usr/local on a cluster node) must be read-only in the sandbox too, to
+    its commands and to the agent's file API."""
+    import subprocess
+
+    nested = f"/usr/local/share/pbox-nested-{os.getpid()}"
+    os.makedirs(nested, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pbox-nested", nested], check=True)
+    try:
+        with open(f"{nested}/seen", "w") as f:
+            f.write("host\n")
+        sb = session.create(memory="128M", disk="32M")
+        r = sb.run(["cat", f"{nested}/seen"])
+        assert r.ok and r.stdout == b"host\n", r  # the mount is there, beneath the bind
+        r = sb.run(["sh", "-c", f"echo x > {nested}/x"])
+        assert not r.ok and b"Read-only" in r.stderr, r
+        with pytest.raises(pbox.PboxError):
+            sb.write_file(f"{nested}/y", b"y")
+        assert sorted(os.listdir(nested)) == ["seen"]
+        sb.destroy()
+    finally:
+        subprocess.run(["umount", "-l", nested], check=False)
+        os.rmdir(nested)
