@@ -292,6 +292,9 @@ Status Upload(int sock, TransferGrant& grant, milliseconds stall, Pipe* pipe, bo
         fmt::format("{}: more data than the {} bytes the ticket is for: the upload was discarded",
                     grant.path, grant.size));
   }
+  if (auto sb = grant.sandbox.lock(); sb == nullptr || sb->destroying()) {
+    return absl::NotFoundError("the sandbox of this transfer was destroyed during the upload");
+  }
   BRAGG_RETURN_IF_ERROR(file.Commit(grant.mode));
   struct stat st;
   if (::fstat(file.fd(), &st) != 0) {
@@ -593,7 +596,7 @@ void DataServer::Serve(UniqueFd sock) {
       Drain(fd, std::min<uint64_t>(req->size, kDrainBytes) + kUploadTrailer.size());
       break;
     }
-    sb->Touch();
+    Sandbox::TransferHold hold(sb);  // no idle TTL while the bytes move
     auto t0 = Clock::now();
     if (req->op == DataOp::kUpload) {
       DataStatus done;

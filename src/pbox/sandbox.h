@@ -117,6 +117,28 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   int64_t created_unix_ms() const { return created_unix_ms_; }
   int64_t last_used_unix_ms() const { return last_used_unix_ms_.load(); }
   uint32_t running_commands() const { return running_.load(); }
+  // File transfers in flight (TransferHold): like running commands, they keep the sandbox
+  // from its idle TTL however long they take.
+  uint32_t transfers() const { return transfers_.load(); }
+  class TransferHold {
+   public:
+    explicit TransferHold(std::shared_ptr<Sandbox> sb) : sb_(std::move(sb)) {
+      if (sb_) {
+        sb_->transfers_.fetch_add(1);
+      }
+    }
+    ~TransferHold() {
+      if (sb_) {
+        sb_->transfers_.fetch_sub(1);
+        sb_->Touch();
+      }
+    }
+    TransferHold(const TransferHold&) = delete;
+    TransferHold& operator=(const TransferHold&) = delete;
+
+   private:
+    std::shared_ptr<Sandbox> sb_;
+  };
   bool destroying() const { return destroying_.load(); }
   Result<CgroupStats> Stats() const { return cgroup_->Stats(); }
   const SandboxFs& fs() const { return runtime_->fs(); }
@@ -159,6 +181,7 @@ class Sandbox : public std::enable_shared_from_this<Sandbox> {
   const int64_t created_unix_ms_;
   std::atomic<int64_t> last_used_unix_ms_;
   std::atomic<uint32_t> running_{0};
+  std::atomic<uint32_t> transfers_{0};
   std::atomic<bool> destroying_{false};
   // OOM kills of the cgroup seen while pbox-init lived on (a native command killed alone): once
   // init is gone, only kills beyond these say that the OOM killer ended the sandbox.

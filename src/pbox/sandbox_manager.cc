@@ -391,7 +391,7 @@ size_t SandboxManager::ReapIdle(int64_t now_unix_ms) {
     for (auto it = sandboxes_.begin(); it != sandboxes_.end();) {
       const auto& sb = it->second;
       uint32_t ttl = sb->settings().idle_ttl_seconds;
-      if (ttl != 0 && sb->running_commands() == 0 &&
+      if (ttl != 0 && sb->running_commands() == 0 && sb->transfers() == 0 &&
           now_unix_ms - sb->last_used_unix_ms() > static_cast<int64_t>(ttl) * 1000) {
         victims.push_back(sb);
         auto s = sessions_.find(sb->session_id());

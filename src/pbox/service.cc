@@ -607,6 +607,7 @@ grpc::Status PboxService::WriteFile(grpc::ServerContext* ctx,
   if (auto s = Enter(ctx, header.sandbox_id(), &sb); !s.ok()) {
     return s;
   }
+  Sandbox::TransferHold hold(sb);  // no idle TTL while the bytes come
   uint32_t mode = header.mode() == 0 ? 0644 : header.mode();
   if ((mode & ~07777u) != 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -634,6 +635,10 @@ grpc::Status PboxService::WriteFile(grpc::ServerContext* ctx,
   if (ctx->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "upload cancelled by the client");
   }
+  if (sb->destroying()) {  // destroyed meanwhile: the bytes went with it
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        fmt::format("sandbox {} was destroyed during the upload", sb->id()));
+  }
   struct stat st;
   if (::fstat(fd->get(), &st) != 0) {
     return ToGrpc(ErrnoError("fstat", header.path()));
@@ -656,6 +661,7 @@ grpc::Status PboxService::ReadFile(grpc::ServerContext* ctx, const v1::ReadFileR
   if (auto s = Enter(ctx, req->sandbox_id(), &sb); !s.ok()) {
     return s;
   }
+  Sandbox::TransferHold hold(sb);  // no idle TTL while the bytes go
   auto fd = sb->fs().OpenRead(req->path());
   if (!fd.ok()) {
     return ToGrpc(fd.status());

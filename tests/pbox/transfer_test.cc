@@ -586,6 +586,51 @@ TEST_F(TransferTest, FullDiskRefusesAndLeavesNothing) {
   EXPECT_TRUE(client_->WriteFile(id, "/d/small", "s").ok());
 }
 
+TEST_F(TransferTest, ASlowUploadKeepsTheSandboxFromItsIdleTtl) {
+  v1::SandboxSpec spec;
+  spec.set_memory_bytes(128 << 20);
+  spec.set_idle_ttl_seconds(1);
+  auto sb = client_->Create(spec);
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  created_.push_back(sb->id());
+  const std::string id = sb->id();
+  const std::string body = RandomBytes(64 << 10, 9);
+  auto t = Open(id, "/slow", v1::TRANSFER_DIRECTION_UPLOAD, body.size());
+  ASSERT_TRUE(t.ok()) << t.status();
+  Raw raw(t->data_endpoint());
+  raw.Send(EncodeDataRequest({.op = DataOp::kUpload, .size = body.size(), .ticket = TicketOf(*t)}));
+  // 3.2 s of trickle, well past the 1 s TTL (each piece within the stall limit).
+  for (size_t i = 0; i < 16; ++i) {
+    raw.Send(std::string_view(body).substr(i * 4096, 4096));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  raw.Send(kUploadTrailer);
+  auto st = raw.Reply();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->code, absl::StatusCode::kOk) << st->message;
+  auto back = client_->ReadFile(id, "/slow");
+  ASSERT_TRUE(back.ok()) << back.status() << " (the idle TTL took the sandbox mid-upload)";
+  EXPECT_TRUE(*back == body);
+}
+
+TEST_F(TransferTest, AnUploadIntoASandboxDestroyedMeanwhileFails) {
+  std::string id = NewSandbox();
+  const std::string body = RandomBytes(32 << 10, 10);
+  auto t = Open(id, "/late", v1::TRANSFER_DIRECTION_UPLOAD, body.size());
+  ASSERT_TRUE(t.ok()) << t.status();
+  Raw raw(t->data_endpoint());
+  raw.Send(EncodeDataRequest({.op = DataOp::kUpload, .size = body.size(), .ticket = TicketOf(*t)}));
+  raw.Send(std::string_view(body).substr(0, body.size() / 2));
+  ASSERT_TRUE(client_->Destroy(id).ok());
+  raw.Send(std::string_view(body).substr(body.size() / 2));
+  raw.Send(kUploadTrailer);
+  auto st = raw.Reply();
+  // Either the agent closed the connection with the sandbox or it says why; never OK.
+  if (st.ok()) {
+    EXPECT_EQ(st->code, absl::StatusCode::kNotFound) << st->message;
+  }
+}
+
 TEST_F(TransferTest, OpenTransferChecksLikeWriteFileAndReadFile) {
   std::string id = NewSandbox();
   // The same resolver as WriteFile/ReadFile: ".." stops at the sandbox root.
