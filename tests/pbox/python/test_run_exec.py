@@ -255,3 +255,27 @@ def test_client_sigkill_is_not_reported_as_oom(sandbox: pbox.Sandbox) -> None:
     assert res.signal == signal.SIGKILL
     assert hog.oom_killed, f"the hog was not OOM-killed: {hog.describe()}"
     assert not res.oom_killed, "a client SIGKILL was reported as an OOM kill"
+
+
+def test_stdin_full_pipe_held_by_a_descendant_does_not_hang_the_call(sandbox: pbox.Sandbox) -> None:
+    # The command exits at once; a background child keeps its stdin open and never reads it.
+    # 8 MiB of stdin is far more than a pipe holds: the call must still end, with its result.
+    # (`<&0`: sh gives an asynchronous list /dev/null as stdin unless told otherwise.)
+    proc = sandbox.exec(["sh", "-c", "sleep 30 <&0 & exit 3"], stdin=True)
+    writer = threading.Thread(target=lambda: _swallow(proc.write_stdin, b"x" * (8 << 20)),
+                              daemon=True)
+    writer.start()
+    done: list = []
+    waiter = threading.Thread(target=lambda: done.append(proc.wait()), daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert done, "the Exec call hung on a stdin pipe nobody reads"
+    assert done[0].exit_code == 3
+    assert sandbox.run("true").ok
+
+
+def _swallow(fn, *args) -> None:
+    try:
+        fn(*args)
+    except pbox.PboxError:
+        pass  # the command ended while its stdin was being written: expected here
