@@ -60,6 +60,25 @@ std::string OffsetsKey(const std::string& fqn, const std::vector<int64_t>& offse
 
 }  // namespace
 
+bool IsNonModelStateKey(std::string_view key) {
+  auto starts = [&](std::string_view p) { return key.substr(0, p.size()) == p; };
+  // ChainedOptimizer prefixes the state of its i-th optimizer with "chained_<i>.".
+  if (starts("chained_")) {
+    size_t k = 8;
+    while (k < key.size() && key[k] >= '0' && key[k] <= '9') {
+      ++k;
+    }
+    if (k > 8 && k < key.size() && key[k] == '.') {
+      key.remove_prefix(k + 1);
+    }
+  }
+  auto object = [&](std::string_view name) {
+    return starts(name) &&
+           (key.size() == name.size() || key[name.size()] == '/' || key[name.size()] == '.');
+  };
+  return starts("optimizer.") || object("rng_state") || object("rerun_state_machine_state");
+}
+
 uint64_t NumElements(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
   for (int64_t s : shape) {
@@ -169,6 +188,25 @@ Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir) {
     BRAGG_ASSIGN_OR_RETURN(std::string fqn, AsStr(k, "state_dict_metadata key"));
     if (IsMetaClass(v, "BytesStorageMetadata")) {
       out.byte_items.push_back(fqn);
+      continue;
+    }
+    if (IsNonModelStateKey(fqn)) {
+      // Never read, so neither validated: an optimizer's flat buffers or a dtype without a
+      // safetensors name must not stop the model's conversion.
+      SkippedTensor s;
+      s.key = fqn;
+      if (IsMetaClass(v, "TensorStorageMetadata")) {
+        auto dtype = PropertiesDType(v->Get("properties"), fqn);
+        s.dtype = dtype.ok() ? std::string(SafetensorsDType(*dtype)) : "?";
+        auto shape = AsIntList(v->Get("size"), fqn);
+        if (shape.ok()) {
+          s.shape = *std::move(shape);
+        }
+        const PyValue* chunks = v->Get("chunks");
+        s.chunks =
+            chunks != nullptr && chunks->kind == PyValue::Kind::kList ? chunks->items.size() : 0;
+      }
+      out.non_model.push_back(std::move(s));
       continue;
     }
     if (!IsMetaClass(v, "TensorStorageMetadata")) {

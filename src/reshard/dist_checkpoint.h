@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -35,17 +36,36 @@ struct SourceTensor {
   std::vector<SourceChunk> chunks;
 };
 
+// A tensor of non-model state (optimizer moments, master weights, ...): listed, never read.
+struct SkippedTensor {
+  std::string key;
+  std::string dtype;  // safetensors name, or the torch name when it has none
+  std::vector<int64_t> shape;
+  size_t chunks = 0;
+};
+
 // What a checkpoint holds, from metadata only.
 struct CheckpointIndex {
   std::string dir;
   std::map<std::string, SourceTensor> tensors;
   // Non-tensor items (BytesStorageMetadata: TE _extra_state and the like).
   std::vector<std::string> byte_items;
+  // Tensors of non-model state (IsNonModelStateKey), left out of `tensors`.
+  std::vector<SkippedTensor> non_model;
 };
+
+// True for the keys Megatron saves beside the model in the same checkpoint: optimizer state
+// ("optimizer.state.exp_avg.<param>", "optimizer.state.exp_avg_sq.<param>",
+// "optimizer.state.fp32_param.<param>", the distributed optimizer's
+// "optimizer.distributed.dp_group_idx_N...", "optimizer.param_groups...", each possibly behind a
+// chained optimizer's "chained_N." prefix) and the "rng_state" and "rerun_state_machine_state"
+// objects. Model keys ("decoder.", "embedding.", "output_layer.", "mtp.", ...) never match.
+bool IsNonModelStateKey(std::string_view key);
 
 // Reads `dir`/.metadata. Accepts the metadata classes under both torch.distributed.checkpoint and
 // torch.distributed._shard.checkpoint, tensor properties pickled as a dict or as a 5/6-tuple, and
-// extra (Megatron) fields. Errors: NotFound when .metadata is missing; InvalidArgument for
+// extra (Megatron) fields. Non-model state (IsNonModelStateKey) goes to `non_model` without
+// validation: it is never read. Errors: NotFound when .metadata is missing; InvalidArgument for
 // malformed metadata, a chunk without storage info, or chunks that do not tile the global shape
 // exactly (gaps, overlaps, out of bounds); Unimplemented for transform_descriptors (compressed
 // or otherwise transformed chunks).

@@ -184,8 +184,8 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
           "Face mapping; pass --skip-mtp to leave MTP layers out",
           key));
     }
-    if (used.count(key) == 0 && !IsIgnoredSourceKey(key) && !(mtp && cfg.skip_mtp) &&
-        !(cfg.tie_word_embeddings && key == "output_layer.weight")) {
+    if (used.count(key) == 0 && !IsIgnoredSourceKey(key) && !IsNonModelStateKey(key) &&
+        !(mtp && cfg.skip_mtp) && !(cfg.tie_word_embeddings && key == "output_layer.weight")) {
       return absl::InvalidArgumentError(
           fmt::format("checkpoint tensor '{}' [{}] has no Hugging Face mapping for --model {}", key,
                       fmt::join(t.shape, ","), cfg.family));

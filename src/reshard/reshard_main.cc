@@ -49,8 +49,12 @@ Status Inspect(const std::string& dir) {
   for (const std::string& k : idx.byte_items) {
     fmt::print("{} bytes-item\n", k);
   }
-  fmt::print("{} tensors, {} bytes, {} byte items\n", idx.tensors.size(), total,
-             idx.byte_items.size());
+  for (const rs::SkippedTensor& t : idx.non_model) {
+    fmt::print("{} {} [{}] {} chunks (non-model state, skipped)\n", t.key, t.dtype,
+               fmt::join(t.shape, ","), t.chunks);
+  }
+  fmt::print("{} tensors, {} bytes, {} byte items, {} non-model tensors skipped\n",
+             idx.tensors.size(), total, idx.byte_items.size(), idx.non_model.size());
   return absl::OkStatus();
 }
 
@@ -104,6 +108,10 @@ Status Convert(ConvertArgs a) {
   cfg.fused_gate_up = a.fused_gate_up;
   cfg.skip_mtp = a.skip_mtp;
   BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, ReadIndex(a.src));
+  if (!idx.non_model.empty()) {
+    spdlog::info("skipping {} tensors of non-model state (optimizer, RNG; e.g. '{}')",
+                 idx.non_model.size(), idx.non_model.front().key);
+  }
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
   spdlog::info(

@@ -304,9 +304,16 @@ def write_family(args, family, out):
 
     cfg = make_config(family)
     tensors = global_tensors(family, cfg)
+    if family in OPTIMIZER_STATE:
+        # Megatron saves the optimizer's state of each parameter in the same checkpoint, chunked
+        # like the parameter: Adam's moments and the fp32 master weights.
+        for key, full in list(tensors.items()):
+            for i, slot in enumerate(("exp_avg", "exp_avg_sq", "fp32_param")):
+                tensors[f"optimizer.state.{slot}.{key}"] = full.float() * (i + 2)
     state = {}
     for key, full in tensors.items():
-        chunks = chunks_for(key, full.shape, args.tp, args.pp, cfg["num_hidden_layers"])
+        chunks = chunks_for(key.split(".", 3)[-1] if key.startswith("optimizer.") else key,
+                            full.shape, args.tp, args.pp, cfg["num_hidden_layers"])
         metas = [ShardMetadata(o, s, f"rank:{r}/cpu") for r, o, s in chunks]
         local = []
         for (r, o, s), m in zip(chunks, metas):
@@ -323,6 +330,10 @@ def write_family(args, family, out):
         # Transformer Engine's _extra_state travels as a bytes item.
         state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"] = io.BytesIO(
             b"te-extra-state")
+    if family in OPTIMIZER_STATE:
+        # Megatron's RNG state: one ShardedObject (a bytes item) per TP x PP rank.
+        pr, tr = divmod(args.rank, args.tp)
+        state[f"rng_state/shard_{pr}.{tr}_{args.pp}.{args.tp}"] = io.BytesIO(b"rng")
     save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
 
 
@@ -445,6 +456,8 @@ def rewrite_metadata(ckpt, variant):
 
 
 LEGACY = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+# Fixtures saved with optimizer state beside the model (bragg-reshard skips it).
+OPTIMIZER_STATE = ("llama",)
 
 
 def write_all(root, families, tp, pp):

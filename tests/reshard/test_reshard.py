@@ -117,6 +117,23 @@ def test_newer_pytorch_class_paths(root, tmp_path):
     assert_bit_identical(got, torch.load(os.path.join(root, "llama-ref.pt")))
 
 
+def test_optimizer_state_is_skipped(root, tmp_path):
+    # The llama fixture carries Adam's moments and fp32 master weights of every parameter and
+    # Megatron's rng_state objects; they are listed, not converted, and the model converts bit
+    # for bit (test_matches_reference_bit_for_bit[llama]).
+    p = run("inspect", os.path.join(root, "llama"))
+    assert ("optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight F32 [4,96,32] "
+            "8 chunks (non-model state, skipped)") in p.stdout, p.stdout
+    assert "rng_state/shard_0.0_2.2 bytes-item" in p.stdout
+    assert ", 27 non-model tensors skipped" in p.stdout
+    dst = str(tmp_path / "out")
+    p = convert(root, "llama", dst)
+    assert "skipping 27 tensors of non-model state" in p.stderr, p.stderr
+    got, _ = read_output(dst)
+    assert not [n for n in got if "optimizer" in n or "exp_avg" in n]
+    assert_bit_identical(got, torch.load(os.path.join(root, "llama-ref.pt")))
+
+
 def test_transform_descriptors_refused(root, tmp_path):
     p = convert(root, "llama-transforms", str(tmp_path / "out"), check=False)
     assert p.returncode != 0
