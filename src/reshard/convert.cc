@@ -21,6 +21,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "common/fs.h"
@@ -601,12 +602,26 @@ Status CopyConfigFiles(const std::string& from, const std::string& to) {
   return absl::OkStatus();
 }
 
-Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int rank) {
+// Whether `path` is shard `s` of this run, complete: its size and its header, which carries the
+// run id, are the plan's. A shard left by another run, even of the same size, is not.
+bool IsShardOfThisRun(const std::string& path, const PlannedShard& s) {
+  auto fd = OpenFile(path, O_RDONLY);
+  struct stat st;
+  if (!fd.ok() || ::fstat(fd->get(), &st) != 0 || static_cast<uint64_t>(st.st_size) != s.size) {
+    return false;
+  }
+  std::string head(s.header.size(), '\0');
+  return PreadAll(fd->get(), head.data(), head.size(), 0, path).ok() && head == s.header;
+}
+
+// Writes the index when every shard of this run is in place; else returns false and names the
+// first shard still missing in `*missing`.
+Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int rank,
+                                  std::string* missing) {
   nlohmann::json map = nlohmann::json::object();
   for (const PlannedShard& s : plan.shards) {
-    struct stat st;
-    if (::stat((dst + "/" + s.file).c_str(), &st) != 0 ||
-        static_cast<uint64_t>(st.st_size) != s.size) {
+    if (!IsShardOfThisRun(dst + "/" + s.file, s)) {
+      *missing = s.file;
       return false;
     }
     for (const PlannedTensor& t : s.tensors) {
@@ -618,13 +633,69 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
   const std::string tmp = fmt::format("{}.tmp-{}", final_path, rank);
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC));
   BRAGG_RETURN_IF_ERROR(WriteAll(fd.get(), index.dump(2) + "\n"));
+  // On disk before it is visible: a crash must not leave an empty index naming the shards.
+  if (::fsync(fd.get()) != 0) {
+    return ErrnoError("fsync", tmp);
+  }
   if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
     return ErrnoError("rename", tmp);
   }
   return true;
 }
 
+// FNV-1a, 64 bits: the same on every machine, unlike std::hash.
+class Fnv64 {
+ public:
+  void Add(std::string_view s) {
+    for (char c : s) {
+      h_ = (h_ ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+    }
+    h_ = (h_ ^ 0xFF) * 0x100000001b3ull;  // field separator
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
 }  // namespace
+
+Status AssignRunId(Plan* plan, const std::string& src_dir) {
+  Fnv64 h;
+  for (const PlannedShard& s : plan->shards) {
+    h.Add(s.file);
+    h.Add(s.header);
+  }
+  std::set<std::string> files;
+  for (const WorkItem& w : plan->items) {
+    files.insert(w.tensor->chunks[w.chunk].file);
+  }
+  if (::access((src_dir + "/.metadata").c_str(), F_OK) == 0) {
+    files.insert(".metadata");
+  }
+  for (const std::string& f : files) {
+    const std::string path = src_dir + "/" + f;
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+      return ErrnoError("stat", path);
+    }
+    // Not st_dev: a shared file system's device number differs from node to node.
+    h.Add(fmt::format("{} {} {}.{:09d} {}", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec,
+                      st.st_ino));
+  }
+  const std::string id = fmt::format("{:016x}", h.value());
+  const std::string from = fmt::format("\"bragg_run_id\":\"{}\"", plan->run_id);
+  const std::string to = fmt::format("\"bragg_run_id\":\"{}\"", id);
+  for (PlannedShard& s : plan->shards) {
+    const size_t at = s.header.find(from);
+    if (at == std::string::npos || to.size() != from.size()) {
+      return absl::InternalError(fmt::format("{}: header without a run id", s.file));
+    }
+    s.header.replace(at, from.size(), to);
+  }
+  plan->run_id = id;
+  return absl::OkStatus();
+}
 
 Result<CopyMethod> ParseCopyMethod(const std::string& name) {
   if (name == "auto") {
@@ -666,6 +737,13 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   const uint64_t window =
       std::clamp<uint64_t>(o.mem_budget / (2 * threads), kMinWindow, kMaxWindow);
   BRAGG_RETURN_IF_ERROR(MakeDirs(o.dst_dir));
+  if (!o.verify) {
+    // An index left by an earlier run names shards that this run replaces or deletes.
+    const std::string index = o.dst_dir + "/model.safetensors.index.json";
+    if (::unlink(index.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoError("unlink", index);
+    }
+  }
   if (o.rank == 0 && !o.hf_config_dir.empty() && !o.verify) {
     BRAGG_RETURN_IF_ERROR(CopyConfigFiles(o.hf_config_dir, o.dst_dir));
   }
@@ -832,7 +910,8 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
                  stats.gathered_writes);
   }
   if (!o.verify) {
-    BRAGG_ASSIGN_OR_RETURN(stats.index_written, WriteIndexIfComplete(plan, o.dst_dir, o.rank));
+    BRAGG_ASSIGN_OR_RETURN(stats.index_written,
+                           WriteIndexIfComplete(plan, o.dst_dir, o.rank, &stats.index_waits_for));
   }
   return stats;
 }

@@ -239,6 +239,47 @@ TEST_F(ConvertTest, SourceShorterThanMetadataFailsCleanly) {
   }
 }
 
+TEST_F(ConvertTest, ShardsOfAnotherRunNeverCompleteTheIndex) {
+  auto out = TempDir::Create(src_.path(), "out-");
+  ASSERT_TRUE(out.ok());
+  const std::string index = out->path() + "/model.safetensors.index.json";
+  ConvertOptions o = Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30);
+  o.world_size = 2;
+  for (int rank : {0, 1}) {
+    o.rank = rank;
+    auto st = ExecutePlan(plan_, o);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->index_written, rank == 1);
+  }
+  ASSERT_EQ(::access(index.c_str(), F_OK), 0);
+  // A second run (another id, same shard sizes): rank 0 alone must not publish an index over
+  // rank 1's leftovers, and the old index is gone.
+  Plan again = plan_;
+  ASSERT_TRUE(AssignRunId(&again, src_.path()).ok());
+  ASSERT_NE(again.run_id, plan_.run_id);
+  ASSERT_EQ(again.run_id.size(), 16u);
+  EXPECT_NE(again.shards[0].header.find(again.run_id), std::string::npos);
+  EXPECT_EQ(again.shards[0].header.size(), plan_.shards[0].header.size());
+  o.rank = 0;
+  auto st = ExecutePlan(again, o);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_FALSE(st->index_written);
+  EXPECT_FALSE(st->index_waits_for.empty());
+  EXPECT_NE(::access(index.c_str(), F_OK), 0);
+  o.rank = 1;
+  st = ExecutePlan(again, o);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->index_written);
+  // The id depends on the inputs only: computed again, it is the same.
+  Plan third = plan_;
+  ASSERT_TRUE(AssignRunId(&third, src_.path()).ok());
+  EXPECT_EQ(third.run_id, again.run_id);
+  ASSERT_EQ(::utimensat(AT_FDCWD, (src_.path() + "/data.bin").c_str(), nullptr, 0), 0);
+  Plan touched = plan_;
+  ASSERT_TRUE(AssignRunId(&touched, src_.path()).ok());
+  EXPECT_NE(touched.run_id, again.run_id);
+}
+
 TEST(ParseCopyMethodTest, NamesAndErrors) {
   EXPECT_EQ(*ParseCopyMethod("auto"), CopyMethod::kAuto);
   EXPECT_EQ(*ParseCopyMethod("copy_file_range"), CopyMethod::kCopyFileRange);

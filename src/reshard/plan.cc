@@ -196,7 +196,7 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
     PlannedShard ps;
     ps.file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     nlohmann::json h = nlohmann::json::object();
-    h["__metadata__"] = {{"format", "pt"}};
+    h["__metadata__"] = {{"format", "pt"}, {"bragg_run_id", std::string(kRunIdPlaceholder)}};
     uint64_t rel = 0;
     for (PlannedTensor& t : shards[s]) {
       h[t.map.hf_name] = {{"dtype", std::string(SafetensorsDType(t.dtype))},

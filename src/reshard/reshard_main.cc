@@ -113,9 +113,10 @@ Status Convert(ConvertArgs a) {
                  idx.non_model.size(), idx.non_model.front().key);
   }
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
+  BRAGG_RETURN_IF_ERROR(rs::AssignRunId(&plan, idx.dir));
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
   spdlog::info(
-      "plan: {} output tensors in {} shards, {:.3f} GB, {} work items, {:.3f} s",
+      "plan: {} output tensors in {} shards, {:.3f} GB, {} work items, run id {}, {:.3f} s",
       [&] {
         size_t n = 0;
         for (const auto& s : plan.shards) {
@@ -123,7 +124,7 @@ Status Convert(ConvertArgs a) {
         }
         return n;
       }(),
-      plan.shards.size(), plan.total_bytes / 1e9, plan.items.size(), plan_s);
+      plan.shards.size(), plan.total_bytes / 1e9, plan.items.size(), plan.run_id, plan_s);
   if (a.dry_run) {
     fmt::print("{}", rs::DescribePlan(plan));
     return absl::OkStatus();

@@ -158,6 +158,34 @@ def test_identical_bytes_for_any_threads_and_ranks(root, tmp_path):
         assert filecmp.cmp(os.path.join(one, n), os.path.join(many, n), shallow=False), n
 
 
+def test_stale_index_never_survives_or_comes_early(root, tmp_path):
+    import shutil
+    dst = str(tmp_path / "out")
+    index = os.path.join(dst, "model.safetensors.index.json")
+    convert(root, "qwen2", dst, "--max-shard-size", "20K")
+    assert os.path.exists(index)
+    # A copy of the checkpoint (same bytes, other files: another run id). Its rank 0 of 2 must
+    # not publish an index while rank 1's shards are those of the first run, sizes equal.
+    src = str(tmp_path / "qwen2")
+    shutil.copytree(os.path.join(root, "qwen2"), src)
+    cfg = os.path.join(root, "qwen2-hf-config")
+    args = ["convert", "--src", src, "--dst", dst, "--model", "qwen2", "--hf-config-dir", cfg,
+            "--max-shard-size", "20K", "--world-size", "2"]
+    p = run(*args, "--rank", "0")
+    assert not os.path.exists(index), p.stderr
+    p = run(*args, "--rank", "1")
+    assert os.path.exists(index), p.stderr
+    got, _ = read_output(dst)
+    assert_bit_identical(got, torch.load(os.path.join(root, "qwen2-ref.pt")))
+    # A re-run that fails leaves no index naming shards it deleted.
+    with open(os.path.join(src, "__1_0.distcp"), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(src, "__1_0.distcp")) // 2)
+    p = run("convert", "--src", src, "--dst", dst, "--model", "qwen2", "--hf-config-dir", cfg,
+            "--max-shard-size", "20K", check=False)
+    assert p.returncode == 1, p.stderr
+    assert not os.path.exists(index)
+
+
 def output_files(dst):
     names = sorted(os.listdir(dst))
     out = {}
