@@ -643,6 +643,31 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
   return true;
 }
 
+// Deletes this rank's temporary shard files when the conversion fails: a preallocated one holds
+// the shard's full size on disk. Armed only when writing (when verifying, the paths are the
+// final shards). Renamed shards are gone from their temporary path, so success deletes nothing.
+class TempShardCleanup {
+ public:
+  TempShardCleanup(const std::vector<std::string>* paths, bool armed)
+      : paths_(paths), armed_(armed) {}
+  ~TempShardCleanup() {
+    if (!armed_) {
+      return;
+    }
+    for (const std::string& p : *paths_) {
+      if (!p.empty()) {
+        (void)::unlink(p.c_str());
+      }
+    }
+  }
+  TempShardCleanup(const TempShardCleanup&) = delete;
+  TempShardCleanup& operator=(const TempShardCleanup&) = delete;
+
+ private:
+  const std::vector<std::string>* paths_;
+  bool armed_;
+};
+
 // FNV-1a, 64 bits: the same on every machine, unlike std::hash.
 class Fnv64 {
  public:
@@ -756,6 +781,8 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   std::vector<UniqueFd> fds(plan.shards.size());
   std::vector<std::string> paths(plan.shards.size());
   std::vector<std::atomic<int64_t>> pending(plan.shards.size());
+  // Declared after `fds`, so destroyed before them; unlinking an open file is fine.
+  TempShardCleanup cleanup(&paths, !o.verify);
   for (size_t s : mine) {
     const PlannedShard& sh = plan.shards[s];
     const std::string final_path = o.dst_dir + "/" + sh.file;
@@ -886,11 +913,6 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
     t.join();
   }
   if (!first_error.ok()) {
-    for (size_t s : mine) {
-      if (!o.verify) {
-        ::unlink(paths[s].c_str());
-      }
-    }
     return first_error;
   }
   double secs = Since(t0);

@@ -280,6 +280,34 @@ TEST_F(ConvertTest, ShardsOfAnotherRunNeverCompleteTheIndex) {
   EXPECT_NE(touched.run_id, again.run_id);
 }
 
+TEST_F(ConvertTest, FailureLeavesNoTemporaryShards) {
+  // The second shard of this rank cannot be created (its temporary path is a directory): the
+  // first one, already preallocated to its full size, must not stay behind.
+  auto out = TempDir::Create(src_.path(), "out-");
+  ASSERT_TRUE(out.ok());
+  const std::vector<size_t> mine = ShardsForRank(plan_, 0, 1);
+  ASSERT_GT(mine.size(), 1u);
+  const std::string blocked = out->path() + "/" + plan_.shards[mine[1]].file + ".tmp-0";
+  ASSERT_EQ(::mkdir(blocked.c_str(), 0755), 0);
+  auto st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30));
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(std::string(st.status().message()).find(blocked), std::string::npos) << st.status();
+  ASSERT_EQ(::rmdir(blocked.c_str()), 0);
+  for (const PlannedShard& s : plan_.shards) {
+    EXPECT_NE(::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK), 0) << s.file;
+  }
+  // A failure while copying (a source truncated to a tenth) cleans up too.
+  const std::string data = src_.path() + "/data.bin";
+  struct stat sb;
+  ASSERT_EQ(::stat(data.c_str(), &sb), 0);
+  ASSERT_EQ(::truncate(data.c_str(), sb.st_size / 10), 0);
+  st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kPread, 3, 1ull << 30));
+  ASSERT_FALSE(st.ok());
+  for (const PlannedShard& s : plan_.shards) {
+    EXPECT_NE(::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK), 0) << s.file;
+  }
+}
+
 TEST(ParseCopyMethodTest, NamesAndErrors) {
   EXPECT_EQ(*ParseCopyMethod("auto"), CopyMethod::kAuto);
   EXPECT_EQ(*ParseCopyMethod("copy_file_range"), CopyMethod::kCopyFileRange);
