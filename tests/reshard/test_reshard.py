@@ -235,6 +235,35 @@ def test_slurm_environment_gives_rank(root, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "rank 1/2" in p.stderr
     assert not os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
+    assert "model.safetensors.index.json NOT written" in p.stderr, p.stderr
+
+
+def test_slurm_rank_and_world_size_each_on_its_own(root, tmp_path):
+    base = [BIN, "convert", "--src", os.path.join(root, "qwen3"), "--model", "qwen3",
+            "--hf-config-dir", os.path.join(root, "qwen3-hf-config"), "--max-shard-size", "20K"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+    def go(name, *args, **env):
+        return subprocess.run(base + ["--dst", str(tmp_path / name), *args],
+                              env=dict(clean, **env), capture_output=True, text=True, timeout=60)
+
+    # --world-size alone under srun: the rank still comes from Slurm.
+    p = go("a", "--world-size", "3", SLURM_PROCID="2", SLURM_NTASKS="8")
+    assert p.returncode == 0 and "rank 2 (from SLURM_PROCID) of 3 (from --world-size)" in p.stderr, \
+        p.stderr
+    # --rank alone: the step's task count wins over the allocation's.
+    p = go("b", "--rank", "1", SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="2")
+    assert p.returncode == 0 and "rank 1 (from --rank) of 2 (from SLURM_STEP_NUM_TASKS)" \
+        in p.stderr, p.stderr
+    # Inconsistent combinations and garbage are refused before anything is written.
+    for name, args, env in (("c", ["--rank", "3"], {"SLURM_NTASKS": "2"}),
+                            ("d", [], {"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}),
+                            ("e", ["--world-size", "0"], {}),
+                            ("f", [], {"SLURM_PROCID": "one", "SLURM_NTASKS": "2"})):
+        p = go(name, *args, **env)
+        assert p.returncode == 1, (name, p.stderr)
+        assert ("do not fit" in p.stderr) or ("not a non-negative integer" in p.stderr), p.stderr
+        assert not os.path.exists(tmp_path / name)
 
 
 def test_inspect_and_dry_run(root, tmp_path):
