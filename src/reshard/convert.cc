@@ -101,7 +101,8 @@ Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& 
     return Annotate(s, fmt::format("{} chunk [{}] in {} at {}", t.key, fmt::join(c.offsets, ","),
                                    path, c.archive_offset));
   };
-  auto archive = TorchArchive::Open(fd, c.archive_offset, c.archive_length);
+  auto archive =
+      TorchArchive::Open(fd, c.archive_offset, c.archive_length, TorchArchive::ChunkLimits());
   if (!archive.ok()) {
     return ctx(archive.status());
   }

@@ -1,10 +1,14 @@
 #include "reshard/dist_checkpoint.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 
 #include "common/fs.h"
+#include "common/unique_fd.h"
 #include "reshard/pickle.h"
 
 namespace bragg::reshard {
@@ -58,7 +62,53 @@ std::string OffsetsKey(const std::string& fqn, const std::vector<int64_t>& offse
   return k;
 }
 
+// Reads .metadata whole after checking its size, so that a huge file is refused before any of
+// it is in memory.
+Result<std::string> ReadMetadataFile(const std::string& path) {
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) {
+    return ErrnoError("fstat", path);
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > kMaxMetadataBytes) {
+    return absl::ResourceExhaustedError(
+        fmt::format("{} is {} bytes, more than the limit of {}: not a checkpoint's metadata", path,
+                    size, kMaxMetadataBytes));
+  }
+  std::string bytes(size, '\0');
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n =
+        ::pread(fd.get(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      return ErrnoError("pread", path);
+    }
+    if (n == 0) {
+      break;  // shrank meanwhile: parsed as it is, a truncated pickle fails cleanly
+    }
+    done += static_cast<size_t>(n);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
 }  // namespace
+
+PickleLimits MetadataLimits(uint64_t size) {
+  PickleLimits l;
+  l.max_input = kMaxMetadataBytes;
+  // Every opcode that makes a value takes at least one byte; a real .metadata makes one value
+  // per 2 to 4 bytes (object headers, memoized class and key names, BININT1 offsets).
+  l.max_values = std::min<uint64_t>(50'000'000, 4096 + size);
+  // Python's pickler pushes at most 1000 items between a MARK and the op that takes them.
+  l.max_stack = 1'000'000;
+  l.max_marks = 10'000;
+  return l;
+}
 
 bool IsNonModelStateKey(std::string_view key) {
   auto starts = [&](std::string_view p) { return key.substr(0, p.size()) == p; };
@@ -138,8 +188,12 @@ Status ValidateChunks(const SourceTensor& t) {
 
 Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir) {
   const std::string path = dir + "/.metadata";
-  BRAGG_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  BRAGG_ASSIGN_OR_RETURN(PickleDoc doc, ParsePickle(bytes));
+  BRAGG_ASSIGN_OR_RETURN(std::string bytes, ReadMetadataFile(path));
+  auto parsed = ParsePickle(bytes, MetadataLimits(bytes.size()));
+  if (!parsed.ok()) {
+    return Annotate(parsed.status(), path);
+  }
+  PickleDoc doc = *std::move(parsed);
   auto bad = [&](std::string_view what) {
     return absl::InvalidArgumentError(fmt::format("{}: {}", path, what));
   };

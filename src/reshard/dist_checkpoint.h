@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "reshard/pickle.h"
 #include "reshard/torch_file.h"
 
 namespace bragg::reshard {
@@ -64,12 +65,20 @@ bool IsNonModelStateKey(std::string_view key);
 
 // Reads `dir`/.metadata. Accepts the metadata classes under both torch.distributed.checkpoint and
 // torch.distributed._shard.checkpoint, tensor properties pickled as a dict or as a 5/6-tuple, and
-// extra (Megatron) fields. Non-model state (IsNonModelStateKey) goes to `non_model` without
-// validation: it is never read. Errors: NotFound when .metadata is missing; InvalidArgument for
-// malformed metadata, a chunk without storage info, or chunks that do not tile the global shape
-// exactly (gaps, overlaps, out of bounds); Unimplemented for transform_descriptors (compressed
-// or otherwise transformed chunks).
+// extra (Megatron) fields. The file's size is checked before it is read (kMaxMetadataBytes) and
+// its pickle parsed under MetadataLimits. Non-model state (IsNonModelStateKey) goes to `non_model`
+// without validation: it is never read. Errors: ResourceExhausted past the limits; NotFound when
+// .metadata is missing; InvalidArgument for malformed metadata, a chunk without storage info, or
+// chunks that do not tile the global shape exactly (gaps, overlaps, out of bounds); Unimplemented
+// for transform_descriptors (compressed or otherwise transformed chunks).
 [[nodiscard]] Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir);
+
+// Largest .metadata read (checked before reading).
+inline constexpr uint64_t kMaxMetadataBytes = 1ull << 30;
+
+// Pickle limits for a .metadata of `size` bytes: at most one value per byte (plus 4096), 50M in
+// all, a stack of 1M, so memory stays proportional to the file.
+PickleLimits MetadataLimits(uint64_t size);
 
 // Checks that `t`'s chunks lie inside its shape, do not overlap and cover it exactly.
 [[nodiscard]] Status ValidateChunks(const SourceTensor& t);

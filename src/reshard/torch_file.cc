@@ -75,8 +75,18 @@ Result<DType> DTypeFromTorchName(std::string_view name) {
   return absl::InvalidArgumentError(fmt::format("unsupported torch dtype '{}'", name));
 }
 
+PickleLimits TorchArchive::ChunkLimits() {
+  PickleLimits l;
+  l.max_input = 1 << 20;
+  l.max_values = 100'000;
+  l.max_marks = 1'000;
+  l.max_stack = 100'000;
+  return l;
+}
+
 Result<TorchArchive> TorchArchive::Open(int fd, uint64_t base, uint64_t length,
-                                        uint64_t max_pickle) {
+                                        const PickleLimits& limits) {
+  const uint64_t max_pickle = limits.max_input;
   BRAGG_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries, ReadZipDirectory(fd, base, length));
   const ZipEntry* pkl = nullptr;
   std::string prefix;
@@ -113,7 +123,7 @@ Result<TorchArchive> TorchArchive::Open(int fd, uint64_t base, uint64_t length,
     done += static_cast<size_t>(r);
   }
   TorchArchive out;
-  BRAGG_ASSIGN_OR_RETURN(out.doc_, ParsePickle(buf));
+  BRAGG_ASSIGN_OR_RETURN(out.doc_, ParsePickle(buf, limits));
   std::string data_prefix = prefix + "/data/";
   for (const ZipEntry& e : entries) {
     if (e.name.compare(0, data_prefix.size(), data_prefix) == 0) {

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "common/fs.h"
+#include "reshard/dist_checkpoint.h"
 #include "reshard/test_util.h"
 #include "reshard/torch_file.h"
 
@@ -85,6 +86,52 @@ TEST(ZipTest, TorchArchiveAtAnOffsetInAFile) {
   EXPECT_FALSE(TorchArchive::Open(fd->get(), 1000, z.size() - 1).ok());
   // Region past the end of the file.
   EXPECT_FALSE(TorchArchive::Open(fd->get(), 1000 + 77, z.size() + 100).ok());
+}
+
+TEST(ZipTest, ChunkArchivePickleIsBoundedTightly) {
+  // A chunk's data.pkl holds one tensor (a few hundred bytes): 2 MiB is refused before it is
+  // read, and 200k values in a small one are refused while parsing.
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  std::string big = "\x80\x02" + std::string(2 << 20, 'N') + ".";
+  std::string many = "\x80\x02(";
+  for (int k = 0; k < 200'000; ++k) {
+    many += "K\x01";
+  }
+  many += "l.";
+  ASSERT_LT(many.size(), 1u << 20);
+  for (const std::string& pkl : {big, many}) {
+    const std::string path = dir->path() + "/c.distcp";
+    ASSERT_TRUE(WriteStringToFile(path, MakeZip({{"a/data.pkl", pkl}})).ok());
+    auto fd = OpenFile(path, O_RDONLY);
+    ASSERT_TRUE(fd.ok());
+    auto a = TorchArchive::Open(fd->get(), 0, MakeZip({{"a/data.pkl", pkl}}).size(),
+                                TorchArchive::ChunkLimits());
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+  }
+}
+
+TEST(MetadataTest, HugeOrAmplifyingMetadataIsRefusedCheaply) {
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  const std::string path = dir->path() + "/.metadata";
+  // A sparse file past the limit: refused by its size, before a byte is read.
+  {
+    auto fd = OpenFile(path, O_WRONLY | O_CREAT | O_TRUNC);
+    ASSERT_TRUE(fd.ok());
+    ASSERT_EQ(::ftruncate(fd->get(), static_cast<off_t>(kMaxMetadataBytes + 1)), 0);
+  }
+  auto idx = ReadDistCheckpointIndex(dir->path());
+  EXPECT_EQ(idx.status().code(), absl::StatusCode::kResourceExhausted) << idx.status();
+  EXPECT_NE(std::string(idx.status().message()).find("more than the limit"), std::string::npos);
+  // 4 MB of None: a stack slot each (shared value), refused at the stack limit of 1M.
+  ASSERT_TRUE(WriteStringToFile(path, "\x80\x02" + std::string(4'000'000, 'N') + ".").ok());
+  idx = ReadDistCheckpointIndex(dir->path());
+  EXPECT_EQ(idx.status().code(), absl::StatusCode::kResourceExhausted) << idx.status();
+  EXPECT_NE(std::string(idx.status().message()).find(".metadata"), std::string::npos);
+  // The value limit follows the file's size.
+  EXPECT_EQ(MetadataLimits(1000).max_values, 5096u);
+  EXPECT_EQ(MetadataLimits(1ull << 30).max_values, 50'000'000u);
 }
 
 TEST(ZipTest, Zip64Directory) {
