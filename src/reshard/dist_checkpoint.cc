@@ -137,12 +137,32 @@ uint64_t NumElements(const std::vector<int64_t>& shape) {
   return n;
 }
 
+Result<uint64_t> CheckedNumElements(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t s : shape) {
+    if (s < 0) {
+      return absl::InvalidArgumentError(fmt::format("negative dimension {}", s));
+    }
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(s), &n) || n > kMaxElements) {
+      return absl::InvalidArgumentError(
+          fmt::format("shape [{}] has more than {} elements", fmt::join(shape, ","), kMaxElements));
+    }
+  }
+  return n;
+}
+
 Status ValidateChunks(const SourceTensor& t) {
   const size_t rank = t.shape.size();
   for (int64_t s : t.shape) {
     if (s < 0 || s > (int64_t{1} << 40)) {
       return absl::InvalidArgumentError(fmt::format("'{}': dimension {} out of range", t.key, s));
     }
+  }
+  // Checked first: a product that wraps (two dims of 2^32 are 2^64 = 0 elements) would let an
+  // empty chunk list "cover" the tensor. Every chunk lies inside the shape (checked below), so
+  // its product is bounded too, and the sum of non-overlapping chunks by the shape's.
+  if (auto n = CheckedNumElements(t.shape); !n.ok()) {
+    return Annotate(n.status(), fmt::format("'{}'", t.key));
   }
   uint64_t covered = 0;
   for (size_t c = 0; c < t.chunks.size(); ++c) {

@@ -80,10 +80,16 @@ inline constexpr uint64_t kMaxMetadataBytes = 1ull << 30;
 // all, a stack of 1M, so memory stays proportional to the file.
 PickleLimits MetadataLimits(uint64_t size);
 
-// Checks that `t`'s chunks lie inside its shape, do not overlap and cover it exactly.
+// Checks that `t`'s chunks lie inside its shape, do not overlap and cover it exactly, and that
+// the shape has at most kMaxElements elements. Errors: InvalidArgument naming the tensor.
 [[nodiscard]] Status ValidateChunks(const SourceTensor& t);
 
-// Product of `shape`; 0 for an empty shape list means a scalar counts as 1.
+// Product of `shape`; 0 for an empty shape list means a scalar counts as 1. Unchecked: only for
+// shapes ValidateChunks or CheckedNumElements accepted.
 uint64_t NumElements(const std::vector<int64_t>& shape);
+
+// Product of `shape`. InvalidArgument for a negative dimension or a product above kMaxElements
+// (checked at every step, so it never wraps).
+[[nodiscard]] Result<uint64_t> CheckedNumElements(const std::vector<int64_t>& shape);
 
 }  // namespace bragg::reshard

@@ -490,6 +490,26 @@ TEST(PlanTest, DeepseekV3Mismatches) {
   EXPECT_FALSE(ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "q_lora_rank": -1)")).ok());
 }
 
+TEST(ChunkValidationTest, ShapesWhoseProductOverflowsAreRefused) {
+  // 2^32 x 2^32 = 2^64 wraps to 0 elements, which an empty chunk list would "cover".
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+           {int64_t{1} << 32, int64_t{1} << 32},
+           {int64_t{1} << 40, int64_t{1} << 40, 4},
+           {int64_t{1} << 26, int64_t{1} << 25}}) {  // 2^51: over the cap, no wrap
+    SourceTensor t;
+    t.key = "hostile";
+    t.shape = shape;
+    Status st = ValidateChunks(t);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_NE(std::string(st.message()).find("more than"), std::string::npos) << st;
+    EXPECT_FALSE(CheckedNumElements(shape).ok());
+  }
+  EXPECT_EQ(*CheckedNumElements({int64_t{1} << 25, int64_t{1} << 25}), uint64_t{1} << 50);
+  EXPECT_EQ(*CheckedNumElements({}), 1u);
+  EXPECT_EQ(*CheckedNumElements({5, 0, int64_t{1} << 40}), 0u);
+  EXPECT_FALSE(CheckedNumElements({-1, 4}).ok());
+}
+
 TEST(ChunkValidationTest, GapsOverlapsAndBounds) {
   SourceTensor t = Chunked("w", {4, 6}, {2, 2});
   EXPECT_TRUE(ValidateChunks(t).ok());

@@ -14,6 +14,10 @@
 
 namespace bragg::reshard {
 
+// Most elements of one tensor (2^50; 8 bytes each stay below 2^53): larger counts in metadata
+// are refused, so that no element or byte count overflows.
+inline constexpr uint64_t kMaxElements = uint64_t{1} << 50;
+
 enum class DType { kF32, kF16, kBF16, kF64, kI64, kI32, kI16, kI8, kU8, kBool };
 
 int ElementSize(DType t);

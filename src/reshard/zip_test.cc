@@ -111,6 +111,54 @@ TEST(ZipTest, ChunkArchivePickleIsBoundedTightly) {
   }
 }
 
+// A protocol-2 data.pkl of one bf16 tensor: _rebuild_tensor_v2(persistent ('storage',
+// BFloat16Storage, '0', 'cpu', 6), 0, size, stride, False), size and stride as given.
+std::string TensorPickle(const std::vector<int64_t>& size, const std::vector<int64_t>& stride) {
+  auto str = [](std::string_view v) {
+    std::string out = "X";
+    testing::PutLe(&out, v.size(), 4);
+    return out + std::string(v);
+  };
+  auto ints = [](const std::vector<int64_t>& v) {
+    std::string out = "(";
+    for (int64_t x : v) {
+      out += "\x8a\x08";  // LONG1 of 8 bytes, two's complement
+      testing::PutLe(&out, static_cast<uint64_t>(x), 8);
+    }
+    return out + "t";
+  };
+  return std::string("\x80\x02") + "ctorch._utils\n_rebuild_tensor_v2\n((" + str("storage") +
+         "ctorch\nBFloat16Storage\n" + str("0") + str("cpu") + std::string("K\x06tQK\x00", 6) +
+         ints(size) + ints(stride) + "\x89tR.";
+}
+
+TEST(ZipTest, HostileTensorShapesAreRefusedNotWrapped) {
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  const std::string path = dir->path() + "/t.pt";
+  auto open = [&](const std::vector<int64_t>& size, const std::vector<int64_t>& stride) {
+    std::string z = MakeZip({{"a/data.pkl", TensorPickle(size, stride)}, {"a/data/0", "012345"}});
+    EXPECT_TRUE(WriteStringToFile(path, z).ok());
+    auto fd = OpenFile(path, O_RDONLY);
+    EXPECT_TRUE(fd.ok());
+    auto a = TorchArchive::Open(fd->get(), 0, z.size());
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? a->Tensor(a->root()) : Result<TensorRef>(a.status());
+  };
+  // The pickle itself is sound: 3 elements fit the 6-byte storage.
+  auto ok = open({3}, {1});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->bytes, 6u);
+  // 2^40 x 2^24 elements (strides consistent) is 2^64: it used to wrap to 0 bytes and pass.
+  auto t = open({int64_t{1} << 40, int64_t{1} << 24}, {int64_t{1} << 24, 1});
+  EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << t.status();
+  EXPECT_NE(std::string(t.status().message()).find("more than"), std::string::npos) << t.status();
+  t = open({int64_t{1} << 30, int64_t{1} << 30}, {int64_t{1} << 30, 1});  // 2^60
+  EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << t.status();
+  t = open({2, 3}, {-3, 1});  // a negative stride
+  EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << t.status();
+}
+
 TEST(MetadataTest, HugeOrAmplifyingMetadataIsRefusedCheaply) {
   auto dir = TempDir::Create();
   ASSERT_TRUE(dir.ok());
