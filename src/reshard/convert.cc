@@ -6,6 +6,7 @@
 #include <linux/magic.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/uio.h>
@@ -644,6 +645,48 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
   return true;
 }
 
+// Counts this process's open file descriptors (/proc/self/fd); 0 when that cannot be read.
+uint64_t CountOpenFds() {
+  DIR* d = ::opendir("/proc/self/fd");
+  if (d == nullptr) {
+    return 0;
+  }
+  uint64_t n = 0;
+  while (dirent* e = ::readdir(d)) {
+    n += e->d_name[0] != '.';
+  }
+  ::closedir(d);
+  return n > 0 ? n - 1 : 0;  // the directory's own descriptor
+}
+
+// Every shard of a rank stays open until it is complete, beside each worker's source files (a
+// chunk, a gather unit's chunks, a prefetch): raises the soft RLIMIT_NOFILE to the hard one, and
+// fails before anything is created when even that is too low.
+Status EnsureOpenFileLimit(size_t shards, int threads, size_t unit_sources) {
+  struct rlimit rl;
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    return ErrnoError("getrlimit", "RLIMIT_NOFILE");
+  }
+  if (rl.rlim_cur < rl.rlim_max) {
+    struct rlimit raised = rl;
+    raised.rlim_cur = rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+      rl = raised;
+    }
+  }
+  const uint64_t open_now = CountOpenFds();
+  const uint64_t need =
+      open_now + shards + static_cast<uint64_t>(threads) * (unit_sources + 2) + 16;
+  if (rl.rlim_cur != RLIM_INFINITY && need > rl.rlim_cur) {
+    return absl::FailedPreconditionError(fmt::format(
+        "this rank writes {} shards at once and needs about {} open files ({} open now, {} "
+        "threads), but RLIMIT_NOFILE is {} (hard limit {}): raise it (ulimit -n), run more "
+        "ranks (--world-size) or give a larger --max-shard-size",
+        shards, need, open_now, threads, rl.rlim_cur, rl.rlim_max));
+  }
+  return absl::OkStatus();
+}
+
 // Deletes this rank's temporary shard files when the conversion fails: a preallocated one holds
 // the shard's full size on disk. Armed only when writing (when verifying, the paths are the
 // final shards). Renamed shards are gone from their temporary path, so success deletes nothing.
@@ -778,12 +821,37 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   for (size_t s : mine) {
     owned[s] = true;
   }
-  // Open (and preallocate) this rank's shards.
   std::vector<UniqueFd> fds(plan.shards.size());
   std::vector<std::string> paths(plan.shards.size());
   std::vector<std::atomic<int64_t>> pending(plan.shards.size());
   // Declared after `fds`, so destroyed before them; unlinking an open file is fine.
   TempShardCleanup cleanup(&paths, !o.verify);
+  std::unique_ptr<WriteBehind> write_behind =
+      o.verify ? nullptr : std::make_unique<WriteBehind>(plan);
+  std::vector<const WorkItem*> work;
+  for (const WorkItem& w : plan.items) {
+    if (owned[w.shard]) {
+      work.push_back(&w);
+      if (write_behind) {
+        for (const CopyRun& r : w.runs) {
+          write_behind->Account(w.shard, r.dst, r.bytes);
+        }
+      }
+    }
+  }
+  // Gathering pays off only where the runs are copied from mappings; verifying compares run by
+  // run.
+  const std::vector<Task> tasks =
+      BuildTasks(work, window, !o.verify && o.copy_method != CopyMethod::kPread);
+  for (const Task& t : tasks) {
+    pending[t.shard].fetch_add(1);
+  }
+  size_t unit_sources = 1;
+  for (const Task& t : tasks) {
+    unit_sources = std::max(unit_sources, t.sources.size());
+  }
+  BRAGG_RETURN_IF_ERROR(EnsureOpenFileLimit(mine.size(), threads, unit_sources));
+  // Open (and preallocate) this rank's shards.
   for (size_t s : mine) {
     const PlannedShard& sh = plan.shards[s];
     const std::string final_path = o.dst_dir + "/" + sh.file;
@@ -807,32 +875,12 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
     }
     BRAGG_RETURN_IF_ERROR(PwriteAll(fds[s].get(), sh.header.data(), sh.header.size(), 0, paths[s]));
   }
-  std::unique_ptr<WriteBehind> write_behind =
-      o.verify ? nullptr : std::make_unique<WriteBehind>(plan);
-  std::vector<const WorkItem*> work;
-  for (const WorkItem& w : plan.items) {
-    if (owned[w.shard]) {
-      work.push_back(&w);
-      if (write_behind) {
-        for (const CopyRun& r : w.runs) {
-          write_behind->Account(w.shard, r.dst, r.bytes);
-        }
-      }
-    }
-  }
   if (write_behind) {
     for (size_t s : mine) {
       const PlannedShard& sh = plan.shards[s];
       write_behind->Account(s, 0, sh.header.size());
       BRAGG_RETURN_IF_ERROR(write_behind->Wrote(fds[s].get(), paths[s], s, 0, sh.header.size()));
     }
-  }
-  // Gathering pays off only where the runs are copied from mappings; verifying compares run by
-  // run.
-  const std::vector<Task> tasks =
-      BuildTasks(work, window, !o.verify && o.copy_method != CopyMethod::kPread);
-  for (const Task& t : tasks) {
-    pending[t.shard].fetch_add(1);
   }
   CopyShared sh;
   sh.src_dir = o.src_dir;

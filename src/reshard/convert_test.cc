@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -306,6 +308,71 @@ TEST_F(ConvertTest, FailureLeavesNoTemporaryShards) {
   for (const PlannedShard& s : plan_.shards) {
     EXPECT_NE(::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK), 0) << s.file;
   }
+}
+
+// Runs `body` in a child process (rlimits set there stay there); true when it exits 0.
+template <typename F>
+bool InChild(F&& body) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::_exit(body() ? 0 : 1);
+  }
+  int status = 0;
+  return pid > 0 && ::waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
+}
+
+int OpenFds() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    n += ::fcntl(fd, F_GETFD) != -1;
+  }
+  return n;
+}
+
+TEST_F(ConvertTest, OpenFileLimitIsRaisedOrRefusedEarly) {
+  ASSERT_GT(ShardsForRank(plan_, 0, 1).size(), 4u);
+  // A soft limit too low for this rank's shards: raised to the hard limit, and it converts.
+  EXPECT_TRUE(InChild([&] {
+    auto out = TempDir::Create(src_.path(), "out-");
+    struct rlimit rl;
+    ::getrlimit(RLIMIT_NOFILE, &rl);
+    const rlim_t hard = rl.rlim_max;
+    rl.rlim_cur = static_cast<rlim_t>(OpenFds() + 3);
+    if (!out.ok() || ::setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      return false;
+    }
+    auto st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30));
+    struct rlimit now;
+    ::getrlimit(RLIMIT_NOFILE, &now);
+    if (!st.ok() || !st->index_written || now.rlim_cur != hard) {
+      fmt::print(stderr, "raise: {} soft {}\n", st.status().ToString(), now.rlim_cur);
+      return false;
+    }
+    return true;
+  }));
+  // A hard limit too low: refused before any shard exists, saying what to do.
+  EXPECT_TRUE(InChild([&] {
+    auto out = TempDir::Create(src_.path(), "out-");
+    const rlim_t low = static_cast<rlim_t>(OpenFds() + 3);
+    struct rlimit rl = {low, low};
+    if (!out.ok() || ::setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      return false;
+    }
+    auto st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30));
+    const std::string msg(st.status().message());
+    bool clean = true;
+    for (const PlannedShard& s : plan_.shards) {
+      clean = clean && ::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK) != 0;
+    }
+    if (!absl::IsFailedPrecondition(st.status()) ||
+        msg.find("RLIMIT_NOFILE") == std::string::npos ||
+        msg.find("--world-size") == std::string::npos || !clean) {
+      fmt::print(stderr, "refuse: {}\n", st.status().ToString());
+      return false;
+    }
+    return true;
+  }));
 }
 
 TEST(ParseCopyMethodTest, NamesAndErrors) {
