@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 
 #include "common/fs.h"
 #include "common/unique_fd.h"
@@ -97,6 +98,27 @@ Result<std::string> ReadMetadataFile(const std::string& path) {
 }
 
 }  // namespace
+
+std::string ResolveIterationDir(const std::string& dir) {
+  auto it = ReadFileToString(dir + "/latest_checkpointed_iteration.txt");
+  if (!it.ok()) {
+    return dir;
+  }
+  std::string s = *it;
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) {
+    s.pop_back();
+  }
+  // Megatron writes "release" for a released (converted) checkpoint, in directory "release".
+  if (s == "release") {
+    return dir + "/release";
+  }
+  int64_t n = -1;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || n < 0) {
+    return dir;
+  }
+  return fmt::format("{}/iter_{:07d}", dir, n);
+}
 
 PickleLimits MetadataLimits(uint64_t size) {
   PickleLimits l;

@@ -73,6 +73,11 @@ bool IsNonModelStateKey(std::string_view key);
 // for transform_descriptors (compressed or otherwise transformed chunks).
 [[nodiscard]] Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir);
 
+// The directory latest_checkpointed_iteration.txt in `dir` names, as Megatron resolves it:
+// `dir`/iter_0000010 for "10", `dir`/release for "release"; `dir` itself when the file is missing
+// or holds neither.
+std::string ResolveIterationDir(const std::string& dir);
+
 // Largest .metadata read (checked before reading).
 inline constexpr uint64_t kMaxMetadataBytes = 1ull << 30;
 

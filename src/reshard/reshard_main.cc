@@ -28,9 +28,21 @@ using bragg::Result;
 using bragg::Status;
 namespace rs = bragg::reshard;
 
-// torch_dist when .metadata exists, else legacy mp_rank_* directories.
+// torch_dist when .metadata exists in `dir` or in the iteration directory its
+// latest_checkpointed_iteration.txt names (iter_NNNNNNN or release), else legacy mp_rank_*
+// directories.
 Result<rs::CheckpointIndex> ReadIndex(const std::string& dir) {
-  if (::access((dir + "/.metadata").c_str(), F_OK) != 0 && rs::IsLegacyCheckpoint(dir)) {
+  auto has_metadata = [](const std::string& d) {
+    return ::access((d + "/.metadata").c_str(), F_OK) == 0;
+  };
+  if (has_metadata(dir)) {
+    return rs::ReadDistCheckpointIndex(dir);
+  }
+  const std::string iter = rs::ResolveIterationDir(dir);
+  if (iter != dir && has_metadata(iter)) {
+    return rs::ReadDistCheckpointIndex(iter);
+  }
+  if (rs::IsLegacyCheckpoint(dir)) {
     return rs::ReadLegacyCheckpointIndex(dir);
   }
   return rs::ReadDistCheckpointIndex(dir);
@@ -148,6 +160,25 @@ Status Convert(ConvertArgs a) {
   }
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
   BRAGG_RETURN_IF_ERROR(rs::AssignRunId(&plan, idx.dir));
+  {
+    // A tensor larger than the limit gets a shard of its own, larger than the limit.
+    size_t over = 0;
+    const rs::PlannedTensor* largest = nullptr;
+    for (const rs::PlannedShard& s : plan.shards) {
+      for (const rs::PlannedTensor& t : s.tensors) {
+        if (t.bytes > max_shard) {
+          ++over;
+          largest = largest == nullptr || t.bytes > largest->bytes ? &t : largest;
+        }
+      }
+    }
+    if (largest != nullptr) {
+      spdlog::warn(
+          "--max-shard-size {} is smaller than {} tensors (largest '{}', {} bytes): each gets a "
+          "shard of its own, larger than the limit",
+          a.max_shard, over, largest->map.hf_name, largest->bytes);
+    }
+  }
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
   spdlog::info(
       "plan: {} output tensors in {} shards, {:.3f} GB, {} work items, run id {}, {:.3f} s",

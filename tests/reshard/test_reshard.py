@@ -266,6 +266,35 @@ def test_slurm_rank_and_world_size_each_on_its_own(root, tmp_path):
         assert not os.path.exists(tmp_path / name)
 
 
+def test_iteration_directory_and_release(root, tmp_path):
+    # A torch_dist save directory: latest_checkpointed_iteration.txt names iter_NNNNNNN or
+    # "release", as for legacy checkpoints.
+    import shutil
+    for tracker, sub in (("20\n", "iter_0000020"), ("release", "release")):
+        top = tmp_path / sub.replace("_", "")
+        shutil.copytree(os.path.join(root, "qwen3"), top / sub)
+        (top / "latest_checkpointed_iteration.txt").write_text(tracker)
+        p = run("inspect", str(top))
+        assert "decoder.layers.self_attention.linear_qkv.weight BF16 [4,128,32] 4 chunks" \
+            in p.stdout, p.stdout
+        dst = str(tmp_path / ("out" + sub))
+        run("convert", "--src", str(top), "--dst", dst, "--model", "qwen3", "--hf-config-dir",
+            os.path.join(root, "qwen3-hf-config"))
+        got, _ = read_output(dst)
+        assert_bit_identical(got, torch.load(os.path.join(root, "qwen3-ref.pt")))
+    # A legacy checkpoint released the same way.
+    top = tmp_path / "legacyrelease"
+    shutil.copytree(os.path.join(root, "llama-legacy", "iter_0000010"), top / "release")
+    (top / "latest_checkpointed_iteration.txt").write_text("release")
+    p = run("inspect", str(top))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in p.stdout, p.stdout
+
+
+def test_max_shard_size_below_a_tensor_warns(root, tmp_path):
+    p = convert(root, "qwen3", str(tmp_path / "out"), "--max-shard-size", "2K")
+    assert "--max-shard-size 2K is smaller than" in p.stderr and "largest" in p.stderr, p.stderr
+
+
 def test_inspect_and_dry_run(root, tmp_path):
     p = run("inspect", os.path.join(root, "qwen3"))
     assert "decoder.layers.self_attention.linear_qkv.weight BF16 [4,128,32] 4 chunks" in p.stdout
