@@ -634,13 +634,17 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
   const std::string final_path = dst + "/model.safetensors.index.json";
   const std::string tmp = fmt::format("{}.tmp-{}", final_path, rank);
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC));
-  BRAGG_RETURN_IF_ERROR(WriteAll(fd.get(), index.dump(2) + "\n"));
+  Status st = WriteAll(fd.get(), index.dump(2) + "\n");
   // On disk before it is visible: a crash must not leave an empty index naming the shards.
-  if (::fsync(fd.get()) != 0) {
-    return ErrnoError("fsync", tmp);
+  if (st.ok() && ::fsync(fd.get()) != 0) {
+    st = ErrnoError("fsync", tmp);
   }
-  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-    return ErrnoError("rename", tmp);
+  if (st.ok() && ::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    st = ErrnoError("rename", tmp);
+  }
+  if (!st.ok()) {
+    (void)::unlink(tmp.c_str());
+    return st;
   }
   return true;
 }

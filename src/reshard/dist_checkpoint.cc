@@ -123,8 +123,9 @@ std::string ResolveIterationDir(const std::string& dir) {
 PickleLimits MetadataLimits(uint64_t size) {
   PickleLimits l;
   l.max_input = kMaxMetadataBytes;
-  // Every opcode that makes a value takes at least one byte; a real .metadata makes one value
-  // per 2 to 4 bytes (object headers, memoized class and key names, BININT1 offsets).
+  // Every opcode that makes a value takes at least one byte (so this only documents the tie to
+  // the size); a real .metadata has one opcode per 2.5 bytes (the fixtures'), each making at
+  // most one value.
   l.max_values = std::min<uint64_t>(50'000'000, 4096 + size);
   // Python's pickler pushes at most 1000 items between a MARK and the op that takes them.
   l.max_stack = 1'000'000;
