@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -128,7 +129,8 @@ constexpr uint64_t kSmallRun = 64 << 10;
 constexpr uint64_t kMinKernelCopy = 64 << 10;
 
 // Data offsets of the chunks opened so far: a chunk split over several tasks parses its archive
-// once, and a task is prefetched at its first byte. Thread-safe.
+// once (also when several threads need it at the same time), and a task is prefetched at its
+// first byte. Thread-safe.
 class ChunkRefs {
  public:
   // The chunk of `w`, open as `fd` at `path`: resolved by the index, cached, or located now.
@@ -142,16 +144,27 @@ class ChunkRefs {
       ref.bytes = NumElements(c.sizes) * ElementSize(w.tensor->dtype);
       return ref;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    // One thread parses a chunk's archive; others needing it meanwhile wait for its result
+    // (after a failure, the next one tries again).
+    for (;;) {
       auto it = refs_.find(&c);
       if (it != refs_.end()) {
         return it->second;
       }
+      if (locating_.insert(&c).second) {
+        break;
+      }
+      located_.wait(lock);
     }
-    BRAGG_ASSIGN_OR_RETURN(TensorRef ref, LocateChunk(fd, *w.tensor, c, path));
-    std::lock_guard<std::mutex> lock(mu_);
-    refs_.emplace(&c, ref);
+    lock.unlock();
+    Result<TensorRef> ref = LocateChunk(fd, *w.tensor, c, path);
+    lock.lock();
+    locating_.erase(&c);
+    if (ref.ok()) {
+      refs_.emplace(&c, *ref);
+    }
+    located_.notify_all();
     return ref;
   }
 
@@ -171,7 +184,9 @@ class ChunkRefs {
 
  private:
   std::mutex mu_;
+  std::condition_variable located_;
   std::map<const SourceChunk*, TensorRef> refs_;
+  std::set<const SourceChunk*> locating_;
 };
 
 // State shared by the workers of one ExecutePlan.
