@@ -11,7 +11,9 @@ writes DIR/<family> (torch 1.13 class paths), DIR/<family>-hf-config, DIR/<famil
 reference conversion), and two variants of llama: DIR/llama-newpaths (the
 torch.distributed.checkpoint.metadata class paths and 5-tuple TensorProperties state that newer
 PyTorch pickles) and DIR/llama-transforms (a chunk with transform_descriptors, which
-bragg-reshard must refuse).
+bragg-reshard must refuse). The llama checkpoints also carry optimizer state beside the model, as
+Megatron saves it (optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<param>, chunked like the
+parameter, and rng_state objects), which bragg-reshard must skip.
 """
 
 import argparse
