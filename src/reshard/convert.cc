@@ -6,6 +6,7 @@
 #include <linux/magic.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/uio.h>
@@ -15,12 +16,14 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "common/fs.h"
@@ -100,7 +103,8 @@ Result<TensorRef> LocateChunk(int fd, const SourceTensor& t, const SourceChunk& 
     return Annotate(s, fmt::format("{} chunk [{}] in {} at {}", t.key, fmt::join(c.offsets, ","),
                                    path, c.archive_offset));
   };
-  auto archive = TorchArchive::Open(fd, c.archive_offset, c.archive_length);
+  auto archive =
+      TorchArchive::Open(fd, c.archive_offset, c.archive_length, TorchArchive::ChunkLimits());
   if (!archive.ok()) {
     return ctx(archive.status());
   }
@@ -125,7 +129,8 @@ constexpr uint64_t kSmallRun = 64 << 10;
 constexpr uint64_t kMinKernelCopy = 64 << 10;
 
 // Data offsets of the chunks opened so far: a chunk split over several tasks parses its archive
-// once, and a task is prefetched at its first byte. Thread-safe.
+// once (also when several threads need it at the same time), and a task is prefetched at its
+// first byte. Thread-safe.
 class ChunkRefs {
  public:
   // The chunk of `w`, open as `fd` at `path`: resolved by the index, cached, or located now.
@@ -139,16 +144,27 @@ class ChunkRefs {
       ref.bytes = NumElements(c.sizes) * ElementSize(w.tensor->dtype);
       return ref;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    // One thread parses a chunk's archive; others needing it meanwhile wait for its result
+    // (after a failure, the next one tries again).
+    for (;;) {
       auto it = refs_.find(&c);
       if (it != refs_.end()) {
         return it->second;
       }
+      if (locating_.insert(&c).second) {
+        break;
+      }
+      located_.wait(lock);
     }
-    BRAGG_ASSIGN_OR_RETURN(TensorRef ref, LocateChunk(fd, *w.tensor, c, path));
-    std::lock_guard<std::mutex> lock(mu_);
-    refs_.emplace(&c, ref);
+    lock.unlock();
+    Result<TensorRef> ref = LocateChunk(fd, *w.tensor, c, path);
+    lock.lock();
+    locating_.erase(&c);
+    if (ref.ok()) {
+      refs_.emplace(&c, *ref);
+    }
+    located_.notify_all();
     return ref;
   }
 
@@ -168,7 +184,9 @@ class ChunkRefs {
 
  private:
   std::mutex mu_;
+  std::condition_variable located_;
   std::map<const SourceChunk*, TensorRef> refs_;
+  std::set<const SourceChunk*> locating_;
 };
 
 // State shared by the workers of one ExecutePlan.
@@ -601,12 +619,26 @@ Status CopyConfigFiles(const std::string& from, const std::string& to) {
   return absl::OkStatus();
 }
 
-Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int rank) {
+// Whether `path` is shard `s` of this run, complete: its size and its header, which carries the
+// run id, are the plan's. A shard left by another run, even of the same size, is not.
+bool IsShardOfThisRun(const std::string& path, const PlannedShard& s) {
+  auto fd = OpenFile(path, O_RDONLY);
+  struct stat st;
+  if (!fd.ok() || ::fstat(fd->get(), &st) != 0 || static_cast<uint64_t>(st.st_size) != s.size) {
+    return false;
+  }
+  std::string head(s.header.size(), '\0');
+  return PreadAll(fd->get(), head.data(), head.size(), 0, path).ok() && head == s.header;
+}
+
+// Writes the index when every shard of this run is in place; else returns false and names the
+// first shard still missing in `*missing`.
+Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int rank,
+                                  std::string* missing) {
   nlohmann::json map = nlohmann::json::object();
   for (const PlannedShard& s : plan.shards) {
-    struct stat st;
-    if (::stat((dst + "/" + s.file).c_str(), &st) != 0 ||
-        static_cast<uint64_t>(st.st_size) != s.size) {
+    if (!IsShardOfThisRun(dst + "/" + s.file, s)) {
+      *missing = s.file;
       return false;
     }
     for (const PlannedTensor& t : s.tensors) {
@@ -617,14 +649,141 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
   const std::string final_path = dst + "/model.safetensors.index.json";
   const std::string tmp = fmt::format("{}.tmp-{}", final_path, rank);
   BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC));
-  BRAGG_RETURN_IF_ERROR(WriteAll(fd.get(), index.dump(2) + "\n"));
-  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-    return ErrnoError("rename", tmp);
+  Status st = WriteAll(fd.get(), index.dump(2) + "\n");
+  // On disk before it is visible: a crash must not leave an empty index naming the shards.
+  if (st.ok() && ::fsync(fd.get()) != 0) {
+    st = ErrnoError("fsync", tmp);
+  }
+  if (st.ok() && ::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    st = ErrnoError("rename", tmp);
+  }
+  if (!st.ok()) {
+    (void)::unlink(tmp.c_str());
+    return st;
   }
   return true;
 }
 
+// Counts this process's open file descriptors (/proc/self/fd); 0 when that cannot be read.
+uint64_t CountOpenFds() {
+  DIR* d = ::opendir("/proc/self/fd");
+  if (d == nullptr) {
+    return 0;
+  }
+  uint64_t n = 0;
+  while (dirent* e = ::readdir(d)) {
+    n += e->d_name[0] != '.';
+  }
+  ::closedir(d);
+  return n > 0 ? n - 1 : 0;  // the directory's own descriptor
+}
+
+// Every shard of a rank stays open until it is complete, beside each worker's source files (a
+// chunk, a gather unit's chunks, a prefetch): raises the soft RLIMIT_NOFILE to the hard one, and
+// fails before anything is created when even that is too low.
+Status EnsureOpenFileLimit(size_t shards, int threads, size_t unit_sources) {
+  struct rlimit rl;
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    return ErrnoError("getrlimit", "RLIMIT_NOFILE");
+  }
+  if (rl.rlim_cur < rl.rlim_max) {
+    struct rlimit raised = rl;
+    raised.rlim_cur = rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+      rl = raised;
+    }
+  }
+  const uint64_t open_now = CountOpenFds();
+  const uint64_t need =
+      open_now + shards + static_cast<uint64_t>(threads) * (unit_sources + 2) + 16;
+  if (rl.rlim_cur != RLIM_INFINITY && need > rl.rlim_cur) {
+    return absl::FailedPreconditionError(fmt::format(
+        "this rank writes {} shards at once and needs about {} open files ({} open now, {} "
+        "threads), but RLIMIT_NOFILE is {} (hard limit {}): raise it (ulimit -n), run more "
+        "ranks (--world-size) or give a larger --max-shard-size",
+        shards, need, open_now, threads, rl.rlim_cur, rl.rlim_max));
+  }
+  return absl::OkStatus();
+}
+
+// Deletes this rank's temporary shard files when the conversion fails: a preallocated one holds
+// the shard's full size on disk. Armed only when writing (when verifying, the paths are the
+// final shards). Renamed shards are gone from their temporary path, so success deletes nothing.
+class TempShardCleanup {
+ public:
+  TempShardCleanup(const std::vector<std::string>* paths, bool armed)
+      : paths_(paths), armed_(armed) {}
+  ~TempShardCleanup() {
+    if (!armed_) {
+      return;
+    }
+    for (const std::string& p : *paths_) {
+      if (!p.empty()) {
+        (void)::unlink(p.c_str());
+      }
+    }
+  }
+  TempShardCleanup(const TempShardCleanup&) = delete;
+  TempShardCleanup& operator=(const TempShardCleanup&) = delete;
+
+ private:
+  const std::vector<std::string>* paths_;
+  bool armed_;
+};
+
+// FNV-1a, 64 bits: the same on every machine, unlike std::hash.
+class Fnv64 {
+ public:
+  void Add(std::string_view s) {
+    for (char c : s) {
+      h_ = (h_ ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+    }
+    h_ = (h_ ^ 0xFF) * 0x100000001b3ull;  // field separator
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
 }  // namespace
+
+Status AssignRunId(Plan* plan, const std::string& src_dir) {
+  Fnv64 h;
+  for (const PlannedShard& s : plan->shards) {
+    h.Add(s.file);
+    h.Add(s.header);
+  }
+  std::set<std::string> files;
+  for (const WorkItem& w : plan->items) {
+    files.insert(w.tensor->chunks[w.chunk].file);
+  }
+  if (::access((src_dir + "/.metadata").c_str(), F_OK) == 0) {
+    files.insert(".metadata");
+  }
+  for (const std::string& f : files) {
+    const std::string path = src_dir + "/" + f;
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+      return ErrnoError("stat", path);
+    }
+    // Not st_dev: a shared file system's device number differs from node to node.
+    h.Add(fmt::format("{} {} {}.{:09d} {}", f, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec,
+                      st.st_ino));
+  }
+  const std::string id = fmt::format("{:016x}", h.value());
+  const std::string from = fmt::format("\"bragg_run_id\":\"{}\"", plan->run_id);
+  const std::string to = fmt::format("\"bragg_run_id\":\"{}\"", id);
+  for (PlannedShard& s : plan->shards) {
+    const size_t at = s.header.find(from);
+    if (at == std::string::npos || to.size() != from.size()) {
+      return absl::InternalError(fmt::format("{}: header without a run id", s.file));
+    }
+    s.header.replace(at, from.size(), to);
+  }
+  plan->run_id = id;
+  return absl::OkStatus();
+}
 
 Result<CopyMethod> ParseCopyMethod(const std::string& name) {
   if (name == "auto") {
@@ -666,6 +825,13 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   const uint64_t window =
       std::clamp<uint64_t>(o.mem_budget / (2 * threads), kMinWindow, kMaxWindow);
   BRAGG_RETURN_IF_ERROR(MakeDirs(o.dst_dir));
+  if (!o.verify) {
+    // An index left by an earlier run names shards that this run replaces or deletes.
+    const std::string index = o.dst_dir + "/model.safetensors.index.json";
+    if (::unlink(index.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoError("unlink", index);
+    }
+  }
   if (o.rank == 0 && !o.hf_config_dir.empty() && !o.verify) {
     BRAGG_RETURN_IF_ERROR(CopyConfigFiles(o.hf_config_dir, o.dst_dir));
   }
@@ -674,10 +840,37 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
   for (size_t s : mine) {
     owned[s] = true;
   }
-  // Open (and preallocate) this rank's shards.
   std::vector<UniqueFd> fds(plan.shards.size());
   std::vector<std::string> paths(plan.shards.size());
   std::vector<std::atomic<int64_t>> pending(plan.shards.size());
+  // Declared after `fds`, so destroyed before them; unlinking an open file is fine.
+  TempShardCleanup cleanup(&paths, !o.verify);
+  std::unique_ptr<WriteBehind> write_behind =
+      o.verify ? nullptr : std::make_unique<WriteBehind>(plan);
+  std::vector<const WorkItem*> work;
+  for (const WorkItem& w : plan.items) {
+    if (owned[w.shard]) {
+      work.push_back(&w);
+      if (write_behind) {
+        for (const CopyRun& r : w.runs) {
+          write_behind->Account(w.shard, r.dst, r.bytes);
+        }
+      }
+    }
+  }
+  // Gathering pays off only where the runs are copied from mappings; verifying compares run by
+  // run.
+  const std::vector<Task> tasks =
+      BuildTasks(work, window, !o.verify && o.copy_method != CopyMethod::kPread);
+  for (const Task& t : tasks) {
+    pending[t.shard].fetch_add(1);
+  }
+  size_t unit_sources = 1;
+  for (const Task& t : tasks) {
+    unit_sources = std::max(unit_sources, t.sources.size());
+  }
+  BRAGG_RETURN_IF_ERROR(EnsureOpenFileLimit(mine.size(), threads, unit_sources));
+  // Open (and preallocate) this rank's shards.
   for (size_t s : mine) {
     const PlannedShard& sh = plan.shards[s];
     const std::string final_path = o.dst_dir + "/" + sh.file;
@@ -701,32 +894,12 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
     }
     BRAGG_RETURN_IF_ERROR(PwriteAll(fds[s].get(), sh.header.data(), sh.header.size(), 0, paths[s]));
   }
-  std::unique_ptr<WriteBehind> write_behind =
-      o.verify ? nullptr : std::make_unique<WriteBehind>(plan);
-  std::vector<const WorkItem*> work;
-  for (const WorkItem& w : plan.items) {
-    if (owned[w.shard]) {
-      work.push_back(&w);
-      if (write_behind) {
-        for (const CopyRun& r : w.runs) {
-          write_behind->Account(w.shard, r.dst, r.bytes);
-        }
-      }
-    }
-  }
   if (write_behind) {
     for (size_t s : mine) {
       const PlannedShard& sh = plan.shards[s];
       write_behind->Account(s, 0, sh.header.size());
       BRAGG_RETURN_IF_ERROR(write_behind->Wrote(fds[s].get(), paths[s], s, 0, sh.header.size()));
     }
-  }
-  // Gathering pays off only where the runs are copied from mappings; verifying compares run by
-  // run.
-  const std::vector<Task> tasks =
-      BuildTasks(work, window, !o.verify && o.copy_method != CopyMethod::kPread);
-  for (const Task& t : tasks) {
-    pending[t.shard].fetch_add(1);
   }
   CopyShared sh;
   sh.src_dir = o.src_dir;
@@ -808,11 +981,6 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
     t.join();
   }
   if (!first_error.ok()) {
-    for (size_t s : mine) {
-      if (!o.verify) {
-        ::unlink(paths[s].c_str());
-      }
-    }
     return first_error;
   }
   double secs = Since(t0);
@@ -832,7 +1000,8 @@ Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& o) {
                  stats.gathered_writes);
   }
   if (!o.verify) {
-    BRAGG_ASSIGN_OR_RETURN(stats.index_written, WriteIndexIfComplete(plan, o.dst_dir, o.rank));
+    BRAGG_ASSIGN_OR_RETURN(stats.index_written,
+                           WriteIndexIfComplete(plan, o.dst_dir, o.rank, &stats.index_waits_for));
   }
   return stats;
 }

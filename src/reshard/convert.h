@@ -57,14 +57,28 @@ struct ConvertStats {
   uint64_t bytes_gathered = 0;       // of small runs, written through the gather buffers
   uint64_t gathered_writes = 0;      // pwrite calls that wrote those bytes
   bool index_written = false;
+  // When the index was not written: the first shard not (yet) in place, left to another rank.
+  std::string index_waits_for;
 };
 
+// Gives `plan` (built from the checkpoint in `src_dir`) its run id and writes it into every shard
+// header ("__metadata__": {"bragg_run_id": ...}). The id is a hash of the shard headers and of
+// the name, size, modification time (ns) and inode of .metadata and of every source file the plan
+// reads: every rank of one conversion computes the same id without talking to the others, and a
+// changed checkpoint or plan gives another one. Ranks and threads do not enter it (output bytes
+// do not depend on them); a conversion repeated with unchanged inputs gets the same id and writes
+// the same bytes, so its leftover shards are as good as new ones. Call once, before ExecutePlan.
+// Errors: the errno error of stat on a source file.
+[[nodiscard]] Status AssignRunId(Plan* plan, const std::string& src_dir);
+
 // Converts this rank's shards of `plan` (built from the checkpoint in options.src_dir). Shards are
-// written to "<file>.tmp-<rank>" and renamed when complete; the rank that finds every shard in
-// place writes model.safetensors.index.json (atomically) last. Thread-safe use: one call at a
-// time per dst_dir and rank. Errors: the errno error of any file operation (naming the file),
-// InvalidArgument when mem_budget is below two minimum windows (2 KiB) or a chunk's archive does
-// not hold the tensor the metadata promised, DataLoss when --verify finds a mismatch.
+// written to "<file>.tmp-<rank>" and renamed when complete. Every rank first deletes
+// model.safetensors.index.json; the rank that finds every shard of this run in place (size and
+// header, with the plan's run id, equal to the plan's) writes it again (atomically) last.
+// Thread-safe use: one call at a time per dst_dir and rank. Errors: the errno error of any file
+// operation (naming the file), InvalidArgument when mem_budget is below two minimum windows (2 KiB)
+// or a chunk's archive does not hold the tensor the metadata promised, DataLoss when --verify finds
+// a mismatch.
 [[nodiscard]] Result<ConvertStats> ExecutePlan(const Plan& plan, const ConvertOptions& options);
 
 }  // namespace bragg::reshard

@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -237,6 +239,140 @@ TEST_F(ConvertTest, SourceShorterThanMetadataFailsCleanly) {
         << r.status();
     EXPECT_NE(::access((out->path() + "/model.safetensors.index.json").c_str(), F_OK), 0);
   }
+}
+
+TEST_F(ConvertTest, ShardsOfAnotherRunNeverCompleteTheIndex) {
+  auto out = TempDir::Create(src_.path(), "out-");
+  ASSERT_TRUE(out.ok());
+  const std::string index = out->path() + "/model.safetensors.index.json";
+  ConvertOptions o = Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30);
+  o.world_size = 2;
+  for (int rank : {0, 1}) {
+    o.rank = rank;
+    auto st = ExecutePlan(plan_, o);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->index_written, rank == 1);
+  }
+  ASSERT_EQ(::access(index.c_str(), F_OK), 0);
+  // A second run (another id, same shard sizes): rank 0 alone must not publish an index over
+  // rank 1's leftovers, and the old index is gone.
+  Plan again = plan_;
+  ASSERT_TRUE(AssignRunId(&again, src_.path()).ok());
+  ASSERT_NE(again.run_id, plan_.run_id);
+  ASSERT_EQ(again.run_id.size(), 16u);
+  EXPECT_NE(again.shards[0].header.find(again.run_id), std::string::npos);
+  EXPECT_EQ(again.shards[0].header.size(), plan_.shards[0].header.size());
+  o.rank = 0;
+  auto st = ExecutePlan(again, o);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_FALSE(st->index_written);
+  EXPECT_FALSE(st->index_waits_for.empty());
+  EXPECT_NE(::access(index.c_str(), F_OK), 0);
+  o.rank = 1;
+  st = ExecutePlan(again, o);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->index_written);
+  // The id depends on the inputs only: computed again, it is the same.
+  Plan third = plan_;
+  ASSERT_TRUE(AssignRunId(&third, src_.path()).ok());
+  EXPECT_EQ(third.run_id, again.run_id);
+  ASSERT_EQ(::utimensat(AT_FDCWD, (src_.path() + "/data.bin").c_str(), nullptr, 0), 0);
+  Plan touched = plan_;
+  ASSERT_TRUE(AssignRunId(&touched, src_.path()).ok());
+  EXPECT_NE(touched.run_id, again.run_id);
+}
+
+TEST_F(ConvertTest, FailureLeavesNoTemporaryShards) {
+  // The second shard of this rank cannot be created (its temporary path is a directory): the
+  // first one, already preallocated to its full size, must not stay behind.
+  auto out = TempDir::Create(src_.path(), "out-");
+  ASSERT_TRUE(out.ok());
+  const std::vector<size_t> mine = ShardsForRank(plan_, 0, 1);
+  ASSERT_GT(mine.size(), 1u);
+  const std::string blocked = out->path() + "/" + plan_.shards[mine[1]].file + ".tmp-0";
+  ASSERT_EQ(::mkdir(blocked.c_str(), 0755), 0);
+  auto st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30));
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(std::string(st.status().message()).find(blocked), std::string::npos) << st.status();
+  ASSERT_EQ(::rmdir(blocked.c_str()), 0);
+  for (const PlannedShard& s : plan_.shards) {
+    EXPECT_NE(::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK), 0) << s.file;
+  }
+  // A failure while copying (a source truncated to a tenth) cleans up too.
+  const std::string data = src_.path() + "/data.bin";
+  struct stat sb;
+  ASSERT_EQ(::stat(data.c_str(), &sb), 0);
+  ASSERT_EQ(::truncate(data.c_str(), sb.st_size / 10), 0);
+  st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kPread, 3, 1ull << 30));
+  ASSERT_FALSE(st.ok());
+  for (const PlannedShard& s : plan_.shards) {
+    EXPECT_NE(::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK), 0) << s.file;
+  }
+}
+
+// Runs `body` in a child process (rlimits set there stay there); true when it exits 0.
+template <typename F>
+bool InChild(F&& body) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::_exit(body() ? 0 : 1);
+  }
+  int status = 0;
+  return pid > 0 && ::waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
+}
+
+int OpenFds() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    n += ::fcntl(fd, F_GETFD) != -1;
+  }
+  return n;
+}
+
+TEST_F(ConvertTest, OpenFileLimitIsRaisedOrRefusedEarly) {
+  ASSERT_GT(ShardsForRank(plan_, 0, 1).size(), 4u);
+  // A soft limit too low for this rank's shards: raised to the hard limit, and it converts.
+  EXPECT_TRUE(InChild([&] {
+    auto out = TempDir::Create(src_.path(), "out-");
+    struct rlimit rl;
+    ::getrlimit(RLIMIT_NOFILE, &rl);
+    const rlim_t hard = rl.rlim_max;
+    rl.rlim_cur = static_cast<rlim_t>(OpenFds() + 3);
+    if (!out.ok() || ::setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      return false;
+    }
+    auto st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30));
+    struct rlimit now;
+    ::getrlimit(RLIMIT_NOFILE, &now);
+    if (!st.ok() || !st->index_written || now.rlim_cur != hard) {
+      fmt::print(stderr, "raise: {} soft {}\n", st.status().ToString(), now.rlim_cur);
+      return false;
+    }
+    return true;
+  }));
+  // A hard limit too low: refused before any shard exists, saying what to do.
+  EXPECT_TRUE(InChild([&] {
+    auto out = TempDir::Create(src_.path(), "out-");
+    const rlim_t low = static_cast<rlim_t>(OpenFds() + 3);
+    struct rlimit rl = {low, low};
+    if (!out.ok() || ::setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      return false;
+    }
+    auto st = ExecutePlan(plan_, Options(out->path(), CopyMethod::kAuto, 2, 1ull << 30));
+    const std::string msg(st.status().message());
+    bool clean = true;
+    for (const PlannedShard& s : plan_.shards) {
+      clean = clean && ::access((out->path() + "/" + s.file + ".tmp-0").c_str(), F_OK) != 0;
+    }
+    if (!absl::IsFailedPrecondition(st.status()) ||
+        msg.find("RLIMIT_NOFILE") == std::string::npos ||
+        msg.find("--world-size") == std::string::npos || !clean) {
+      fmt::print(stderr, "refuse: {}\n", st.status().ToString());
+      return false;
+    }
+    return true;
+  }));
 }
 
 TEST(ParseCopyMethodTest, NamesAndErrors) {

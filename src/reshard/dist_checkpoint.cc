@@ -1,10 +1,15 @@
 #include "reshard/dist_checkpoint.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 
 #include "common/fs.h"
+#include "common/unique_fd.h"
 #include "reshard/pickle.h"
 
 namespace bragg::reshard {
@@ -58,12 +63,113 @@ std::string OffsetsKey(const std::string& fqn, const std::vector<int64_t>& offse
   return k;
 }
 
+// Reads .metadata whole after checking its size, so that a huge file is refused before any of
+// it is in memory.
+Result<std::string> ReadMetadataFile(const std::string& path) {
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) {
+    return ErrnoError("fstat", path);
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > kMaxMetadataBytes) {
+    return absl::ResourceExhaustedError(
+        fmt::format("{} is {} bytes, more than the limit of {}: not a checkpoint's metadata", path,
+                    size, kMaxMetadataBytes));
+  }
+  std::string bytes(size, '\0');
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n =
+        ::pread(fd.get(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      return ErrnoError("pread", path);
+    }
+    if (n == 0) {
+      break;  // shrank meanwhile: parsed as it is, a truncated pickle fails cleanly
+    }
+    done += static_cast<size_t>(n);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
 }  // namespace
+
+std::string ResolveIterationDir(const std::string& dir) {
+  auto it = ReadFileToString(dir + "/latest_checkpointed_iteration.txt");
+  if (!it.ok()) {
+    return dir;
+  }
+  std::string s = *it;
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) {
+    s.pop_back();
+  }
+  // Megatron writes "release" for a released (converted) checkpoint, in directory "release".
+  if (s == "release") {
+    return dir + "/release";
+  }
+  int64_t n = -1;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || n < 0) {
+    return dir;
+  }
+  return fmt::format("{}/iter_{:07d}", dir, n);
+}
+
+PickleLimits MetadataLimits(uint64_t size) {
+  PickleLimits l;
+  l.max_input = kMaxMetadataBytes;
+  // Every opcode that makes a value takes at least one byte (so this only documents the tie to
+  // the size); a real .metadata has one opcode per 2.5 bytes (the fixtures'), each making at
+  // most one value.
+  l.max_values = std::min<uint64_t>(50'000'000, 4096 + size);
+  // Python's pickler pushes at most 1000 items between a MARK and the op that takes them.
+  l.max_stack = 1'000'000;
+  l.max_marks = 10'000;
+  return l;
+}
+
+bool IsNonModelStateKey(std::string_view key) {
+  auto starts = [&](std::string_view p) { return key.substr(0, p.size()) == p; };
+  // ChainedOptimizer prefixes the state of its i-th optimizer with "chained_<i>.".
+  if (starts("chained_")) {
+    size_t k = 8;
+    while (k < key.size() && key[k] >= '0' && key[k] <= '9') {
+      ++k;
+    }
+    if (k > 8 && k < key.size() && key[k] == '.') {
+      key.remove_prefix(k + 1);
+    }
+  }
+  auto object = [&](std::string_view name) {
+    return starts(name) &&
+           (key.size() == name.size() || key[name.size()] == '/' || key[name.size()] == '.');
+  };
+  return starts("optimizer.") || object("rng_state") || object("rerun_state_machine_state");
+}
 
 uint64_t NumElements(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
   for (int64_t s : shape) {
     n *= static_cast<uint64_t>(s);
+  }
+  return n;
+}
+
+Result<uint64_t> CheckedNumElements(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t s : shape) {
+    if (s < 0) {
+      return absl::InvalidArgumentError(fmt::format("negative dimension {}", s));
+    }
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(s), &n) || n > kMaxElements) {
+      return absl::InvalidArgumentError(
+          fmt::format("shape [{}] has more than {} elements", fmt::join(shape, ","), kMaxElements));
+    }
   }
   return n;
 }
@@ -74,6 +180,12 @@ Status ValidateChunks(const SourceTensor& t) {
     if (s < 0 || s > (int64_t{1} << 40)) {
       return absl::InvalidArgumentError(fmt::format("'{}': dimension {} out of range", t.key, s));
     }
+  }
+  // Checked first: a product that wraps (two dims of 2^32 are 2^64 = 0 elements) would let an
+  // empty chunk list "cover" the tensor. Every chunk lies inside the shape (checked below), so
+  // its product is bounded too, and the sum of non-overlapping chunks by the shape's.
+  if (auto n = CheckedNumElements(t.shape); !n.ok()) {
+    return Annotate(n.status(), fmt::format("'{}'", t.key));
   }
   uint64_t covered = 0;
   for (size_t c = 0; c < t.chunks.size(); ++c) {
@@ -119,8 +231,12 @@ Status ValidateChunks(const SourceTensor& t) {
 
 Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir) {
   const std::string path = dir + "/.metadata";
-  BRAGG_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  BRAGG_ASSIGN_OR_RETURN(PickleDoc doc, ParsePickle(bytes));
+  BRAGG_ASSIGN_OR_RETURN(std::string bytes, ReadMetadataFile(path));
+  auto parsed = ParsePickle(bytes, MetadataLimits(bytes.size()));
+  if (!parsed.ok()) {
+    return Annotate(parsed.status(), path);
+  }
+  PickleDoc doc = *std::move(parsed);
   auto bad = [&](std::string_view what) {
     return absl::InvalidArgumentError(fmt::format("{}: {}", path, what));
   };
@@ -169,6 +285,25 @@ Result<CheckpointIndex> ReadDistCheckpointIndex(const std::string& dir) {
     BRAGG_ASSIGN_OR_RETURN(std::string fqn, AsStr(k, "state_dict_metadata key"));
     if (IsMetaClass(v, "BytesStorageMetadata")) {
       out.byte_items.push_back(fqn);
+      continue;
+    }
+    if (IsNonModelStateKey(fqn)) {
+      // Never read, so neither validated: an optimizer's flat buffers or a dtype without a
+      // safetensors name must not stop the model's conversion.
+      SkippedTensor s;
+      s.key = fqn;
+      if (IsMetaClass(v, "TensorStorageMetadata")) {
+        auto dtype = PropertiesDType(v->Get("properties"), fqn);
+        s.dtype = dtype.ok() ? std::string(SafetensorsDType(*dtype)) : "?";
+        auto shape = AsIntList(v->Get("size"), fqn);
+        if (shape.ok()) {
+          s.shape = *std::move(shape);
+        }
+        const PyValue* chunks = v->Get("chunks");
+        s.chunks =
+            chunks != nullptr && chunks->kind == PyValue::Kind::kList ? chunks->items.size() : 0;
+      }
+      out.non_model.push_back(std::move(s));
       continue;
     }
     if (!IsMetaClass(v, "TensorStorageMetadata")) {

@@ -27,24 +27,6 @@ struct RankDir {
   std::string name;
 };
 
-// Follows latest_checkpointed_iteration.txt to iter_XXXXXXX when present.
-std::string ResolveIterationDir(const std::string& dir) {
-  auto it = ReadFileToString(dir + "/latest_checkpointed_iteration.txt");
-  if (!it.ok()) {
-    return dir;
-  }
-  std::string s = *it;
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) {
-    s.pop_back();
-  }
-  char* end = nullptr;
-  long n = std::strtol(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || n < 0) {
-    return dir;
-  }
-  return fmt::format("{}/iter_{:07d}", dir, n);
-}
-
 // A rank, layer or expert index from a directory name or a tensor key: decimal digits up to
 // kMaxIndex (a hostile key's 30-digit index is refused, not an exception or an overflow).
 constexpr int64_t kMaxIndex = int64_t{1} << 24;

@@ -368,14 +368,21 @@ class PickleParser {
         return false;
       }
       case 'N': {
-        BRAGG_ASSIGN_OR_RETURN(PyValue * v, New(K::kNone));
-        BRAGG_RETURN_IF_ERROR(Push(v));
+        // None, True and False are immutable (no op changes a kNone or kBool value): one value
+        // each per document, so a run of them costs a stack slot each, not a value.
+        if (none_ == nullptr) {
+          BRAGG_ASSIGN_OR_RETURN(none_, New(K::kNone));
+        }
+        BRAGG_RETURN_IF_ERROR(Push(none_));
         return false;
       }
       case 0x88:
       case 0x89: {  // NEWTRUE, NEWFALSE
-        BRAGG_ASSIGN_OR_RETURN(PyValue * v, New(K::kBool));
-        v->b = op == 0x88;
+        PyValue*& v = op == 0x88 ? true_ : false_;
+        if (v == nullptr) {
+          BRAGG_ASSIGN_OR_RETURN(v, New(K::kBool));
+          v->b = op == 0x88;
+        }
         BRAGG_RETURN_IF_ERROR(Push(v));
         return false;
       }
@@ -682,6 +689,9 @@ class PickleParser {
 
   std::string_view d_;
   PickleLimits lim_;
+  PyValue* none_ = nullptr;
+  PyValue* true_ = nullptr;
+  PyValue* false_ = nullptr;
   size_t pos_ = 0;
   size_t op_pos_ = 0;
   PickleDoc doc_;

@@ -143,7 +143,7 @@ TEST(PickleTest, LimitsBoundResources) {
   lim.max_values = 100;
   std::string many = "\x80\x02(";
   for (int k = 0; k < 200; ++k) {
-    many += "N";
+    many += "K\x01";
   }
   many += "t.";
   auto doc = ParsePickle(many, lim);
@@ -157,6 +157,27 @@ TEST(PickleTest, LimitsBoundResources) {
   lim.max_input = 4;
   doc = ParsePickle("\x80\x02N.N", lim);
   EXPECT_EQ(doc.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(PickleTest, NoneTrueFalseAreSharedNotOneValueEach) {
+  // 300k None/True/False in a list: four values in all, so a pickle of nothing but N0 costs a
+  // stack slot per byte, not a value.
+  PickleLimits lim;
+  lim.max_values = 10;
+  std::string data = "\x80\x02(";
+  for (int k = 0; k < 100'000; ++k) {
+    data += "N\x88\x89";
+  }
+  data += "l.";
+  auto doc = ParsePickle(data, lim);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  const PyValue* list = doc->root();
+  ASSERT_EQ(list->items.size(), 300'000u);
+  EXPECT_TRUE(list->items[0]->IsNone());
+  EXPECT_EQ(list->items[0], list->items[3]);
+  EXPECT_TRUE(list->items[1]->b);
+  EXPECT_FALSE(list->items[2]->b);
+  EXPECT_EQ(list->items[2], list->items[299'999]);
 }
 
 TEST(PickleTest, SelfReferenceDoesNotHang) {

@@ -184,8 +184,8 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
           "Face mapping; pass --skip-mtp to leave MTP layers out",
           key));
     }
-    if (used.count(key) == 0 && !IsIgnoredSourceKey(key) && !(mtp && cfg.skip_mtp) &&
-        !(cfg.tie_word_embeddings && key == "output_layer.weight")) {
+    if (used.count(key) == 0 && !IsIgnoredSourceKey(key) && !IsNonModelStateKey(key) &&
+        !(mtp && cfg.skip_mtp) && !(cfg.tie_word_embeddings && key == "output_layer.weight")) {
       return absl::InvalidArgumentError(
           fmt::format("checkpoint tensor '{}' [{}] has no Hugging Face mapping for --model {}", key,
                       fmt::join(t.shape, ","), cfg.family));
@@ -196,7 +196,7 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
     PlannedShard ps;
     ps.file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     nlohmann::json h = nlohmann::json::object();
-    h["__metadata__"] = {{"format", "pt"}};
+    h["__metadata__"] = {{"format", "pt"}, {"bragg_run_id", std::string(kRunIdPlaceholder)}};
     uint64_t rel = 0;
     for (PlannedTensor& t : shards[s]) {
       h[t.map.hf_name] = {{"dtype", std::string(SafetensorsDType(t.dtype))},

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -44,7 +45,12 @@ struct WorkItem {
   std::vector<CopyRun> runs;
 };
 
+// Every shard header carries the conversion's run id in its "__metadata__" (key
+// "bragg_run_id", 16 hex digits); BuildPlan writes this placeholder, AssignRunId the real id.
+inline constexpr std::string_view kRunIdPlaceholder = "0000000000000000";
+
 struct Plan {
+  std::string run_id{kRunIdPlaceholder};
   std::vector<PlannedShard> shards;
   std::vector<WorkItem> items;  // largest first
   uint64_t total_bytes = 0;     // sum of output tensor bytes

@@ -185,6 +185,40 @@ TEST(PlanTest, RejectsMismatchedCheckpoints) {
   EXPECT_FALSE(BuildPlan(idx, wrong, 1 << 30).ok());
 }
 
+TEST(PlanTest, NonModelStateIsSkippedButUnknownWeightsAreNot) {
+  for (const char* k :
+       {"optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
+        "optimizer.state.exp_avg_sq.embedding.word_embeddings.weight",
+        "optimizer.state.fp32_param.output_layer.weight",
+        "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, "
+        "torch.float32).bucket_idx_0.exp_avg",
+        "optimizer.param_groups",
+        "chained_1.optimizer.state.exp_avg.decoder.final_layernorm.weight", "rng_state",
+        "rng_state/shard_0.0_1.2", "rerun_state_machine_state/shard_1.1_2.2"}) {
+    EXPECT_TRUE(IsNonModelStateKey(k)) << k;
+  }
+  for (const char* k : {"decoder.layers.mlp.linear_fc1.weight", "optimizer", "optimizers.x.weight",
+                        "decoder.layers.optimizer.state.weight", "chained_0.decoder.weight",
+                        "chained_.optimizer.state.x", "chained_x.optimizer.state.x",
+                        "rng_statex.weight", "embedding.rng_state", "mtp.layers.0.weight"}) {
+    EXPECT_FALSE(IsNonModelStateKey(k)) << k;
+  }
+  ModelConfig c = TinyConfig("llama");
+  CheckpointIndex idx = TinyIndex(c, false, false);
+  const std::string moment = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight";
+  idx.tensors[moment] = Chunked(moment, {4, 8, 6}, {2, 1, 2});
+  auto plan = BuildPlan(idx, c, 1 << 30);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const WorkItem& w : plan->items) {
+    EXPECT_NE(w.tensor->key, moment);
+  }
+  // A weight no mapping knows is still an error, also behind a chained prefix.
+  const std::string stray = "chained_0.decoder.layers.mlp.linear_fc3.weight";
+  idx.tensors[stray] = Chunked(stray, {4, 8}, {1, 1});
+  auto r = BuildPlan(idx, c, 1 << 30);
+  EXPECT_NE(std::string(r.status().message()).find(stray), std::string::npos) << r.status();
+}
+
 TEST(PlanTest, ConfigValidation) {
   EXPECT_EQ(ParseModelConfig("gpt2", "{}").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseModelConfig("deepseek_v3", "{}").status().code(),
@@ -454,6 +488,26 @@ TEST(PlanTest, DeepseekV3Mismatches) {
       ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "moe_layer_freq": 2)")).status().code(),
       absl::StatusCode::kUnimplemented);
   EXPECT_FALSE(ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "q_lora_rank": -1)")).ok());
+}
+
+TEST(ChunkValidationTest, ShapesWhoseProductOverflowsAreRefused) {
+  // 2^32 x 2^32 = 2^64 wraps to 0 elements, which an empty chunk list would "cover".
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+           {int64_t{1} << 32, int64_t{1} << 32},
+           {int64_t{1} << 40, int64_t{1} << 40, 4},
+           {int64_t{1} << 26, int64_t{1} << 25}}) {  // 2^51: over the cap, no wrap
+    SourceTensor t;
+    t.key = "hostile";
+    t.shape = shape;
+    Status st = ValidateChunks(t);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_NE(std::string(st.message()).find("more than"), std::string::npos) << st;
+    EXPECT_FALSE(CheckedNumElements(shape).ok());
+  }
+  EXPECT_EQ(*CheckedNumElements({int64_t{1} << 25, int64_t{1} << 25}), uint64_t{1} << 50);
+  EXPECT_EQ(*CheckedNumElements({}), 1u);
+  EXPECT_EQ(*CheckedNumElements({5, 0, int64_t{1} << 40}), 0u);
+  EXPECT_FALSE(CheckedNumElements({-1, 4}).ok());
 }
 
 TEST(ChunkValidationTest, GapsOverlapsAndBounds) {

@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include "common/fs.h"
@@ -25,12 +28,41 @@ using bragg::Result;
 using bragg::Status;
 namespace rs = bragg::reshard;
 
-// torch_dist when .metadata exists, else legacy mp_rank_* directories.
+// torch_dist when .metadata exists in `dir` or in the iteration directory its
+// latest_checkpointed_iteration.txt names (iter_NNNNNNN or release), else legacy mp_rank_*
+// directories.
 Result<rs::CheckpointIndex> ReadIndex(const std::string& dir) {
-  if (::access((dir + "/.metadata").c_str(), F_OK) != 0 && rs::IsLegacyCheckpoint(dir)) {
+  auto has_metadata = [](const std::string& d) {
+    return ::access((d + "/.metadata").c_str(), F_OK) == 0;
+  };
+  if (has_metadata(dir)) {
+    return rs::ReadDistCheckpointIndex(dir);
+  }
+  const std::string iter = rs::ResolveIterationDir(dir);
+  if (iter != dir && has_metadata(iter)) {
+    return rs::ReadDistCheckpointIndex(iter);
+  }
+  if (rs::IsLegacyCheckpoint(dir)) {
     return rs::ReadLegacyCheckpointIndex(dir);
   }
   return rs::ReadDistCheckpointIndex(dir);
+}
+
+// The integer in environment variable `name`; nullopt when unset or empty. InvalidArgument
+// when it is not a non-negative decimal integer.
+Result<std::optional<int>> EnvInt(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') {
+    return std::optional<int>();
+  }
+  int n = 0;
+  const char* end = v + std::strlen(v);
+  auto [p, ec] = std::from_chars(v, end, n);
+  if (ec != std::errc() || p != end || n < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}='{}' is not a non-negative integer", name, v));
+  }
+  return std::optional<int>(n);
 }
 
 Status Inspect(const std::string& dir) {
@@ -49,8 +81,12 @@ Status Inspect(const std::string& dir) {
   for (const std::string& k : idx.byte_items) {
     fmt::print("{} bytes-item\n", k);
   }
-  fmt::print("{} tensors, {} bytes, {} byte items\n", idx.tensors.size(), total,
-             idx.byte_items.size());
+  for (const rs::SkippedTensor& t : idx.non_model) {
+    fmt::print("{} {} [{}] {} chunks (non-model state, skipped)\n", t.key, t.dtype,
+               fmt::join(t.shape, ","), t.chunks);
+  }
+  fmt::print("{} tensors, {} bytes, {} byte items, {} non-model tensors skipped\n",
+             idx.tensors.size(), total, idx.byte_items.size(), idx.non_model.size());
   return absl::OkStatus();
 }
 
@@ -72,23 +108,37 @@ Status Convert(ConvertArgs a) {
   if (a.hf_config_dir.empty()) {
     return absl::InvalidArgumentError("--hf-config-dir with the model's config.json is required");
   }
-  if (a.rank < 0 && a.world_size < 0) {
-    // Under srun every task gets its rank from Slurm.
-    const char* r = std::getenv("SLURM_PROCID");
-    const char* w = std::getenv("SLURM_NTASKS");
-    a.rank = r != nullptr ? std::atoi(r) : 0;
-    a.world_size = w != nullptr ? std::atoi(w) : 1;
+  // Under srun each of rank and world size not given comes from Slurm on its own, so that
+  // `--world-size 4` alone still gives every task its own rank.
+  std::string rank_from = "--rank";
+  std::string world_from = "--world-size";
+  if (a.rank == -1) {
+    BRAGG_ASSIGN_OR_RETURN(std::optional<int> r, EnvInt("SLURM_PROCID"));
+    a.rank = r.value_or(0);
+    rank_from = r ? "SLURM_PROCID" : "default";
   }
-  if (a.rank < 0) {
-    a.rank = 0;
+  if (a.world_size == -1) {
+    // A step's task count: SLURM_NTASKS is the allocation's when srun runs fewer tasks.
+    for (const char* name : {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}) {
+      BRAGG_ASSIGN_OR_RETURN(std::optional<int> w, EnvInt(name));
+      if (w) {
+        a.world_size = *w;
+        world_from = name;
+        break;
+      }
+    }
+    if (a.world_size == -1) {
+      a.world_size = 1;
+      world_from = "default";
+    }
   }
-  if (a.world_size < 1) {
-    a.world_size = 1;
+  if (a.rank < 0 || a.world_size < 1 || a.rank >= a.world_size) {
+    return absl::InvalidArgumentError(fmt::format(
+        "rank {} (from {}) and world size {} (from {}) do not fit: the rank must be in [0, world "
+        "size); give both --rank and --world-size, or run under srun",
+        a.rank, rank_from, a.world_size, world_from));
   }
-  if (a.rank >= a.world_size) {
-    return absl::InvalidArgumentError(
-        fmt::format("--rank {} must be below --world-size {}", a.rank, a.world_size));
-  }
+  spdlog::info("rank {} (from {}) of {} (from {})", a.rank, rank_from, a.world_size, world_from);
   BRAGG_ASSIGN_OR_RETURN(uint64_t budget, bragg::ParseSize(a.mem_budget));
   BRAGG_ASSIGN_OR_RETURN(uint64_t max_shard, bragg::ParseSize(a.max_shard));
   if (max_shard == 0) {
@@ -104,10 +154,34 @@ Status Convert(ConvertArgs a) {
   cfg.fused_gate_up = a.fused_gate_up;
   cfg.skip_mtp = a.skip_mtp;
   BRAGG_ASSIGN_OR_RETURN(rs::CheckpointIndex idx, ReadIndex(a.src));
+  if (!idx.non_model.empty()) {
+    spdlog::info("skipping {} tensors of non-model state (optimizer, RNG; e.g. '{}')",
+                 idx.non_model.size(), idx.non_model.front().key);
+  }
   BRAGG_ASSIGN_OR_RETURN(rs::Plan plan, rs::BuildPlan(idx, cfg, max_shard));
+  BRAGG_RETURN_IF_ERROR(rs::AssignRunId(&plan, idx.dir));
+  {
+    // A tensor larger than the limit gets a shard of its own, larger than the limit.
+    size_t over = 0;
+    const rs::PlannedTensor* largest = nullptr;
+    for (const rs::PlannedShard& s : plan.shards) {
+      for (const rs::PlannedTensor& t : s.tensors) {
+        if (t.bytes > max_shard) {
+          ++over;
+          largest = largest == nullptr || t.bytes > largest->bytes ? &t : largest;
+        }
+      }
+    }
+    if (largest != nullptr) {
+      spdlog::warn(
+          "--max-shard-size {} is smaller than {} tensors (largest '{}', {} bytes): each gets a "
+          "shard of its own, larger than the limit",
+          a.max_shard, over, largest->map.hf_name, largest->bytes);
+    }
+  }
   double plan_s = std::chrono::duration<double>(clock::now() - t0).count();
   spdlog::info(
-      "plan: {} output tensors in {} shards, {:.3f} GB, {} work items, {:.3f} s",
+      "plan: {} output tensors in {} shards, {:.3f} GB, {} work items, run id {}, {:.3f} s",
       [&] {
         size_t n = 0;
         for (const auto& s : plan.shards) {
@@ -115,7 +189,7 @@ Status Convert(ConvertArgs a) {
         }
         return n;
       }(),
-      plan.shards.size(), plan.total_bytes / 1e9, plan.items.size(), plan_s);
+      plan.shards.size(), plan.total_bytes / 1e9, plan.items.size(), plan.run_id, plan_s);
   if (a.dry_run) {
     fmt::print("{}", rs::DescribePlan(plan));
     return absl::OkStatus();
@@ -139,6 +213,13 @@ Status Convert(ConvertArgs a) {
   spdlog::info("rank {}/{}: {} shards written, index {}, total {:.2f} s", a.rank, a.world_size,
                st.shards_written, st.index_written ? "written" : "left to another rank",
                std::chrono::duration<double>(clock::now() - t0).count());
+  if (!st.index_written) {
+    spdlog::warn(
+        "rank {}/{}: model.safetensors.index.json NOT written: shard {} of this run is not in "
+        "place yet; the rank that finishes last writes it (if every rank has finished and there "
+        "is no index, a rank failed: run it again)",
+        a.rank, a.world_size, st.index_waits_for);
+  }
   return absl::OkStatus();
 }
 
@@ -164,8 +245,9 @@ int main(int argc, char** argv) {
   convert->add_option("--threads", ca.threads, "worker threads (default: all cores)");
   convert->add_option("--mem-budget", ca.mem_budget, "bound on buffer memory (default 2GiB)");
   convert->add_option("--max-shard-size", ca.max_shard, "largest output shard (default 5GiB)");
-  convert->add_option("--rank", ca.rank, "this process's rank (default: SLURM_PROCID or 0)");
-  convert->add_option("--world-size", ca.world_size, "processes (default: SLURM_NTASKS or 1)");
+  convert->add_option("--rank", ca.rank, "this process's rank (default: SLURM_PROCID, else 0)");
+  convert->add_option("--world-size", ca.world_size,
+                      "processes (default: SLURM_STEP_NUM_TASKS, else SLURM_NTASKS, else 1)");
   convert->add_flag("--verify", ca.verify, "re-read the output and compare with the source");
   convert->add_flag("--dry-run-plan", ca.dry_run, "print the plan and write nothing");
   convert->add_flag("--fused-gate-up", ca.fused_gate_up,

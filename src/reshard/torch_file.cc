@@ -75,8 +75,18 @@ Result<DType> DTypeFromTorchName(std::string_view name) {
   return absl::InvalidArgumentError(fmt::format("unsupported torch dtype '{}'", name));
 }
 
+PickleLimits TorchArchive::ChunkLimits() {
+  PickleLimits l;
+  l.max_input = 1 << 20;
+  l.max_values = 100'000;
+  l.max_marks = 1'000;
+  l.max_stack = 100'000;
+  return l;
+}
+
 Result<TorchArchive> TorchArchive::Open(int fd, uint64_t base, uint64_t length,
-                                        uint64_t max_pickle) {
+                                        const PickleLimits& limits) {
+  const uint64_t max_pickle = limits.max_input;
   BRAGG_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries, ReadZipDirectory(fd, base, length));
   const ZipEntry* pkl = nullptr;
   std::string prefix;
@@ -113,7 +123,7 @@ Result<TorchArchive> TorchArchive::Open(int fd, uint64_t base, uint64_t length,
     done += static_cast<size_t>(r);
   }
   TorchArchive out;
-  BRAGG_ASSIGN_OR_RETURN(out.doc_, ParsePickle(buf));
+  BRAGG_ASSIGN_OR_RETURN(out.doc_, ParsePickle(buf, limits));
   std::string data_prefix = prefix + "/data/";
   for (const ZipEntry& e : entries) {
     if (e.name.compare(0, data_prefix.size(), data_prefix) == 0) {
@@ -168,26 +178,26 @@ Result<TensorRef> TorchArchive::Tensor(const PyValue* v) const {
   if (it == storages_.end()) {
     return absl::InvalidArgumentError(fmt::format("storage '{}' missing from the archive", key));
   }
-  // Contiguous row-major with elements counted in a way that cannot overflow.
+  // Contiguous row-major: each stride is the product of the later dims (numel so far), which
+  // is checked before it can overflow.
   uint64_t numel = 1;
-  int64_t expect = 1;
   for (size_t d = t.shape.size(); d-- > 0;) {
     if (t.shape[d] < 0 || t.shape[d] > (int64_t{1} << 40)) {
       return absl::InvalidArgumentError("tensor dimension out of range");
     }
-    if (t.shape[d] != 1 && stride[d] != expect) {
+    if (t.shape[d] != 1 && (stride[d] < 0 || static_cast<uint64_t>(stride[d]) != numel)) {
       return absl::InvalidArgumentError(
           fmt::format("non-contiguous tensor (size {}, stride {}) is not supported",
                       DescribeValue(a[2], 2), DescribeValue(a[3], 2)));
     }
-    expect *= t.shape[d];
-    numel *= static_cast<uint64_t>(t.shape[d]);
-    if (numel > (uint64_t{1} << 44)) {
-      return absl::InvalidArgumentError("tensor too large");
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(t.shape[d]), &numel) ||
+        numel > kMaxElements) {
+      return absl::InvalidArgumentError(fmt::format("tensor of size {} has more than {} elements",
+                                                    DescribeValue(a[2], 2), kMaxElements));
     }
   }
   const uint64_t es = ElementSize(t.dtype);
-  if (storage_offset < 0 || static_cast<uint64_t>(storage_offset) > (uint64_t{1} << 44)) {
+  if (storage_offset < 0 || static_cast<uint64_t>(storage_offset) > kMaxElements) {
     return absl::InvalidArgumentError("storage offset out of range");
   }
   t.bytes = numel * es;

@@ -14,6 +14,10 @@
 
 namespace bragg::reshard {
 
+// Most elements of one tensor (2^50; 8 bytes each stay below 2^53): larger counts in metadata
+// are refused, so that no element or byte count overflows.
+inline constexpr uint64_t kMaxElements = uint64_t{1} << 50;
+
 enum class DType { kF32, kF16, kBF16, kF64, kI64, kI32, kI16, kI8, kU8, kBool };
 
 int ElementSize(DType t);
@@ -35,11 +39,16 @@ struct TensorRef {
 // Move-only (owns the PickleDoc); immutable after Open, so readable from many threads.
 class TorchArchive {
  public:
-  // Reads the archive at [base, base + length) of `fd` (borrowed; pread only). `max_pickle` bounds
-  // the size of data.pkl read into memory. Errors: those of ReadZipDirectory and ParsePickle, and
-  // InvalidArgument when data.pkl is missing.
+  // Reads the archive at [base, base + length) of `fd` (borrowed; pread only). `limits` bound
+  // data.pkl (limits.max_input: its size, checked before it is read) and its parse. Errors: those
+  // of ReadZipDirectory and ParsePickle, InvalidArgument when data.pkl is missing,
+  // ResourceExhausted when it is larger than limits.max_input.
   [[nodiscard]] static Result<TorchArchive> Open(int fd, uint64_t base, uint64_t length,
-                                                 uint64_t max_pickle = 1ull << 30);
+                                                 const PickleLimits& limits = {});
+
+  // Limits for the archive of one tensor chunk of a torch_dist checkpoint, whose data.pkl holds
+  // one tensor: a few hundred bytes and a few dozen values in practice.
+  static PickleLimits ChunkLimits();
 
   const PyValue* root() const { return doc_.root(); }
 

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "common/fs.h"
+#include "reshard/dist_checkpoint.h"
 #include "reshard/test_util.h"
 #include "reshard/torch_file.h"
 
@@ -85,6 +86,100 @@ TEST(ZipTest, TorchArchiveAtAnOffsetInAFile) {
   EXPECT_FALSE(TorchArchive::Open(fd->get(), 1000, z.size() - 1).ok());
   // Region past the end of the file.
   EXPECT_FALSE(TorchArchive::Open(fd->get(), 1000 + 77, z.size() + 100).ok());
+}
+
+TEST(ZipTest, ChunkArchivePickleIsBoundedTightly) {
+  // A chunk's data.pkl holds one tensor (a few hundred bytes): 2 MiB is refused before it is
+  // read, and 200k values in a small one are refused while parsing.
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  std::string big = "\x80\x02" + std::string(2 << 20, 'N') + ".";
+  std::string many = "\x80\x02(";
+  for (int k = 0; k < 200'000; ++k) {
+    many += "K\x01";
+  }
+  many += "l.";
+  ASSERT_LT(many.size(), 1u << 20);
+  for (const std::string& pkl : {big, many}) {
+    const std::string path = dir->path() + "/c.distcp";
+    ASSERT_TRUE(WriteStringToFile(path, MakeZip({{"a/data.pkl", pkl}})).ok());
+    auto fd = OpenFile(path, O_RDONLY);
+    ASSERT_TRUE(fd.ok());
+    auto a = TorchArchive::Open(fd->get(), 0, MakeZip({{"a/data.pkl", pkl}}).size(),
+                                TorchArchive::ChunkLimits());
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+  }
+}
+
+// A protocol-2 data.pkl of one bf16 tensor: _rebuild_tensor_v2(persistent ('storage',
+// BFloat16Storage, '0', 'cpu', 6), 0, size, stride, False), size and stride as given.
+std::string TensorPickle(const std::vector<int64_t>& size, const std::vector<int64_t>& stride) {
+  auto str = [](std::string_view v) {
+    std::string out = "X";
+    testing::PutLe(&out, v.size(), 4);
+    return out + std::string(v);
+  };
+  auto ints = [](const std::vector<int64_t>& v) {
+    std::string out = "(";
+    for (int64_t x : v) {
+      out += "\x8a\x08";  // LONG1 of 8 bytes, two's complement
+      testing::PutLe(&out, static_cast<uint64_t>(x), 8);
+    }
+    return out + "t";
+  };
+  return std::string("\x80\x02") + "ctorch._utils\n_rebuild_tensor_v2\n((" + str("storage") +
+         "ctorch\nBFloat16Storage\n" + str("0") + str("cpu") + std::string("K\x06tQK\x00", 6) +
+         ints(size) + ints(stride) + "\x89tR.";
+}
+
+TEST(ZipTest, HostileTensorShapesAreRefusedNotWrapped) {
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  const std::string path = dir->path() + "/t.pt";
+  auto open = [&](const std::vector<int64_t>& size, const std::vector<int64_t>& stride) {
+    std::string z = MakeZip({{"a/data.pkl", TensorPickle(size, stride)}, {"a/data/0", "012345"}});
+    EXPECT_TRUE(WriteStringToFile(path, z).ok());
+    auto fd = OpenFile(path, O_RDONLY);
+    EXPECT_TRUE(fd.ok());
+    auto a = TorchArchive::Open(fd->get(), 0, z.size());
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? a->Tensor(a->root()) : Result<TensorRef>(a.status());
+  };
+  // The pickle itself is sound: 3 elements fit the 6-byte storage.
+  auto ok = open({3}, {1});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->bytes, 6u);
+  // 2^40 x 2^24 elements (strides consistent) is 2^64: it used to wrap to 0 bytes and pass.
+  auto t = open({int64_t{1} << 40, int64_t{1} << 24}, {int64_t{1} << 24, 1});
+  EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << t.status();
+  EXPECT_NE(std::string(t.status().message()).find("more than"), std::string::npos) << t.status();
+  t = open({int64_t{1} << 30, int64_t{1} << 30}, {int64_t{1} << 30, 1});  // 2^60
+  EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << t.status();
+  t = open({2, 3}, {-3, 1});  // a negative stride
+  EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << t.status();
+}
+
+TEST(MetadataTest, HugeOrAmplifyingMetadataIsRefusedCheaply) {
+  auto dir = TempDir::Create();
+  ASSERT_TRUE(dir.ok());
+  const std::string path = dir->path() + "/.metadata";
+  // A sparse file past the limit: refused by its size, before a byte is read.
+  {
+    auto fd = OpenFile(path, O_WRONLY | O_CREAT | O_TRUNC);
+    ASSERT_TRUE(fd.ok());
+    ASSERT_EQ(::ftruncate(fd->get(), static_cast<off_t>(kMaxMetadataBytes + 1)), 0);
+  }
+  auto idx = ReadDistCheckpointIndex(dir->path());
+  EXPECT_EQ(idx.status().code(), absl::StatusCode::kResourceExhausted) << idx.status();
+  EXPECT_NE(std::string(idx.status().message()).find("more than the limit"), std::string::npos);
+  // 4 MB of None: a stack slot each (shared value), refused at the stack limit of 1M.
+  ASSERT_TRUE(WriteStringToFile(path, "\x80\x02" + std::string(4'000'000, 'N') + ".").ok());
+  idx = ReadDistCheckpointIndex(dir->path());
+  EXPECT_EQ(idx.status().code(), absl::StatusCode::kResourceExhausted) << idx.status();
+  EXPECT_NE(std::string(idx.status().message()).find(".metadata"), std::string::npos);
+  // The value limit follows the file's size.
+  EXPECT_EQ(MetadataLimits(1000).max_values, 5096u);
+  EXPECT_EQ(MetadataLimits(1ull << 30).max_values, 50'000'000u);
 }
 
 TEST(ZipTest, Zip64Directory) {

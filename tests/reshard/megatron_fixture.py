@@ -11,7 +11,9 @@ writes DIR/<family> (torch 1.13 class paths), DIR/<family>-hf-config, DIR/<famil
 reference conversion), and two variants of llama: DIR/llama-newpaths (the
 torch.distributed.checkpoint.metadata class paths and 5-tuple TensorProperties state that newer
 PyTorch pickles) and DIR/llama-transforms (a chunk with transform_descriptors, which
-bragg-reshard must refuse).
+bragg-reshard must refuse). The llama checkpoints also carry optimizer state beside the model, as
+Megatron saves it (optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<param>, chunked like the
+parameter, and rng_state objects), which bragg-reshard must skip.
 """
 
 import argparse
@@ -304,9 +306,16 @@ def write_family(args, family, out):
 
     cfg = make_config(family)
     tensors = global_tensors(family, cfg)
+    if family in OPTIMIZER_STATE:
+        # Megatron saves the optimizer's state of each parameter in the same checkpoint, chunked
+        # like the parameter: Adam's moments and the fp32 master weights.
+        for key, full in list(tensors.items()):
+            for i, slot in enumerate(("exp_avg", "exp_avg_sq", "fp32_param")):
+                tensors[f"optimizer.state.{slot}.{key}"] = full.float() * (i + 2)
     state = {}
     for key, full in tensors.items():
-        chunks = chunks_for(key, full.shape, args.tp, args.pp, cfg["num_hidden_layers"])
+        chunks = chunks_for(key.split(".", 3)[-1] if key.startswith("optimizer.") else key,
+                            full.shape, args.tp, args.pp, cfg["num_hidden_layers"])
         metas = [ShardMetadata(o, s, f"rank:{r}/cpu") for r, o, s in chunks]
         local = []
         for (r, o, s), m in zip(chunks, metas):
@@ -323,6 +332,10 @@ def write_family(args, family, out):
         # Transformer Engine's _extra_state travels as a bytes item.
         state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"] = io.BytesIO(
             b"te-extra-state")
+    if family in OPTIMIZER_STATE:
+        # Megatron's RNG state: one ShardedObject (a bytes item) per TP x PP rank.
+        pr, tr = divmod(args.rank, args.tp)
+        state[f"rng_state/shard_{pr}.{tr}_{args.pp}.{args.tp}"] = io.BytesIO(b"rng")
     save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
 
 
@@ -445,6 +458,8 @@ def rewrite_metadata(ckpt, variant):
 
 
 LEGACY = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+# Fixtures saved with optimizer state beside the model (bragg-reshard skips it).
+OPTIMIZER_STATE = ("llama",)
 
 
 def write_all(root, families, tp, pp):

@@ -117,6 +117,23 @@ def test_newer_pytorch_class_paths(root, tmp_path):
     assert_bit_identical(got, torch.load(os.path.join(root, "llama-ref.pt")))
 
 
+def test_optimizer_state_is_skipped(root, tmp_path):
+    # The llama fixture carries Adam's moments and fp32 master weights of every parameter and
+    # Megatron's rng_state objects; they are listed, not converted, and the model converts bit
+    # for bit (test_matches_reference_bit_for_bit[llama]).
+    p = run("inspect", os.path.join(root, "llama"))
+    assert ("optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight F32 [4,96,32] "
+            "8 chunks (non-model state, skipped)") in p.stdout, p.stdout
+    assert "rng_state/shard_0.0_2.2 bytes-item" in p.stdout
+    assert ", 27 non-model tensors skipped" in p.stdout
+    dst = str(tmp_path / "out")
+    p = convert(root, "llama", dst)
+    assert "skipping 27 tensors of non-model state" in p.stderr, p.stderr
+    got, _ = read_output(dst)
+    assert not [n for n in got if "optimizer" in n or "exp_avg" in n]
+    assert_bit_identical(got, torch.load(os.path.join(root, "llama-ref.pt")))
+
+
 def test_transform_descriptors_refused(root, tmp_path):
     p = convert(root, "llama-transforms", str(tmp_path / "out"), check=False)
     assert p.returncode != 0
@@ -139,6 +156,34 @@ def test_identical_bytes_for_any_threads_and_ranks(root, tmp_path):
     assert len([n for n in names if n.endswith(".safetensors")]) >= world
     for n in names:
         assert filecmp.cmp(os.path.join(one, n), os.path.join(many, n), shallow=False), n
+
+
+def test_stale_index_never_survives_or_comes_early(root, tmp_path):
+    import shutil
+    dst = str(tmp_path / "out")
+    index = os.path.join(dst, "model.safetensors.index.json")
+    convert(root, "qwen2", dst, "--max-shard-size", "20K")
+    assert os.path.exists(index)
+    # A copy of the checkpoint (same bytes, other files: another run id). Its rank 0 of 2 must
+    # not publish an index while rank 1's shards are those of the first run, sizes equal.
+    src = str(tmp_path / "qwen2")
+    shutil.copytree(os.path.join(root, "qwen2"), src)
+    cfg = os.path.join(root, "qwen2-hf-config")
+    args = ["convert", "--src", src, "--dst", dst, "--model", "qwen2", "--hf-config-dir", cfg,
+            "--max-shard-size", "20K", "--world-size", "2"]
+    p = run(*args, "--rank", "0")
+    assert not os.path.exists(index), p.stderr
+    p = run(*args, "--rank", "1")
+    assert os.path.exists(index), p.stderr
+    got, _ = read_output(dst)
+    assert_bit_identical(got, torch.load(os.path.join(root, "qwen2-ref.pt")))
+    # A re-run that fails leaves no index naming shards it deleted.
+    with open(os.path.join(src, "__1_0.distcp"), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(src, "__1_0.distcp")) // 2)
+    p = run("convert", "--src", src, "--dst", dst, "--model", "qwen2", "--hf-config-dir", cfg,
+            "--max-shard-size", "20K", check=False)
+    assert p.returncode == 1, p.stderr
+    assert not os.path.exists(index)
 
 
 def output_files(dst):
@@ -190,6 +235,64 @@ def test_slurm_environment_gives_rank(root, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "rank 1/2" in p.stderr
     assert not os.path.exists(os.path.join(dst, "model.safetensors.index.json"))
+    assert "model.safetensors.index.json NOT written" in p.stderr, p.stderr
+
+
+def test_slurm_rank_and_world_size_each_on_its_own(root, tmp_path):
+    base = [BIN, "convert", "--src", os.path.join(root, "qwen3"), "--model", "qwen3",
+            "--hf-config-dir", os.path.join(root, "qwen3-hf-config"), "--max-shard-size", "20K"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+    def go(name, *args, **env):
+        return subprocess.run(base + ["--dst", str(tmp_path / name), *args],
+                              env=dict(clean, **env), capture_output=True, text=True, timeout=60)
+
+    # --world-size alone under srun: the rank still comes from Slurm.
+    p = go("a", "--world-size", "3", SLURM_PROCID="2", SLURM_NTASKS="8")
+    assert p.returncode == 0 and "rank 2 (from SLURM_PROCID) of 3 (from --world-size)" in p.stderr, \
+        p.stderr
+    # --rank alone: the step's task count wins over the allocation's.
+    p = go("b", "--rank", "1", SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="2")
+    assert p.returncode == 0 and "rank 1 (from --rank) of 2 (from SLURM_STEP_NUM_TASKS)" \
+        in p.stderr, p.stderr
+    # Inconsistent combinations and garbage are refused before anything is written.
+    for name, args, env in (("c", ["--rank", "3"], {"SLURM_NTASKS": "2"}),
+                            ("d", [], {"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}),
+                            ("e", ["--world-size", "0"], {}),
+                            ("f", [], {"SLURM_PROCID": "one", "SLURM_NTASKS": "2"})):
+        p = go(name, *args, **env)
+        assert p.returncode == 1, (name, p.stderr)
+        assert ("do not fit" in p.stderr) or ("not a non-negative integer" in p.stderr), p.stderr
+        assert not os.path.exists(tmp_path / name)
+
+
+def test_iteration_directory_and_release(root, tmp_path):
+    # A torch_dist save directory: latest_checkpointed_iteration.txt names iter_NNNNNNN or
+    # "release", as for legacy checkpoints.
+    import shutil
+    for tracker, sub in (("20\n", "iter_0000020"), ("release", "release")):
+        top = tmp_path / sub.replace("_", "")
+        shutil.copytree(os.path.join(root, "qwen3"), top / sub)
+        (top / "latest_checkpointed_iteration.txt").write_text(tracker)
+        p = run("inspect", str(top))
+        assert "decoder.layers.self_attention.linear_qkv.weight BF16 [4,128,32] 4 chunks" \
+            in p.stdout, p.stdout
+        dst = str(tmp_path / ("out" + sub))
+        run("convert", "--src", str(top), "--dst", dst, "--model", "qwen3", "--hf-config-dir",
+            os.path.join(root, "qwen3-hf-config"))
+        got, _ = read_output(dst)
+        assert_bit_identical(got, torch.load(os.path.join(root, "qwen3-ref.pt")))
+    # A legacy checkpoint released the same way.
+    top = tmp_path / "legacyrelease"
+    shutil.copytree(os.path.join(root, "llama-legacy", "iter_0000010"), top / "release")
+    (top / "latest_checkpointed_iteration.txt").write_text("release")
+    p = run("inspect", str(top))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in p.stdout, p.stdout
+
+
+def test_max_shard_size_below_a_tensor_warns(root, tmp_path):
+    p = convert(root, "qwen3", str(tmp_path / "out"), "--max-shard-size", "2K")
+    assert "--max-shard-size 2K is smaller than" in p.stderr and "largest" in p.stderr, p.stderr
 
 
 def test_inspect_and_dry_run(root, tmp_path):
@@ -227,20 +330,21 @@ def test_mismatches_fail_clearly(root, tmp_path):
 def test_truncated_and_corrupt_chunks(root, tmp_path):
     import shutil
     bad = str(tmp_path / "bad")
-    shutil.copytree(os.path.join(root, "llama"), bad)
-    shutil.copytree(os.path.join(root, "llama-hf-config"), bad + "-hf-config")
+    # qwen2: no optimizer state, whose chunks would fill the second half of the files.
+    shutil.copytree(os.path.join(root, "qwen2"), bad)
+    shutil.copytree(os.path.join(root, "qwen2-hf-config"), bad + "-hf-config")
     victim = os.path.join(bad, "__1_0.distcp")
     size = os.path.getsize(victim)
     with open(victim, "r+b") as f:
         f.truncate(size // 2)
-    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o1"), "--model", "llama",
+    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o1"), "--model", "qwen2",
             "--hf-config-dir", bad + "-hf-config", check=False)
     assert p.returncode != 0 and "__1_0.distcp" in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(tmp_path, "o1", "model.safetensors.index.json"))
     # Garbage instead of the archives: clean error, no crash.
     with open(victim, "wb") as f:
         f.write(os.urandom(size))
-    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o2"), "--model", "llama",
+    p = run("convert", "--src", bad, "--dst", str(tmp_path / "o2"), "--model", "qwen2",
             "--hf-config-dir", bad + "-hf-config", check=False)
     assert p.returncode == 1 and "bragg-reshard:" in p.stderr, p.stderr
     # A .metadata that is not a pickle.
