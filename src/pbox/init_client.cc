@@ -163,13 +163,13 @@ InitClient::~InitClient() {
   if (reader_.joinable()) {
     reader_.join();
   }
-  std::vector<std::thread> pumps;
+  std::list<StdinPumpThread> pumps;
   {
     std::lock_guard<std::mutex> lock(mu_);
     pumps.swap(pumps_);
   }
-  for (std::thread& t : pumps) {
-    t.join();
+  for (StdinPumpThread& p : pumps) {
+    p.thread.join();
   }
 }
 
@@ -313,12 +313,38 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   if (!pending.result.ok()) {
     outputs_.erase(frame.id);  // init made no pipes: no EOF will come
   } else if (relay[0].valid() && alive_.load()) {
-    pumps_.emplace_back(&InitClient::StdinPump, this, frame.id, std::move(relay[0]));
+    // The pumps of commands whose stdin has ended go first: a long-lived sandbox would
+    // otherwise keep a thread (its stack and descriptor) for every command it ever fed.
+    for (auto it = pumps_.begin(); it != pumps_.end();) {
+      if (it->finished) {
+        it->thread.join();  // it only returns now: it holds nothing of ours
+        it = pumps_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    StdinPumpThread& pump = pumps_.emplace_back();
+    try {
+      pump.thread = std::thread(&InitClient::StdinPump, this, frame.id, std::move(relay[0]), &pump);
+    } catch (const std::system_error& e) {
+      // No thread to be had: the command's stdin is cut (writes to it fail) rather than lost
+      // with the command.
+      pumps_.pop_back();
+      spdlog::warn("spawn {}: no thread to relay its stdin: {}", request.argv[0], e.what());
+    }
   }
   return std::move(pending.result);
 }
 
-void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd) {
+void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd, StdinPumpThread* self) {
+  struct Finished {
+    InitClient* client;
+    StdinPumpThread* self;
+    ~Finished() {
+      std::lock_guard<std::mutex> lock(client->mu_);
+      self->finished = true;
+    }
+  } finished{this, self};
   std::string chunk(proto::kMaxDataBytes, '\0');
   std::string wire;
   std::string error;

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -108,6 +109,12 @@ class InitClient {
   Status Kill(uint64_t process_id, int signal, bool whole_tree);
   // True while the channel is open (init alive).
   bool alive() const { return alive_.load(); }
+  // Stream transport: threads relaying stdin not yet joined (those of running commands, and
+  // at most the ones that ended since the last Spawn).
+  size_t stdin_pumps() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pumps_.size();
+  }
 
   static constexpr size_t kMaxSpawnBytes = 256 * 1024;
 
@@ -121,8 +128,14 @@ class InitClient {
   void HandleFrame(init_protocol::Frame frame);
   // Stream transport: writes one Output frame's data into the caller's fd.
   void HandleOutput(const init_protocol::OutputFrame& frame);
+  // Stream transport: one thread relaying a command's stdin; `finished` (under mu_) once it
+  // returned, when the next Spawn joins it.
+  struct StdinPumpThread {
+    std::thread thread;
+    bool finished = false;
+  };
   // Stream transport: relays `stdin_fd` (owned) to process `id` until EOF or shutdown.
-  void StdinPump(uint64_t id, UniqueFd stdin_fd);
+  void StdinPump(uint64_t id, UniqueFd stdin_fd, StdinPumpThread* self);
   // Completes every pending Spawn and live handle with Unavailable; marks the client dead.
   void ChannelDied();
   // One sendmsg of a whole frame, with `fds` as SCM_RIGHTS.
@@ -131,16 +144,16 @@ class InitClient {
   UniqueFd channel_;  // seqpacket: both ways; stream: from init
   UniqueFd to_init_;  // stream transport only
   const bool stream_ = false;
-  std::mutex send_mu_;              // stream transport: one frame at a time on the byte stream
-  UniqueFd stop_fd_;                // stream transport: eventfd that stops the stdin pumps
-  std::vector<std::thread> pumps_;  // guarded by mu_
+  std::mutex send_mu_;                // stream transport: one frame at a time on the byte stream
+  UniqueFd stop_fd_;                  // stream transport: eventfd that stops the stdin pumps
+  std::list<StdinPumpThread> pumps_;  // guarded by mu_; stable addresses for `self`
   // Stream transport: the caller's stdout/stderr (duplicates) per process, until EOF. Only
   // the reader thread erases.
   std::map<uint64_t, std::array<UniqueFd, 2>> outputs_;
   bool ready_ = false;
   std::condition_variable ready_cv_;
   std::atomic<bool> alive_{true};
-  std::mutex mu_;
+  mutable std::mutex mu_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<ProcessHandle>> live_;
   struct PendingSpawn;

@@ -324,6 +324,20 @@ TEST_P(InitTest, StdinComesFromThePipe) {
   EXPECT_EQ(c.exit.exit_code, 0);
 }
 
+TEST_P(InitTest, StdinRelaysOfEndedCommandsAreJoined) {
+  // Stream transport: a thread relays each command's stdin; a long-lived sandbox must not keep
+  // one for every command it ever fed.
+  for (int i = 0; i < 64; ++i) {
+    Captured c = Run({"cat"}, {}, "", fmt::format("input {}\n", i));
+    ASSERT_EQ(c.out, fmt::format("input {}\n", i));
+  }
+  if (GetParam()) {
+    EXPECT_LE(client_->stdin_pumps(), 2u);
+  } else {
+    EXPECT_EQ(client_->stdin_pumps(), 0u);  // seqpacket: the command gets the fd itself
+  }
+}
+
 TEST_P(InitTest, MinusOneMeansDevNull) {
   auto out = MakePipe();
   ASSERT_TRUE(out.ok());
