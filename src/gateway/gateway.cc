@@ -129,6 +129,9 @@ Gateway::Gateway(GatewayOptions options)
   ho.port = options_.port;
   ho.io_threads = options_.io_threads;
   ho.max_blocking_threads = options_.max_threads;
+  ho.max_request_body = options_.max_body_bytes;
+  ho.max_upstream_response = options_.max_upstream_response_bytes;
+  ho.upstream_max_idle_ms = options_.upstream_idle_ms;
   server_ = std::make_unique<AsyncHttpServer>(std::move(ho));
   Register();
 }

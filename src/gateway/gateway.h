@@ -47,6 +47,14 @@ struct GatewayOptions {
   int io_threads = 0;
   // Threads for handlers that block (weight updates), grown on demand up to this.
   size_t max_threads = 16384;
+  // Largest request body accepted (413 beyond it); the body is held and parsed in memory.
+  size_t max_body_bytes = size_t{64} << 20;
+  // Largest buffered worker response (502 beyond it); streamed bodies pass through unbuffered.
+  size_t max_upstream_response_bytes = size_t{1} << 30;
+  // Pooled keep-alive worker connections idle longer than this are closed, not reused: well
+  // below the workers' own keep-alive timeout (uvicorn's default is 5 s), so that a worker never
+  // closes one just as it is reused.
+  int upstream_idle_ms = 2000;
 };
 
 // Per-worker outcome of a fleet weight update.
