@@ -432,6 +432,13 @@ void SimWorker::Register() {
       cache_.Clear();
     }
     updates_++;
+    if (drop_update_replies_ > 0) {
+      drop_update_replies_--;
+      // Loaded, but the connection breaks before the answer: the caller cannot know.
+      res.set_chunked_content_provider("application/json",
+                                       [](size_t, httplib::DataSink&) { return false; });
+      return;
+    }
     Reply(res,
           {{"success", true}, {"message", "loaded " + model_path_}, {"weight_version", version_}});
   });
@@ -457,7 +464,7 @@ void SimWorker::Register() {
     Reply(res, {{"success", true}});
   });
   // Test knobs: {"error_rate": p, "fail_update": bool, "fail_update_after": n, "fail_continue":
-  // bool, "update_delay_ms": ms, "healthy": bool}.
+  // bool, "update_delay_ms": ms, "drop_update_replies": n, "healthy": bool}.
   server_.Post("/sim/config", [this](const httplib::Request& req, httplib::Response& res) {
     json body;
     if (!ParseBody(req, res, &body)) {
@@ -469,6 +476,7 @@ void SimWorker::Register() {
     fail_update_after_ = body.value("fail_update_after", fail_update_after_);
     fail_continue_ = body.value("fail_continue", fail_continue_);
     update_delay_ms_ = body.value("update_delay_ms", update_delay_ms_);
+    drop_update_replies_ = body.value("drop_update_replies", drop_update_replies_);
     healthy_ = body.value("healthy", healthy_);
     Reply(res, {{"success", true}});
   });

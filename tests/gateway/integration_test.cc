@@ -597,6 +597,29 @@ TEST_F(GatewayIntegrationTest, WorkerLeftOnNewWeightsByAFailedFirstUpdateStaysOu
   EXPECT_TRUE(WaitHealthy(*c, w0.url, true));
 }
 
+TEST_F(GatewayIntegrationTest, LoadWhoseAnswerWasLostIsRolledBack) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  // w0 loads the new weights but its answer is lost; w1 fails, so the update fails.
+  PostJson(*Http(w0), "/sim/config", {{"drop_update_replies", 1}}, &status);
+  PostJson(*Http(w1), "/sim/config", {{"fail_update", true}}, &status);
+  json rep = PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "2"}},
+                      &status);
+  EXPECT_EQ(status, 500);
+  for (const json& w : rep["workers"]) {
+    EXPECT_FALSE(w["removed"].get<bool>()) << rep.dump();
+    EXPECT_EQ(w["version_after"], "0") << rep.dump();
+    if (w["url"] == w0.url) {
+      EXPECT_TRUE(w["rolled_back"].get<bool>()) << rep.dump();
+    }
+  }
+  EXPECT_EQ(json::parse(Http(w0)->Get("/get_model_info")->body)["weight_version"], "0");
+  EXPECT_TRUE(Healthy(*c, w0.url));
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_weight_version_skew 0"), std::string::npos);
+}
+
 TEST_F(GatewayIntegrationTest, WorkerWhoseContinueFailedStaysOutUntilContinued) {
   Proc w0 = Worker(), w1 = Worker();
   Proc gw = Gateway({&w0, &w1}, "sticky");
