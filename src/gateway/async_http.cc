@@ -12,6 +12,7 @@
 #include <boost/beast/http.hpp>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -57,6 +58,7 @@ struct UpstreamConn {
   explicit UpstreamConn(net::io_context& ioc) : socket(ioc) {}
   tcp::socket socket;
   beast::flat_buffer buffer;
+  std::chrono::steady_clock::time_point idle_since;
 };
 
 // True if an idle pooled connection was not closed by the worker meanwhile: a worker that closed
@@ -70,14 +72,23 @@ bool StillOpen(tcp::socket& s) {
 // Idle upstream connections of one io thread, by "host:port". Single-threaded.
 class UpstreamPool {
  public:
-  std::unique_ptr<UpstreamConn> Take(const std::string& key) {
+  // The most recently used idle connection to `key` idle for at most `max_idle`; older ones are
+  // closed: a worker closes idle connections after its own keep-alive timeout, and one it closes
+  // just as the gateway reuses it fails the request.
+  std::unique_ptr<UpstreamConn> Take(const std::string& key, std::chrono::milliseconds max_idle) {
     auto it = idle_.find(key);
     if (it == idle_.end()) {
       return nullptr;
     }
+    auto now = std::chrono::steady_clock::now();
     while (!it->second.empty()) {
       std::unique_ptr<UpstreamConn> c = std::move(it->second.back());
       it->second.pop_back();
+      if (now - c->idle_since > max_idle) {
+        // The rest are older still (the vector is ordered by the time they were put back).
+        it->second.clear();
+        return nullptr;
+      }
       if (c->buffer.size() == 0 && StillOpen(c->socket)) {
         return c;
       }
@@ -87,6 +98,7 @@ class UpstreamPool {
   void Put(const std::string& key, std::unique_ptr<UpstreamConn> c) {
     auto& v = idle_[key];
     if (v.size() < kIdlePerUpstream) {
+      c->idle_since = std::chrono::steady_clock::now();
       v.push_back(std::move(c));
     }
   }
@@ -169,18 +181,20 @@ namespace {
 // One upstream call whose response is buffered; `done` (if any) sees how it ended.
 class OneShot : public std::enable_shared_from_this<OneShot> {
  public:
-  OneShot(IoThread& io, HostPort hp, std::string path, std::string body,
-          std::function<void(CallResult&)> done)
+  OneShot(IoThread& io, const AsyncHttpOptions& options, HostPort hp, std::string path,
+          std::string body, std::function<void(CallResult&)> done)
       : io_(io),
+        max_idle_(options.upstream_max_idle_ms),
+        limit_(options.max_upstream_response),
         hp_(std::move(hp)),
         key_(Key(hp_)),
         path_(std::move(path)),
         done_(std::move(done)) {
     PreparePost(req_, key_, path_, std::move(body));
-    res_.body_limit(std::numeric_limits<std::uint64_t>::max());
+    res_.body_limit(options.max_upstream_response);
   }
   void Run() {
-    conn_ = io_.pool.Take(key_);
+    conn_ = io_.pool.Take(key_, max_idle_);
     if (conn_) {
       Write();
       return;
@@ -208,26 +222,39 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
         self->Fail("write: " + ec.message());
         return;
       }
-      http::async_read(self->conn_->socket, self->conn_->buffer, self->res_,
-                       [self](error_code ec, size_t) {
-                         if (ec) {
-                           self->Fail("read: " + ec.message());
-                           return;
-                         }
-                         auto& msg = self->res_.get();
-                         CallResult r;
-                         r.ok = true;
-                         r.status = msg.result_int();
-                         r.body = std::move(msg.body());
-                         if (msg.keep_alive()) {
-                           self->io_.pool.Put(self->key_, std::move(self->conn_));
-                         }
-                         if (!self->done_ && r.status != 200) {
-                           spdlog::warn("{} to {}: status {}", self->path_, self->key_, r.status);
-                         }
-                         self->Finish(r);
-                       });
+      // The head first, for the size limit (see Session::OnSent).
+      http::async_read_header(self->conn_->socket, self->conn_->buffer, self->res_,
+                              [self](error_code ec, size_t) { self->ReadBody(ec); });
     });
+  }
+
+  void ReadBody(error_code ec) {
+    if (!ec && res_.content_length().value_or(0) > limit_) {
+      ec = http::error::body_limit;
+    }
+    if (ec) {
+      Fail("read: " + ec.message());
+      return;
+    }
+    http::async_read(conn_->socket, conn_->buffer, res_,
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       if (ec) {
+                         self->Fail("read: " + ec.message());
+                         return;
+                       }
+                       auto& msg = self->res_.get();
+                       CallResult r;
+                       r.ok = true;
+                       r.status = msg.result_int();
+                       r.body = std::move(msg.body());
+                       if (msg.keep_alive()) {
+                         self->io_.pool.Put(self->key_, std::move(self->conn_));
+                       }
+                       if (!self->done_ && r.status != 200) {
+                         spdlog::warn("{} to {}: status {}", self->path_, self->key_, r.status);
+                       }
+                       self->Finish(r);
+                     });
   }
 
   void Fail(std::string why) {
@@ -248,6 +275,8 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
   }
 
   IoThread& io_;
+  std::chrono::milliseconds max_idle_;
+  size_t limit_;
   HostPort hp_;
   std::string key_;
   std::string path_;
@@ -454,12 +483,19 @@ class Session : public std::enable_shared_from_this<Session> {
     result_ = UpstreamResult{};
     result_.started = started_;
     up_key_ = Key(fwd_.upstream);
+    up_retried_ = false;
     Watch();
-    up_ = io_.pool.Take(up_key_);
+    up_ = io_.pool.Take(up_key_, std::chrono::milliseconds(server_.options.upstream_max_idle_ms));
+    up_reused_ = up_ != nullptr;
+    PreparePost(up_req_, up_key_, fwd_.path, std::move(fwd_.body));
     if (up_) {
-      SendUpstream();
+      WriteUpstream();
       return;
     }
+    ConnectUpstream();
+  }
+
+  void ConnectUpstream() {
     Result<tcp::endpoint> ep = Endpoint(io_, fwd_.upstream, up_key_);
     if (!ep.ok()) {
       result_.error = std::string(ep.status().message());
@@ -480,14 +516,36 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
       self->up_->socket.set_option(tcp::no_delay(true), ec);
-      self->SendUpstream();
+      self->WriteUpstream();
     });
   }
 
-  void SendUpstream() {
-    PreparePost(up_req_, up_key_, fwd_.path, std::move(fwd_.body));
+  void WriteUpstream() {
     http::async_write(up_->socket, up_req_,
                       [self = shared_from_this()](error_code ec, size_t) { self->OnSent(ec); });
+  }
+
+  // A reused keep-alive connection broke before the worker can have processed the request: the
+  // write failed (the worker never got the whole request), or the worker reset the connection
+  // before any byte of a response (a reset, unlike an orderly close, means it closed the socket
+  // with the request unread). The request then goes once more on a fresh connection. An orderly
+  // close before the response is not retried: the worker may have run the request and died.
+  bool RetryOnFreshConnection(error_code ec, bool wrote, bool got_some) {
+    if (!ec || !up_reused_ || up_retried_ || client_gone_ || got_some ||
+        (wrote && ec != net::error::connection_reset)) {
+      return false;
+    }
+    up_retried_ = true;
+    up_reused_ = false;
+    spdlog::info(
+        "reused connection to {} broke before the request reached the worker ({}); "
+        "sending it on a fresh one",
+        up_key_, ec.message());
+    up_.reset();
+    up_full_.reset();
+    up_stream_.reset();
+    ConnectUpstream();
+    return true;
   }
 
   // Ends the call when the client hung up or the worker `what` (read, write) failed; true then.
@@ -497,7 +555,10 @@ class Session : public std::enable_shared_from_this<Session> {
       return true;
     }
     if (ec) {
-      result_.error = std::string(what) + ": " + ec.message();
+      result_.error =
+          ec == http::error::body_limit
+              ? fmt::format("response larger than {} bytes", server_.options.max_upstream_response)
+              : std::string(what) + ": " + ec.message();
       End(Outcome::kFailed);
       return true;
     }
@@ -505,7 +566,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnSent(error_code ec) {
-    if (Ended(ec, "write")) {
+    if (RetryOnFreshConnection(ec, false, false) || Ended(ec, "write")) {
       return;
     }
     if (fwd_.stream) {
@@ -516,14 +577,31 @@ class Session : public std::enable_shared_from_this<Session> {
           [self = shared_from_this()](error_code ec, size_t) { self->OnStreamHeader(ec); });
     } else {
       up_full_.emplace();
-      up_full_->body_limit(std::numeric_limits<std::uint64_t>::max());
-      http::async_read(up_->socket, up_->buffer, *up_full_,
-                       [self = shared_from_this()](error_code ec, size_t) { self->OnFull(ec); });
+      up_full_->body_limit(server_.options.max_upstream_response);
+      // The head first: Boost 1.74's parser drops its body_limit error when body bytes arrive
+      // in the same read as the head (finish_header's error is overwritten by the eager loop),
+      // so a Content-Length above the limit is refused here.
+      http::async_read_header(
+          up_->socket, up_->buffer, *up_full_,
+          [self = shared_from_this()](error_code ec, size_t) { self->OnFullHeader(ec); });
     }
   }
 
+  void OnFullHeader(error_code ec) {
+    if (!ec && up_full_->content_length().value_or(0) > server_.options.max_upstream_response) {
+      ec = http::error::body_limit;
+    }
+    if (ec) {
+      OnFull(ec);
+      return;
+    }
+    http::async_read(up_->socket, up_->buffer, *up_full_,
+                     [self = shared_from_this()](error_code ec, size_t) { self->OnFull(ec); });
+  }
+
   void OnFull(error_code ec) {
-    if (Ended(ec, "read")) {
+    if (RetryOnFreshConnection(ec, true, up_full_->got_some() || up_->buffer.size() > 0) ||
+        Ended(ec, "read")) {
       return;
     }
     auto& msg = up_full_->get();
@@ -538,7 +616,8 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnStreamHeader(error_code ec) {
-    if (Ended(ec, "read")) {
+    if (RetryOnFreshConnection(ec, true, up_stream_->got_some() || up_->buffer.size() > 0) ||
+        Ended(ec, "read")) {
       return;
     }
     auto& msg = up_stream_->get();
@@ -723,6 +802,8 @@ class Session : public std::enable_shared_from_this<Session> {
   UpstreamResult result_;
   std::string up_key_;
   std::unique_ptr<UpstreamConn> up_;
+  bool up_reused_ = false;   // up_ came from the idle pool
+  bool up_retried_ = false;  // this request already went again on a fresh connection
   http::request<http::string_body> up_req_;
   std::optional<http::response_parser<http::string_body>> up_full_;
   std::optional<http::response_parser<http::buffer_body>> up_stream_;
@@ -881,8 +962,8 @@ void AsyncHttpServer::Call(const HostPort& upstream, std::string path, std::stri
     return;
   }
   IoThread& io = s.NextIo();
-  auto call =
-      std::make_shared<OneShot>(io, upstream, std::move(path), std::move(body), std::move(done));
+  auto call = std::make_shared<OneShot>(io, s.options, upstream, std::move(path), std::move(body),
+                                        std::move(done));
   net::post(io.ioc, [call] { call->Run(); });
 }
 

@@ -48,6 +48,8 @@ struct UpstreamResult {
     kOk,             // the whole response arrived (and, when streaming, reached the client)
     kConnectFailed,  // no connection to the worker: nothing reached it, safe to route elsewhere
     kFailed,         // the exchange broke after the request was (maybe) sent: never retried
+                     // (a reused keep-alive connection that broke before the worker could have
+                     // read the whole request is replaced by a fresh one once, transparently)
     kClientGone,     // the client hung up before the response was complete
   };
   Outcome outcome = Outcome::kFailed;
@@ -127,7 +129,13 @@ struct AsyncHttpOptions {
   int port = 0;        // 0: any free port
   int io_threads = 0;  // 0: one per core
   size_t max_blocking_threads = 1024;
-  size_t max_request_body = size_t{1} << 30;
+  // Larger request bodies get 413 before they are read: a body is held (and parsed) in memory.
+  size_t max_request_body = size_t{64} << 20;
+  // Larger buffered worker responses fail the exchange (kFailed); streamed bodies are passed
+  // through chunk by chunk and not limited.
+  size_t max_upstream_response = size_t{1} << 30;
+  // Pooled keep-alive worker connections idle longer than this are closed instead of reused.
+  int upstream_max_idle_ms = 2000;
   int keep_alive_timeout_s = 60;  // idle client connections are closed after this
   // Client connections served at once; beyond it new ones wait in the listen backlog. 0: what
   // RLIMIT_NOFILE allows, (soft limit - 64) / 2, since each proxied request also holds a

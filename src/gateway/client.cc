@@ -104,6 +104,19 @@ const std::vector<int32_t>& RolloutClient::RoutedExperts(const std::string& roll
   return it == experts_.end() ? *kEmpty : it->second.data();
 }
 
-void RolloutClient::Forget(const std::string& rollout_id) { experts_.erase(rollout_id); }
+Status RolloutClient::Forget(const std::string& rollout_id) {
+  experts_.erase(rollout_id);
+  auto r =
+      http_.Post("/rollouts/forget", json{{"routing_key", rollout_id}}.dump(), "application/json");
+  if (!r) {
+    return absl::UnavailableError(
+        fmt::format("POST /rollouts/forget: {}", httplib::to_string(r.error())));
+  }
+  if (r->status != 200) {
+    return absl::Status(HttpToCode(r->status),
+                        fmt::format("POST /rollouts/forget: HTTP {}: {}", r->status, r->body));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace bragg::gateway

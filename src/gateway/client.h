@@ -50,8 +50,10 @@ class RolloutClient {
   // The rollout's full routed-experts array so far ([tokens - 1, layers, top_k] flattened);
   // empty if none.
   const std::vector<int32_t>& RoutedExperts(const std::string& rollout_id) const;
-  // Drops the client-side state of a finished rollout.
-  void Forget(const std::string& rollout_id);
+  // Ends a finished rollout: drops its client-side state and tells the gateway
+  // (POST /rollouts/forget), which stops counting it as load on its worker. The local state is
+  // dropped even when the call fails (Unavailable, or the HTTP status mapped).
+  Status Forget(const std::string& rollout_id);
 
  private:
   RolloutClient(std::string host, int port, ClientOptions options);

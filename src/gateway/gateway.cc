@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <future>
+#include <map>
 #include <optional>
 
 #include "common/logging.h"
@@ -98,6 +100,24 @@ std::string LastSseJson(const std::string& tail) {
   return "";
 }
 
+// A Prometheus label value: backslash, double quote and line feed escaped (text format 0.0.4).
+std::string EscapeLabel(std::string_view v) {
+  std::string out;
+  out.reserve(v.size());
+  for (char c : v) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 json WeightUpdateReport::ToJson() const {
@@ -110,6 +130,7 @@ json WeightUpdateReport::ToJson() const {
                             {"rolled_back", w.rolled_back},
                             {"continued", w.continued},
                             {"removed", w.removed},
+                            {"version_after", w.version_after},
                             {"error", w.error}});
   }
   return {{"success", success}, {"weight_version", weight_version}, {"workers", workers_json}};
@@ -129,6 +150,9 @@ Gateway::Gateway(GatewayOptions options)
   ho.port = options_.port;
   ho.io_threads = options_.io_threads;
   ho.max_blocking_threads = options_.max_threads;
+  ho.max_request_body = options_.max_body_bytes;
+  ho.max_upstream_response = options_.max_upstream_response_bytes;
+  ho.upstream_max_idle_ms = options_.upstream_idle_ms;
   server_ = std::make_unique<AsyncHttpServer>(std::move(ho));
   Register();
 }
@@ -137,16 +161,18 @@ Gateway::~Gateway() { Stop(); }
 
 int Gateway::io_threads() const { return server_->io_threads(); }
 
-Status Gateway::AddWorker(Pool& pool, const std::string& url) {
+Status Gateway::AddWorker(Pool& pool, const std::string& url, bool healthy) {
   BRAGG_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(url));
   std::string canonical = fmt::format("http://{}:{}", hp.host, hp.port);
   std::lock_guard<std::mutex> lock(pool.mu);
-  int index = pool.router.AddWorker(canonical);
+  int index = pool.router.AddWorker(canonical, healthy);
   if (static_cast<size_t>(index) == pool.clients.size()) {
     pool.clients.push_back(std::make_unique<ClientPool>(hp));
     pool.urls.push_back(canonical);
     pool.versions.push_back("");
     pool.health_failures.push_back(0);
+    pool.quarantined.push_back(false);
+    pool.needs_continue.push_back(false);
   }
   return absl::OkStatus();
 }
@@ -185,20 +211,165 @@ void Gateway::MarkDown(Pool& pool, int worker, std::string_view why) {
   pool.router.SetHealthy(worker, false);
 }
 
+void Gateway::Quarantine(Pool& pool, int worker, std::string_view why, bool needs_continue) {
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    pool.quarantined[worker] = true;
+    pool.needs_continue[worker] = pool.needs_continue[worker] || needs_continue;
+  }
+  MarkDown(pool, worker, why);
+}
+
+namespace {
+
+// weight_version (and paused, where the worker says) from GET /get_model_info; nullopt when the
+// worker does not answer it.
+struct ModelInfo {
+  std::string model_path;
+  std::string weight_version;
+  bool paused = false;
+};
+
+std::optional<ModelInfo> GetModelInfo(httplib::Client& c) {
+  auto r = c.Get("/get_model_info");
+  if (!r || r->status != 200) {
+    return std::nullopt;
+  }
+  json j = json::parse(r->body, nullptr, false);
+  if (!j.is_object()) {
+    return std::nullopt;
+  }
+  ModelInfo info;
+  if (j.contains("model_path") && j["model_path"].is_string()) {
+    info.model_path = j["model_path"].get<std::string>();
+  }
+  if (j.contains("weight_version") && j["weight_version"].is_string()) {
+    info.weight_version = j["weight_version"].get<std::string>();
+  }
+  // SGLang's /get_model_info does not say; the simulator does.
+  info.paused = j.contains("paused") && j["paused"].is_boolean() && j["paused"].get<bool>();
+  return info;
+}
+
+}  // namespace
+
+void Gateway::ReadFleetVersion() {
+  std::vector<Target> targets = HealthyTargets();
+  std::vector<std::optional<ModelInfo>> infos(targets.size());
+  std::vector<std::future<void>> fs;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    fs.push_back(std::async(std::launch::async, [&, i] {
+      const HostPort& hp = Client(*targets[i].pool, targets[i].worker)->target();
+      httplib::Client c(hp.host, hp.port);
+      c.set_connection_timeout(1, 0);
+      c.set_read_timeout(5, 0);
+      infos[i] = GetModelInfo(c);
+    }));
+  }
+  for (auto& f : fs) {
+    f.get();
+  }
+  // The fleet's version is the one most workers report; a worker that does not answer yet is
+  // left to the health loop.
+  std::map<std::string, int> votes;
+  for (const auto& info : infos) {
+    if (info) {
+      votes[info->weight_version]++;
+    }
+  }
+  if (votes.empty()) {
+    return;
+  }
+  std::string fleet =
+      std::max_element(votes.begin(), votes.end(), [](const auto& a, const auto& b) {
+        return a.second < b.second;
+      })->first;
+  {
+    std::lock_guard<std::mutex> lock(version_mu_);
+    fleet_version_ = fleet;
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (!infos[i]) {
+      continue;
+    }
+    Pool& pool = *targets[i].pool;
+    {
+      std::lock_guard<std::mutex> lock(pool.mu);
+      pool.versions[targets[i].worker] = infos[i]->weight_version;
+    }
+    if (infos[i]->weight_version != fleet) {
+      Quarantine(
+          pool, targets[i].worker,
+          fmt::format("has weights {} while the fleet has {}", infos[i]->weight_version, fleet),
+          false);
+    }
+  }
+}
+
+bool Gateway::Admit(Pool& pool, int worker, httplib::Client& c) {
+  std::string url;
+  bool needs_continue;
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    url = pool.urls[worker];
+    needs_continue = pool.needs_continue[worker];
+  }
+  if (needs_continue) {
+    auto r = c.Post("/continue_generation", "{}", "application/json");
+    if (!r || r->status != 200) {
+      spdlog::warn("worker {} may still be paused and continue_generation failed ({}); kept out",
+                   url, r ? fmt::format("status {}", r->status) : httplib::to_string(r.error()));
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(pool.mu);
+    pool.needs_continue[worker] = false;
+  }
+  std::optional<ModelInfo> info = GetModelInfo(c);
+  if (!info) {
+    spdlog::warn("worker {} answers /health but not /get_model_info; kept out", url);
+    return false;
+  }
+  if (info->paused) {
+    // Paused by someone else or by an update whose continue was lost: continue it next round.
+    std::lock_guard<std::mutex> lock(pool.mu);
+    pool.needs_continue[worker] = true;
+    spdlog::warn("worker {} is paused; kept out", url);
+    return false;
+  }
+  std::string fleet;
+  {
+    std::lock_guard<std::mutex> lock(version_mu_);
+    if (fleet_version_.empty()) {
+      fleet_version_ = info->weight_version;
+    }
+    fleet = fleet_version_;
+  }
+  if (info->weight_version != fleet) {
+    spdlog::warn("worker {} answers but has weights {} instead of {}; kept out", url,
+                 info->weight_version, fleet);
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(pool.mu);
+  pool.versions[worker] = info->weight_version;
+  pool.quarantined[worker] = false;
+  return true;
+}
+
 Status Gateway::Start() {
   for (const std::string& w : options_.workers) {
-    BRAGG_RETURN_IF_ERROR(Annotate(AddWorker(*main_, w), "--worker"));
+    BRAGG_RETURN_IF_ERROR(Annotate(AddWorker(*main_, w, true), "--worker"));
   }
   for (const std::string& w : options_.prefill_workers) {
-    BRAGG_RETURN_IF_ERROR(Annotate(AddWorker(*prefill_, w), "--prefill"));
+    BRAGG_RETURN_IF_ERROR(Annotate(AddWorker(*prefill_, w, true), "--prefill"));
   }
   for (const std::string& w : options_.decode_workers) {
-    BRAGG_RETURN_IF_ERROR(Annotate(AddWorker(*decode_, w), "--decode"));
+    BRAGG_RETURN_IF_ERROR(Annotate(AddWorker(*decode_, w, true), "--decode"));
   }
   if (options_.prefill_workers.empty() != options_.decode_workers.empty()) {
     return absl::InvalidArgumentError(
         "prefill/decode disaggregation needs both --prefill and --decode workers");
   }
+  ReadFleetVersion();
   BRAGG_RETURN_IF_ERROR(server_->Start());
   port_ = server_->port();
   health_thread_ = std::thread([this] { HealthLoop(); });
@@ -229,6 +400,13 @@ void Gateway::HealthLoop() {
     for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
       std::vector<WorkerSnapshot> snap = pool->router.Snapshot();
       for (size_t i = 0; i < snap.size(); ++i) {
+        {
+          // A worker being registered is in the router a moment before its client.
+          std::lock_guard<std::mutex> lock(pool->mu);
+          if (i >= pool->clients.size()) {
+            break;
+          }
+        }
         ClientPool* cp = Client(*pool, static_cast<int>(i));
         httplib::Client c(cp->target().host, cp->target().port);
         c.set_connection_timeout(0, 500000);
@@ -249,24 +427,20 @@ void Gateway::HealthLoop() {
                        r ? fmt::format("status {}", r->status) : httplib::to_string(r.error()));
           continue;
         }
-        std::string fleet;
+        bool quarantined;
         {
-          std::lock_guard<std::mutex> lock(version_mu_);
-          fleet = fleet_version_;
+          std::lock_guard<std::mutex> lock(pool->mu);
+          quarantined = pool->quarantined[i];
         }
-        if (ok && !snap[i].healthy && !fleet.empty()) {
-          // A worker that missed a fleet update must not serve new turns on old weights.
-          auto info = c.Get("/get_model_info");
-          json j = info ? json::parse(info->body, nullptr, false) : json();
-          std::string v = j.is_object() ? j.value("weight_version", "") : "";
-          if (v != fleet) {
-            ok = false;
-            spdlog::warn("worker {} answers but has weights {} instead of {}; kept out",
-                         snap[i].url, v, fleet);
-          } else {
-            std::lock_guard<std::mutex> lock(pool->mu);
-            pool->versions[i] = v;
+        if (ok && (!snap[i].healthy || quarantined)) {
+          // A worker that missed a fleet update, or that a failed one left on other weights or
+          // paused, must not serve new turns. While an update runs it decides.
+          std::unique_lock<std::mutex> updating(update_mu_, std::try_to_lock);
+          if (!updating.owns_lock()) {
+            continue;
           }
+          ok = Admit(*pool, static_cast<int>(i), c);
+          snap[i].healthy = pool->router.Snapshot()[i].healthy;
         }
         if (ok != snap[i].healthy) {
           spdlog::info("worker {} is {}", snap[i].url, ok ? "healthy" : "unhealthy");
@@ -316,22 +490,59 @@ Action Gateway::HandleGenerate(HttpRequest& req) {
     return Action::Respond(ErrorResponse(400, "request body must be a JSON object"));
   }
   std::vector<int32_t> tokens;
+  // A batch (input_ids a list of lists, text a list of strings), as SGLang takes it, is routed
+  // by its first element.
+  size_t batch = 0;
   if (body.contains("input_ids")) {
     const json& ids = body["input_ids"];
     if (!ids.is_array() || ids.empty()) {
       return Action::Respond(
           ErrorResponse(400, "input_ids must be a non-empty array of token ids"));
     }
-    tokens.reserve(ids.size());
-    for (const json& t : ids) {
-      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX) {
-        return Action::Respond(
-            ErrorResponse(400, "input_ids must hold non-negative 32-bit token ids"));
+    bool nested = ids[0].is_array();
+    auto read = [&](const json& one, std::vector<int32_t>* out) {
+      if (!one.is_array() || one.empty()) {
+        return false;
       }
-      tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+      for (const json& t : one) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX) {
+          return false;
+        }
+        if (out != nullptr) {
+          out->push_back(static_cast<int32_t>(t.get<int64_t>()));
+        }
+      }
+      return true;
+    };
+    bool ok = true;
+    if (nested) {
+      batch = ids.size();
+      tokens.reserve(ids[0].size());
+      for (size_t i = 0; i < ids.size() && ok; ++i) {
+        ok = read(ids[i], i == 0 ? &tokens : nullptr);
+      }
+    } else {
+      tokens.reserve(ids.size());
+      ok = read(ids, &tokens);
+    }
+    if (!ok) {
+      return Action::Respond(ErrorResponse(
+          400,
+          "input_ids must hold non-negative 32-bit token ids (a list, or a non-empty list "
+          "of non-empty lists for a batch)"));
     }
   } else if (body.contains("text") && body["text"].is_string()) {
     for (unsigned char c : body["text"].get<std::string>()) {
+      tokens.push_back(c);
+    }
+  } else if (body.contains("text") && body["text"].is_array() && !body["text"].empty()) {
+    for (const json& t : body["text"]) {
+      if (!t.is_string()) {
+        return Action::Respond(ErrorResponse(400, "text must be a string or a list of strings"));
+      }
+    }
+    batch = body["text"].size();
+    for (unsigned char c : body["text"][0].get_ref<const std::string&>()) {
       tokens.push_back(c);
     }
   } else {
@@ -355,8 +566,17 @@ Action Gateway::HandleGenerate(HttpRequest& req) {
     client_salt = body["extra_key"].get<std::string>();
   }
   if (!body.contains("rid")) {
-    // As SGLang's router: every request gets an id, so that a hang-up can abort it by id.
-    body["rid"] = NewRid();
+    // As SGLang's router: every request gets an id, so that a hang-up can abort it by id; a
+    // batch one per element.
+    if (batch > 0) {
+      json rids = json::array();
+      for (size_t i = 0; i < batch; ++i) {
+        rids.push_back(NewRid());
+      }
+      body["rid"] = std::move(rids);
+    } else {
+      body["rid"] = NewRid();
+    }
   }
   if (options_.dp_size > 1 && !key.empty() && !body.contains("routed_dp_rank")) {
     // A rollout's KV lives on one DP rank: pin it there, spread rollouts by a stable hash.
@@ -372,6 +592,13 @@ Action Gateway::HandleGenerate(HttpRequest& req) {
   g->client_salt = std::move(client_salt);
   g->path = "/generate";
   if (!options_.prefill_workers.empty()) {
+    if (batch > 0) {
+      // Each element would need its own bootstrap_room on both halves.
+      return Action::Respond(ErrorResponse(
+          400,
+          "batch requests are not supported with prefill/decode disaggregation: send one "
+          "request per prompt"));
+    }
     g->max_attempts = std::max<size_t>(1, decode_->router.num_workers());
     return StartPd(std::move(g));
   }
@@ -413,7 +640,7 @@ Action Gateway::StartPd(std::shared_ptr<Generate> g) {
     std::lock_guard<std::mutex> lock(rng_mu_);
     room = rng_() & ((uint64_t{1} << 63) - 1);
   }
-  if (g->client_salt.empty() && !d->salt.empty()) {
+  if (!d->salt.empty()) {
     g->body["extra_key"] = d->salt;
   }
   g->body["bootstrap_host"] = pre->target.host;
@@ -461,15 +688,23 @@ Action Gateway::StartPd(std::shared_ptr<Generate> g) {
 }
 
 void Gateway::AbortUpstream(const Generate& g, const HostPort& target) {
-  std::string abort = json{{"rid", g.rid}}.dump();
-  server_->Send(target, "/abort_request", abort);
-  if (g.prefill) {
-    bool done;
-    {
-      std::lock_guard<std::mutex> lock(g.prefill->mu);
-      done = g.prefill->done;
+  // SGLang's /abort_request names one rid: a batch's are aborted one by one.
+  std::vector<std::string> aborts;
+  if (g.rid.is_array()) {
+    for (const json& r : g.rid) {
+      aborts.push_back(json{{"rid", r}}.dump());
     }
-    if (!done) {
+  } else {
+    aborts.push_back(json{{"rid", g.rid}}.dump());
+  }
+  bool prefill_running = false;
+  if (g.prefill) {
+    std::lock_guard<std::mutex> lock(g.prefill->mu);
+    prefill_running = !g.prefill->done;
+  }
+  for (const std::string& abort : aborts) {
+    server_->Send(target, "/abort_request", abort);
+    if (prefill_running) {
       server_->Send(g.prefill->target, "/abort_request", abort);
     }
   }
@@ -479,9 +714,20 @@ Action Gateway::ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d) {
   Pool& pool = g->prefill ? *decode_ : *main_;
   Forward f;
   if (g->openai) {
-    f.body = g->raw_body;
+    if (d.salt.empty()) {
+      f.body = g->raw_body;
+    } else if (!g->body.contains("extra_key")) {
+      // Spliced in after the opening brace, as the rid: the rest passes through byte for byte.
+      f.body = g->raw_body;
+      f.body.insert(f.body.find('{') + 1, "\"extra_key\":" + json(d.salt).dump() + ",");
+    } else {
+      // The client's own extra_key is replaced by the combined one.
+      json b = g->body;
+      b["extra_key"] = d.salt;
+      f.body = b.dump();
+    }
   } else {
-    if (g->client_salt.empty() && !d.salt.empty()) {
+    if (!d.salt.empty()) {
       g->body["extra_key"] = d.salt;
     }
     f.body = g->body.dump();
@@ -550,9 +796,10 @@ Action Gateway::ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d) {
       case Outcome::kOk: {
         uint64_t prompt = 0;
         uint64_t cached = 0;
-        if (!g->openai) {
-          ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
-        }
+        // SGLang's OpenAI answers carry usage.prompt_tokens and, with --enable-cache-report,
+        // usage.prompt_tokens_details.cached_tokens (in the last event when streaming with
+        // stream_options.include_usage).
+        ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
         pool.router.Finish(worker, prompt, cached);
         if (!g->prefill) {
           return Action::None();
@@ -602,16 +849,33 @@ Action Gateway::HandleOpenAi(HttpRequest& req) {
   g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
   g->path = req.path;
   g->raw_body = std::move(req.body);
+  if (body.contains("extra_key") && body["extra_key"].is_string()) {
+    g->client_salt = body["extra_key"].get<std::string>();
+  }
+  // SGLang's OpenAI requests take rid, routed_dp_rank and extra_key as /generate does. Fields
+  // the gateway adds are spliced in after the opening brace, so the rest of the client's body
+  // goes through byte for byte.
+  std::string fields;
+  bool client_empty = body.empty();
   if (body.contains("rid")) {
     g->rid = body["rid"];
   } else {
-    // SGLang's OpenAI requests take a `rid` too. Spliced in after the opening brace, so the
-    // rest of the client's body goes through byte for byte.
     g->rid = NewRid();
-    size_t brace = g->raw_body.find('{');
-    std::string field = "\"rid\":" + g->rid.dump() + (body.empty() ? "" : ",");
-    g->raw_body.insert(brace + 1, field);
+    body["rid"] = g->rid;
+    fields += "\"rid\":" + g->rid.dump() + ",";
   }
+  if (options_.dp_size > 1 && !g->key.empty() && !body.contains("routed_dp_rank")) {
+    uint32_t rank = static_cast<uint32_t>(-SaltToken(g->key)) % options_.dp_size;
+    body["routed_dp_rank"] = rank;
+    fields += fmt::format("\"routed_dp_rank\":{},", rank);
+  }
+  if (!fields.empty()) {
+    if (client_empty) {
+      fields.pop_back();  // no member of the client's follows: no comma before its '}'
+    }
+    g->raw_body.insert(g->raw_body.find('{') + 1, fields);
+  }
+  g->body = std::move(body);
   g->max_attempts = std::max<size_t>(1, main_->router.num_workers());
   return RouteAndForward(std::move(g));
 }
@@ -634,8 +898,15 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
   std::lock_guard<std::mutex> update_lock(update_mu_);
   WeightUpdateReport report;
   report.weight_version = version;
+  std::string old_fleet;
+  {
+    std::lock_guard<std::mutex> lock(version_mu_);
+    old_fleet = fleet_version_;
+  }
   std::vector<Target> targets = HealthyTargets();
   std::vector<std::string> previous_paths(targets.size());
+  // The load's answer was lost (transport error): the worker may hold either version.
+  std::vector<bool> load_unknown(targets.size(), false);
   report.workers.resize(targets.size());
   bool ok = !targets.empty();
   if (targets.empty()) {
@@ -651,20 +922,23 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
       f.get();
     }
   };
+  auto control_client = [&](size_t i) {
+    const HostPort& hp = Client(*targets[i].pool, targets[i].worker)->target();
+    auto c = std::make_unique<httplib::Client>(hp.host, hp.port);
+    c->set_connection_timeout(2, 0);
+    c->set_read_timeout(10, 0);
+    return c;
+  };
   each([&](size_t i) {
     WorkerUpdate& w = report.workers[i];
     w.url = targets[i].url;
-    httplib::Client c(Client(*targets[i].pool, targets[i].worker)->target().host,
-                      Client(*targets[i].pool, targets[i].worker)->target().port);
-    c.set_connection_timeout(2, 0);
-    auto r = c.Get("/get_model_info");
-    json info = r ? json::parse(r->body, nullptr, false) : json();
-    if (!r || r->status != 200 || !info.is_object()) {
+    std::optional<ModelInfo> info = GetModelInfo(*control_client(i));
+    if (!info) {
       w.error = "cannot read current weights from /get_model_info";
       return;
     }
-    previous_paths[i] = info.value("model_path", "");
-    w.previous_version = info.value("weight_version", "");
+    previous_paths[i] = info->model_path;
+    w.previous_version = info->weight_version;
   });
   for (const WorkerUpdate& w : report.workers) {
     ok = ok && w.error.empty();
@@ -683,6 +957,18 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
       ok = ok && w.paused;
     }
   }
+  std::string previous_salt = salt_version_;
+  if (ok) {
+    // Every worker is paused: nothing computes until continue_generation, after the load. A
+    // rollout that starts from now on waits for the new weights, so it must not reuse KV the
+    // old ones computed: salt it with the new version before the load, not after the continue.
+    // (Switching before the pause would let a rollout starting in between compute KV on the old
+    // weights under the new salt.)
+    salt_version_ = version;
+    for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
+      pool->router.SetFleetVersion(version);
+    }
+  }
   if (ok) {
     each([&](size_t i) {
       Upstream up =
@@ -692,6 +978,7 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
       json j = json::parse(up.body, nullptr, false);
       report.workers[i].loaded = up.error == httplib::Error::Success && up.status == 200 &&
                                  j.is_object() && j.value("success", false);
+      load_unknown[i] = up.error != httplib::Error::Success;
       if (!report.workers[i].loaded) {
         report.workers[i].error =
             fmt::format("update_weights_from_disk failed: {} {} {}", httplib::to_string(up.error),
@@ -702,10 +989,11 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
       ok = ok && w.loaded;
     }
     if (!ok) {
-      // Fail safe: the fleet stays on one version, the old one.
+      // Fail safe: the fleet stays on one version, the old one. A worker whose answer was lost
+      // may have loaded: it goes back too (loading the weights it has is harmless).
       each([&](size_t i) {
         WorkerUpdate& w = report.workers[i];
-        if (!w.loaded) {
+        if (!w.loaded && !load_unknown[i]) {
           return;
         }
         Upstream up = Post(*targets[i].pool, targets[i].worker, "/update_weights_from_disk",
@@ -718,11 +1006,17 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
                         j.value("success", false);
         if (!w.rolled_back) {
           w.removed = true;
-          MarkDown(*targets[i].pool, targets[i].worker, "could not roll back to old weights");
+          w.error += (w.error.empty() ? "" : "; ") + std::string("could not roll back");
+          Quarantine(*targets[i].pool, targets[i].worker, "could not roll back to old weights",
+                     false);
         }
       });
     }
   }
+  // The version the workers in rotation must have from now on.
+  bool moved = ok;
+  std::string fleet = moved ? version : old_fleet;
+  bool continued_all = true;
   each([&](size_t i) {
     WorkerUpdate& w = report.workers[i];
     if (!w.paused) {
@@ -732,23 +1026,60 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
     w.continued = up.error == httplib::Error::Success && up.status == 200;
     if (!w.continued) {
       w.removed = true;
-      MarkDown(*targets[i].pool, targets[i].worker, "continue_generation failed");
+      w.error +=
+          (w.error.empty() ? "" : "; ") +
+          fmt::format("continue_generation failed: {} {}", httplib::to_string(up.error), up.status);
+      // It may still be paused: the health loop continues it before it serves again.
+      Quarantine(*targets[i].pool, targets[i].worker, "continue_generation failed", true);
     }
   });
+  for (const WorkerUpdate& w : report.workers) {
+    continued_all = continued_all && (w.continued || !w.paused);
+  }
+  report.success = ok && continued_all;
+  if (!report.success) {
+    // Whatever each call answered, ask every worker which weights it holds now; a worker not on
+    // the fleet's version (or that does not say) leaves rotation until it is.
+    each([&](size_t i) {
+      WorkerUpdate& w = report.workers[i];
+      std::optional<ModelInfo> info = GetModelInfo(*control_client(i));
+      std::string expected = fleet.empty() ? w.previous_version : fleet;
+      w.version_after = info ? info->weight_version : "";
+      if (!info || info->weight_version != expected) {
+        if (!w.removed) {
+          w.removed = true;
+          w.error +=
+              (w.error.empty() ? "" : "; ") +
+              (info ? fmt::format("holds weights {} instead of {}", info->weight_version, expected)
+                    : std::string("cannot read its weights from /get_model_info"));
+        }
+        Quarantine(*targets[i].pool, targets[i].worker,
+                   fmt::format("not on the fleet's weights {} after a failed update", expected),
+                   false);
+      }
+    });
+  }
   for (size_t i = 0; i < targets.size(); ++i) {
     Pool& pool = *targets[i].pool;
     std::lock_guard<std::mutex> lock(pool.mu);
     const WorkerUpdate& w = report.workers[i];
     pool.versions[targets[i].worker] =
-        ok ? version : (w.loaded && !w.rolled_back ? version : w.previous_version);
+        report.success ? version : (w.version_after.empty() ? "" : w.version_after);
   }
-  report.success = ok;
-  if (ok) {
+  if (!moved && salt_version_ != previous_salt) {
+    // The fleet stays on the old weights: new rollouts go back to the old salt. The few that
+    // started during the failed load keep the new salt on old weights; a later update should
+    // use a new version name, so that none of its rollouts meets their KV.
+    salt_version_ = previous_salt;
     for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
-      pool->router.SetFleetVersion(version);
+      pool->router.SetFleetVersion(previous_salt);
     }
+  }
+  {
     std::lock_guard<std::mutex> lock(version_mu_);
-    fleet_version_ = version;
+    fleet_version_ = fleet;
+  }
+  if (report.success) {
     weight_updates_ok_++;
   } else {
     weight_updates_failed_++;
@@ -784,7 +1115,7 @@ std::string Gateway::Metrics() {
     }
     for (size_t i = 0; i < snap.size(); ++i) {
       const WorkerSnapshot& s = snap[i];
-      std::string labels = fmt::format("pool=\"{}\",worker=\"{}\"", pool->name, s.url);
+      std::string labels = fmt::format("pool=\"{}\",worker=\"{}\"", pool->name, EscapeLabel(s.url));
       out += fmt::format("bragg_gateway_worker_healthy{{{}}} {}\n", labels, s.healthy ? 1 : 0);
       out += fmt::format("bragg_gateway_worker_in_flight{{{}}} {}\n", labels, s.in_flight);
       out += fmt::format("bragg_gateway_worker_rollouts{{{}}} {}\n", labels, s.rollouts);
@@ -800,8 +1131,8 @@ std::string Gateway::Metrics() {
       out +=
           fmt::format("bragg_gateway_worker_rollouts_moved_total{{{}}} {}\n", labels, s.moved_out);
       std::string v = i < versions.size() ? versions[i] : "";
-      versions_block +=
-          fmt::format("bragg_gateway_worker_weight_version{{{},version=\"{}\"}} 1\n", labels, v);
+      versions_block += fmt::format("bragg_gateway_worker_weight_version{{{},version=\"{}\"}} 1\n",
+                                    labels, EscapeLabel(v));
       if (s.healthy && !fleet.empty() && v != fleet) {
         ++skew;
       }
@@ -818,7 +1149,7 @@ std::string Gateway::Metrics() {
   for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
     for (const auto& [reason, n] : pool->router.DecisionCounts()) {
       out += fmt::format("bragg_gateway_routing_decisions_total{{pool=\"{}\",reason=\"{}\"}} {}\n",
-                         pool->name, reason, n);
+                         pool->name, EscapeLabel(reason), n);
     }
   }
   out += "# TYPE bragg_gateway_weight_version_skew gauge\n";
@@ -870,7 +1201,8 @@ void Gateway::Register() {
     if (!body.is_object() || !body.contains("url") || !body["url"].is_string()) {
       return Action::Respond(ErrorResponse(400, "body must be {\"url\": \"http://HOST:PORT\"}"));
     }
-    Status st = AddWorker(*main_, body["url"].get<std::string>());
+    // Out of rotation until the health loop checked its weight version.
+    Status st = AddWorker(*main_, body["url"].get<std::string>(), false);
     if (!st.ok()) {
       return Action::Respond(ErrorResponse(400, std::string(st.message())));
     }

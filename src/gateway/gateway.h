@@ -47,6 +47,14 @@ struct GatewayOptions {
   int io_threads = 0;
   // Threads for handlers that block (weight updates), grown on demand up to this.
   size_t max_threads = 16384;
+  // Largest request body accepted (413 beyond it); the body is held and parsed in memory.
+  size_t max_body_bytes = size_t{64} << 20;
+  // Largest buffered worker response (502 beyond it); streamed bodies pass through unbuffered.
+  size_t max_upstream_response_bytes = size_t{1} << 30;
+  // Pooled keep-alive worker connections idle longer than this are closed, not reused: well
+  // below the workers' own keep-alive timeout (uvicorn's default is 5 s), so that a worker never
+  // closes one just as it is reused.
+  int upstream_idle_ms = 2000;
 };
 
 // Per-worker outcome of a fleet weight update.
@@ -57,7 +65,11 @@ struct WorkerUpdate {
   bool loaded = false;
   bool rolled_back = false;
   bool continued = false;
-  bool removed = false;  // taken out of rotation: could not be brought back to one version
+  // Taken out of rotation (quarantined): could not be brought back to the fleet's version, or
+  // may still be paused. Only the health loop brings it back, once /get_model_info reports the
+  // fleet's version and continue_generation succeeded.
+  bool removed = false;
+  std::string version_after;  // /get_model_info's weight_version after a failed update
   std::string error;
 };
 
@@ -86,8 +98,11 @@ class Gateway {
   int io_threads() const;
 
   // Pauses every healthy worker in place, loads `model_path` as `version` without flushing the
-  // KV cache, and continues them. If any pause or load fails, the workers that loaded go back to
-  // their previous weights and all continue on the old version (success false).
+  // KV cache, and continues them. New rollouts are salted with `version` from the moment every
+  // worker is paused. If any pause or load fails, the workers that loaded (or may have) go back
+  // to their previous weights and all continue on the old version (success false). success is
+  // also false when a worker could not be continued. After any failure every worker's
+  // /get_model_info is read again, and those not on the fleet's version are quarantined.
   WeightUpdateReport UpdateWeights(const std::string& model_path, const std::string& version);
 
  private:
@@ -100,6 +115,10 @@ class Gateway {
     std::deque<std::string> urls;
     std::deque<std::string> versions;  // last known weight version per worker
     std::deque<int> health_failures;   // consecutive failed health checks per worker
+    // Taken out by a weight update or a version check: the health loop admits it only after
+    // a version check (and a continue_generation when it may be paused).
+    std::deque<bool> quarantined;
+    std::deque<bool> needs_continue;  // may still be paused by a failed update
   };
   struct Upstream {
     httplib::Error error = httplib::Error::Success;
@@ -112,10 +131,19 @@ class Gateway {
     std::string url;
   };
 
-  Status AddWorker(Pool& pool, const std::string& url);
+  Status AddWorker(Pool& pool, const std::string& url, bool healthy);
   ClientPool* Client(Pool& pool, int worker);
   Upstream Post(Pool& pool, int worker, const std::string& path, const std::string& body);
   void MarkDown(Pool& pool, int worker, std::string_view why);
+  // Takes `worker` out until the health loop admits it again (see Admit).
+  void Quarantine(Pool& pool, int worker, std::string_view why, bool needs_continue);
+  // Health loop: continues a worker that may be paused, then checks that /get_model_info
+  // reports the fleet's version (the first version read becomes the fleet's when none is known
+  // yet). True when the worker may serve; clears its quarantine then.
+  bool Admit(Pool& pool, int worker, httplib::Client& c);
+  // Reads the fleet's weight version from the workers at startup; those on another version are
+  // quarantined.
+  void ReadFleetVersion();
   std::vector<Target> HealthyTargets();
   void Register();
   struct Generate;   // one /generate or OpenAI request being routed
@@ -160,7 +188,8 @@ class Gateway {
   std::atomic<uint64_t> weight_updates_ok_{0};
   std::atomic<uint64_t> weight_updates_failed_{0};
   std::mutex version_mu_;
-  std::string fleet_version_;
+  std::string fleet_version_;  // the version every worker in rotation must report
+  std::string salt_version_;   // the version new rollouts are salted with; under update_mu_
 };
 
 }  // namespace bragg::gateway

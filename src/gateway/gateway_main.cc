@@ -33,7 +33,20 @@ int main(int argc, char** argv) {
   app.add_option("--balance-rel-threshold", o.router.balance_rel_threshold, "load ratio");
   app.add_option("--bounded-load", o.router.bounded_load_factor,
                  "new rollouts go to workers under this multiple of the mean load");
+  size_t max_body_mb = o.max_body_bytes >> 20;
+  size_t max_response_mb = o.max_upstream_response_bytes >> 20;
+  app.add_option("--max-body-mb", max_body_mb, "largest request body in MiB (413 beyond)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--max-upstream-response-mb", max_response_mb,
+                 "largest buffered worker response in MiB (502 beyond)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--upstream-idle-ms", o.upstream_idle_ms,
+                 "close pooled worker connections idle longer than this (below the workers' "
+                 "keep-alive timeout)")
+      ->check(CLI::Range(1, 3600 * 1000));
   CLI11_PARSE(app, argc, argv);
+  o.max_body_bytes = max_body_mb << 20;
+  o.max_upstream_response_bytes = max_response_mb << 20;
   (void)bragg::InitLogging(argv[0], "info");
   auto p = bragg::gateway::ParsePolicy(policy);
   if (!p.ok()) {

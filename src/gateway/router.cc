@@ -55,7 +55,7 @@ int32_t SaltToken(std::string_view salt) {
 
 Router::Router(RouterOptions options) : options_(std::move(options)) {}
 
-int Router::AddWorker(std::string url) {
+int Router::AddWorker(std::string url, bool healthy) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (workers_[i]->url == url) {
@@ -63,6 +63,7 @@ int Router::AddWorker(std::string url) {
     }
   }
   workers_.push_back(std::make_unique<Worker>(url, options_.tree_capacity_tokens));
+  workers_.back()->healthy = healthy;
   workers_.back()->stats.url = std::move(url);
   return static_cast<int>(workers_.size() - 1);
 }
@@ -239,7 +240,7 @@ Result<RouteDecision> Router::Route(std::string_view key, std::span<const int32_
     d.salt = fleet_version_.empty() ? "" : "wv:" + fleet_version_;
   }
   if (!client_salt.empty()) {
-    d.salt = std::string(client_salt);
+    d.salt = d.salt.empty() ? std::string(client_salt) : fmt::format("{}|{}", client_salt, d.salt);
   }
   std::span<const int32_t> salted = tokens;
   if (!d.salt.empty()) {
@@ -293,7 +294,11 @@ Result<RouteDecision> Router::Route(std::string_view key, std::span<const int32_
   if (rollout != nullptr && rollout->worker != pick) {
     if (rollout->worker >= 0) {
       workers_[rollout->worker]->stats.rollouts--;
-      workers_[rollout->worker]->stats.moved_out++;
+      // Only a sticky rollout "moves" (off a dead worker); the other policies pick a worker per
+      // request by design.
+      if (d.moved) {
+        workers_[rollout->worker]->stats.moved_out++;
+      }
     }
     rollout->worker = pick;
     w.stats.rollouts++;

@@ -67,7 +67,7 @@ struct WorkerSnapshot {
   uint64_t requests = 0;
   uint64_t prompt_tokens = 0;
   uint64_t cached_tokens = 0;
-  uint64_t moved_out = 0;
+  uint64_t moved_out = 0;  // sticky rollouts moved off this worker because it went down
 };
 
 // Thread-safe (one internal mutex). Workers are numbered in the order they are added and never
@@ -76,16 +76,18 @@ class Router {
  public:
   explicit Router(RouterOptions options);
 
-  // Adds a worker (healthy) and returns its index; an existing url returns its index.
-  int AddWorker(std::string url);
+  // Adds a worker and returns its index; an existing url returns its index (its health
+  // unchanged). A worker added unhealthy gets no request until SetHealthy(true).
+  int AddWorker(std::string url, bool healthy = true);
   void SetHealthy(int worker, bool healthy);
   // Weight version new rollouts start on; it salts their cache (extra_key "wv:<version>").
   void SetFleetVersion(std::string version);
 
   // Picks a worker for a request of rollout `key` (empty: not part of a rollout) with prompt
-  // `tokens`. `client_salt`, if not empty, is the client's own extra_key and replaces the
-  // version salt. Counts the request in flight on the chosen worker until Finish. Unavailable
-  // when no worker is healthy.
+  // `tokens`. `client_salt`, if not empty, is the client's own extra_key; it is combined with
+  // the version salt ("<client_salt>|wv:<version>"), so that a client's own key never lets a
+  // rollout reuse KV computed by other weights. Counts the request in flight on the chosen worker
+  // until Finish. Unavailable when no worker is healthy.
   Result<RouteDecision> Route(std::string_view key, std::span<const int32_t> tokens,
                               std::string_view client_salt = {});
   // Ends a request Route sent to `worker`, with the token counts the worker reported.

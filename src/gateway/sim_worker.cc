@@ -234,6 +234,41 @@ void SimWorker::HandleGenerate(const httplib::Request& req, httplib::Response& r
   if (!ParseBody(req, res, &body)) {
     return;
   }
+  bool batch = (body.contains("input_ids") && body["input_ids"].is_array() &&
+                !body["input_ids"].empty() && body["input_ids"][0].is_array()) ||
+               (!body.contains("input_ids") && body.contains("text") && body["text"].is_array());
+  if (batch) {
+    // A batch, as SGLang takes it: one generation per element, answered as an array.
+    if (body.value("stream", false)) {
+      SetError(res, 400, "the simulator does not stream batches");
+      return;
+    }
+    const char* field = body.contains("input_ids") ? "input_ids" : "text";
+    json out = json::array();
+    for (size_t i = 0; i < body[field].size(); ++i) {
+      json one = body;
+      one[field] = body[field][i];
+      if (body.contains("rid") && body["rid"].is_array()) {
+        one["rid"] = i < body["rid"].size() ? body["rid"][i] : json();
+      }
+      httplib::Request sub;
+      sub.body = one.dump();
+      httplib::Response sub_res;
+      HandleGenerate(sub, sub_res);
+      if (sub_res.status != 200 && sub_res.status != -1) {
+        res = std::move(sub_res);
+        return;
+      }
+      out.push_back(json::parse(sub_res.body));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last_request_ = body;
+      last_request_.erase("input_ids");
+    }
+    Reply(res, out);
+    return;
+  }
   auto job = std::make_shared<GenerateJob>();
   const json& ids = body.contains("input_ids") ? body["input_ids"] : json();
   if (ids.is_array()) {
@@ -352,6 +387,10 @@ void SimWorker::Register() {
   server_.Post("/continue_generation", [this](const httplib::Request&, httplib::Response& res) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (fail_continue_) {
+        SetError(res, 500, "injected continue failure");
+        return;
+      }
       paused_ = false;
     }
     resumed_.notify_all();
@@ -367,7 +406,19 @@ void SimWorker::Register() {
       Reply(res, {{"success", false}, {"message", "model_path is required"}}, 400);
       return;
     }
+    int delay_ms;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      delay_ms = update_delay_ms_;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     std::lock_guard<std::mutex> lock(mu_);
+    if (fail_update_after_ == 0) {
+      fail_update_ = true;
+    }
+    if (fail_update_after_ >= 0) {
+      fail_update_after_--;
+    }
     if (fail_update_) {
       Reply(res, {{"success", false}, {"message", "injected load failure"}}, 400);
       return;
@@ -381,6 +432,13 @@ void SimWorker::Register() {
       cache_.Clear();
     }
     updates_++;
+    if (drop_update_replies_ > 0) {
+      drop_update_replies_--;
+      // Loaded, but the connection breaks before the answer: the caller cannot know.
+      res.set_chunked_content_provider("application/json",
+                                       [](size_t, httplib::DataSink&) { return false; });
+      return;
+    }
     Reply(res,
           {{"success", true}, {"message", "loaded " + model_path_}, {"weight_version", version_}});
   });
@@ -405,7 +463,8 @@ void SimWorker::Register() {
     cache_.Clear();
     Reply(res, {{"success", true}});
   });
-  // Test knobs: {"error_rate": p, "fail_update": bool, "healthy": bool}.
+  // Test knobs: {"error_rate": p, "fail_update": bool, "fail_update_after": n, "fail_continue":
+  // bool, "update_delay_ms": ms, "drop_update_replies": n, "healthy": bool}.
   server_.Post("/sim/config", [this](const httplib::Request& req, httplib::Response& res) {
     json body;
     if (!ParseBody(req, res, &body)) {
@@ -414,6 +473,10 @@ void SimWorker::Register() {
     std::lock_guard<std::mutex> lock(mu_);
     error_rate_ = body.value("error_rate", error_rate_);
     fail_update_ = body.value("fail_update", fail_update_);
+    fail_update_after_ = body.value("fail_update_after", fail_update_after_);
+    fail_continue_ = body.value("fail_continue", fail_continue_);
+    update_delay_ms_ = body.value("update_delay_ms", update_delay_ms_);
+    drop_update_replies_ = body.value("drop_update_replies", drop_update_replies_);
     healthy_ = body.value("healthy", healthy_);
     Reply(res, {{"success", true}});
   });

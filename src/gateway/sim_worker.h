@@ -86,6 +86,10 @@ class SimWorker {
   std::mt19937_64 rng_;
   double error_rate_ = 0;
   bool fail_update_ = false;
+  int fail_update_after_ = -1;   // loads that still succeed before every later one fails; -1: off
+  bool fail_continue_ = false;   // continue_generation answers 500 and the worker stays paused
+  int update_delay_ms_ = 0;      // update_weights_from_disk takes this long
+  int drop_update_replies_ = 0;  // loads that apply but whose answer is cut off
   bool healthy_ = true;
   uint64_t requests_ = 0;
   uint64_t aborts_ = 0;

@@ -1,7 +1,12 @@
 """Python client against bragg-gateway and two bragg-sim-workers on loopback."""
 
+import base64
+import http.server
+import json
 import os
+import struct
 import subprocess
+import threading
 import sys
 import time
 import unittest
@@ -69,6 +74,62 @@ class ClientTest(unittest.TestCase):
         dead = bgc.RolloutClient("http://127.0.0.1:1", timeout=2)
         with self.assertRaises(bgc.GatewayError):
             dead.generate("z", [1], {})
+
+    def test_forget_releases_the_rollout_on_the_gateway(self):
+        c = bgc.RolloutClient(self.gw)
+
+        def rollouts():
+            with bgc.urllib.request.urlopen(self.gw + "/workers", timeout=10) as r:
+                return sum(w["rollouts"] for w in json.loads(r.read()))
+
+        for k in range(3):
+            c.generate(f"r{k}", [1, 2, 3, k], {"max_new_tokens": 1})
+        self.assertEqual(rollouts(), 3)
+        c.forget("r1")
+        self.assertEqual(rollouts(), 2)
+        c.forget("never-seen")  # harmless
+        self.assertEqual(rollouts(), 2)
+        dead = bgc.RolloutClient("http://127.0.0.1:1", timeout=2)
+        with self.assertRaises(bgc.GatewayError):
+            dead.forget("r0")
+
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """Answers /generate with 2 routed-expert ids per position on the first call, 3 after."""
+    calls = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        width = 2 if _Hostile.calls == 0 else 3
+        _Hostile.calls += 1
+        n = len(body["input_ids"]) + 1 - 1 - body.get("routed_experts_start_len", 0)
+        ids = struct.pack(f"<{n * width}i", *range(n * width))
+        out = json.dumps({"output_ids": [9], "meta_info": {
+            "routed_experts": base64.b64encode(ids).decode()}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+class WidthTest(unittest.TestCase):
+    def test_width_change_is_an_error(self):
+        srv = http.server.HTTPServer(("127.0.0.1", 0), _Hostile)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        try:
+            c = bgc.RolloutClient(f"http://127.0.0.1:{srv.server_port}",
+                                  return_routed_experts=True)
+            c.generate("w", [1, 2, 3], {})
+            self.assertEqual(len(c.routed_experts("w")), 3 * 2)
+            with self.assertRaises(bgc.GatewayError) as e:
+                c.generate("w", [1, 2, 3, 9, 4, 5], {})
+            self.assertIn("width changed", str(e.exception))
+        finally:
+            srv.shutdown()
+            srv.server_close()
 
 
 if __name__ == "__main__":

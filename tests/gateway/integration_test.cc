@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -16,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -403,6 +405,43 @@ TEST_F(GatewayIntegrationTest, HostileInputsAreRejected) {
   EXPECT_EQ(post("/generate", R"({"input_ids": [1, 2, 3], "routing_key": "ok"})"), 200);
 }
 
+TEST_F(GatewayIntegrationTest, BatchGenerateIsRoutedByItsFirstElement) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  std::string worker;
+  json res = PostJson(*c, "/generate",
+                      {{"input_ids", {{1, 2, 3}, {4, 5}}},
+                       {"routing_key", "batch"},
+                       {"sampling_params", {{"max_new_tokens", 2}}}},
+                      &status, &worker);
+  ASSERT_EQ(status, 200) << res.dump();
+  ASSERT_TRUE(res.is_array());
+  ASSERT_EQ(res.size(), 2u);
+  EXPECT_EQ(res[1]["meta_info"]["prompt_tokens"], 2);
+  // The same rollout's next turn goes where its first turn went.
+  std::string again;
+  PostJson(*c, "/generate", {{"input_ids", {{1, 2, 3, 9}}}, {"routing_key", "batch"}}, &status,
+           &again);
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(again, worker);
+  Proc& where = worker == fmt::format("127.0.0.1:{}", w0.port) ? w0 : w1;
+  json last = json::parse(Http(where)->Get("/sim/stats")->body)["last_request"];
+  ASSERT_TRUE(last["rid"].is_array()) << last.dump();
+  EXPECT_EQ(last["rid"].size(), 1u);
+  res = PostJson(*c, "/generate", {{"text", {"ab", "cde"}}}, &status);
+  ASSERT_EQ(status, 200) << res.dump();
+  EXPECT_EQ(res.size(), 2u);
+  for (const char* bad :
+       {R"({"input_ids": [[1], [-1]]})", R"({"input_ids": [[]]})", R"({"input_ids": [[1], 2]})",
+        R"({"text": ["a", 1]})", R"({"text": []})"}) {
+    auto r = c->Post("/generate", bad, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << bad;
+  }
+}
+
 TEST_F(GatewayIntegrationTest, GatewayWithoutWorkersSays503) {
   Proc gw = Gateway({}, "sticky");
   auto c = Http(gw);
@@ -410,11 +449,17 @@ TEST_F(GatewayIntegrationTest, GatewayWithoutWorkersSays503) {
   json res = PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
   EXPECT_EQ(status, 503);
   EXPECT_NE(res.dump().find("no healthy worker"), std::string::npos);
-  // Register one at run time.
+  // Register one at run time: it serves once the health loop checked it.
   Proc w0 = Worker();
   PostJson(*c, "/workers", {{"url", w0.url}}, &status);
   EXPECT_EQ(status, 200);
-  PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+  for (int i = 0; i < 800; ++i) {
+    PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+    if (status == 200) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
   EXPECT_EQ(status, 200);
   auto r = c->Get("/workers");
   ASSERT_TRUE(r);
@@ -483,6 +528,447 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
 
 // Opens a plain TCP connection to 127.0.0.1:`port` and sends `request`; the caller hangs up by
 // dropping the fd.
+UniqueFd SendRaw(int port, const std::string& request);
+
+// /workers' "healthy" of the worker at `url` (false if not listed).
+bool Healthy(httplib::Client& c, const std::string& url) {
+  auto r = c.Get("/workers");
+  json j = r ? json::parse(r->body, nullptr, false) : json();
+  if (!j.is_array()) {
+    return false;
+  }
+  for (const json& x : j) {
+    if (x["url"] == url) {
+      return x["healthy"].get<bool>();
+    }
+  }
+  return false;
+}
+
+// Polls until `url` has health `want` (true) or `ms` passed (false).
+bool WaitHealthy(httplib::Client& c, const std::string& url, bool want, int ms = 20000) {
+  auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (std::chrono::steady_clock::now() < end) {
+    if (Healthy(c, url) == want) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// True if `url` never turned healthy within `ms` (health checks run every 100 ms here).
+bool StaysOut(httplib::Client& c, const std::string& url, int ms = 1500) {
+  return !WaitHealthy(c, url, true, ms);
+}
+
+TEST_F(GatewayIntegrationTest, WorkerLeftOnNewWeightsByAFailedFirstUpdateStaysOut) {
+  Proc w0 = Worker(), w1 = Worker(), w2 = Worker();
+  Proc gw = Gateway({&w0, &w1, &w2}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*Http(w2), "/sim/config", {{"fail_update", true}}, &status);
+  // w0 loads the new weights but cannot go back.
+  PostJson(*Http(w0), "/sim/config", {{"fail_update_after", 1}}, &status);
+  json rep = PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "2"}},
+                      &status);
+  EXPECT_EQ(status, 500);
+  ASSERT_EQ(rep["workers"].size(), 3u) << rep.dump();
+  for (const json& w : rep["workers"]) {
+    EXPECT_EQ(w["removed"].get<bool>(), w["url"] == w0.url) << rep.dump();
+    if (w["url"] == w0.url) {
+      EXPECT_EQ(w["version_after"], "2");
+    }
+  }
+  EXPECT_TRUE(StaysOut(*c, w0.url)) << "a worker on other weights came back";
+  EXPECT_TRUE(Healthy(*c, w1.url));
+  for (int k = 0; k < 6; ++k) {
+    json res =
+        PostJson(*c, "/generate",
+                 {{"input_ids", {1, 2, 3}}, {"routing_key", "r" + std::to_string(k)}}, &status);
+    ASSERT_EQ(status, 200);
+    EXPECT_EQ(res["meta_info"]["weight_version"], "0");
+  }
+  // Back on the fleet's weights: admitted again.
+  PostJson(*Http(w0), "/sim/config", {{"fail_update", false}, {"fail_update_after", -1}}, &status);
+  PostJson(*Http(w0), "/update_weights_from_disk",
+           {{"model_path", "sim-model"}, {"weight_version", "0"}}, &status);
+  ASSERT_EQ(status, 200);
+  EXPECT_TRUE(WaitHealthy(*c, w0.url, true));
+}
+
+TEST_F(GatewayIntegrationTest, LoadWhoseAnswerWasLostIsRolledBack) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  // w0 loads the new weights but its answer is lost; w1 fails, so the update fails.
+  PostJson(*Http(w0), "/sim/config", {{"drop_update_replies", 1}}, &status);
+  PostJson(*Http(w1), "/sim/config", {{"fail_update", true}}, &status);
+  json rep = PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "2"}},
+                      &status);
+  EXPECT_EQ(status, 500);
+  for (const json& w : rep["workers"]) {
+    EXPECT_FALSE(w["removed"].get<bool>()) << rep.dump();
+    EXPECT_EQ(w["version_after"], "0") << rep.dump();
+    if (w["url"] == w0.url) {
+      EXPECT_TRUE(w["rolled_back"].get<bool>()) << rep.dump();
+    }
+  }
+  EXPECT_EQ(json::parse(Http(w0)->Get("/get_model_info")->body)["weight_version"], "0");
+  EXPECT_TRUE(Healthy(*c, w0.url));
+  EXPECT_NE(Metrics(*c).find("bragg_gateway_weight_version_skew 0"), std::string::npos);
+}
+
+TEST_F(GatewayIntegrationTest, WorkerWhoseContinueFailedStaysOutUntilContinued) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*Http(w1), "/sim/config", {{"fail_continue", true}}, &status);
+  json rep = PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "v2"}},
+                      &status);
+  EXPECT_EQ(status, 500);
+  EXPECT_FALSE(rep["success"].get<bool>()) << rep.dump();
+  for (const json& w : rep["workers"]) {
+    bool bad = w["url"] == w1.url;
+    EXPECT_EQ(w["continued"].get<bool>(), !bad) << rep.dump();
+    EXPECT_EQ(w["removed"].get<bool>(), bad) << rep.dump();
+  }
+  EXPECT_TRUE(StaysOut(*c, w1.url)) << "a paused worker came back";
+  PostJson(*Http(w1), "/sim/config", {{"fail_continue", false}}, &status);
+  EXPECT_TRUE(WaitHealthy(*c, w1.url, true));
+  json info = json::parse(Http(w1)->Get("/get_model_info")->body);
+  EXPECT_FALSE(info["paused"].get<bool>());
+  EXPECT_EQ(info["weight_version"], "v2");
+}
+
+TEST_F(GatewayIntegrationTest, RolloutStartingDuringTheLoadIsSaltedWithTheNewVersion) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky");
+  auto c = Http(gw);
+  int status = 0;
+  json res = PostJson(*c, "/generate", {{"input_ids", SharedPrompt(200)}, {"routing_key", "old"}},
+                      &status);
+  ASSERT_EQ(status, 200);
+  PostJson(*Http(w0), "/sim/config", {{"update_delay_ms", 1500}}, &status);
+  std::thread update([&] {
+    int st = 0;
+    PostJson(*Http(gw), "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "v2"}},
+             &st);
+    EXPECT_EQ(st, 200);
+  });
+  bool paused = false;
+  for (int i = 0; i < 1000 && !paused; ++i) {
+    auto r = Http(w0)->Get("/sim/stats");
+    paused = r && json::parse(r->body)["paused"].get<bool>();
+    if (!paused) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  ASSERT_TRUE(paused);
+  // Waits for the continue, then runs on the new weights: it must not reuse the old KV.
+  res = PostJson(*c, "/generate", {{"input_ids", SharedPrompt(200)}, {"routing_key", "during"}},
+                 &status);
+  update.join();
+  ASSERT_EQ(status, 200) << res.dump();
+  EXPECT_EQ(res["meta_info"]["cached_tokens"], 0) << "a rollout started in the load window "
+                                                     "reused KV of the old weights";
+  EXPECT_EQ(res["meta_info"]["weight_versions"][0]["version"], "v2");
+}
+
+TEST_F(GatewayIntegrationTest, WorkersAreVersionCheckedAtStartAndWhenRegistered) {
+  Proc w0 = Worker(), other = Worker({"--weight-version", "5"});
+  Proc gw = Gateway({&w0, &other}, "sticky");
+  auto c = Http(gw);
+  EXPECT_FALSE(Healthy(*c, other.url)) << "a worker on other weights served from the start";
+  std::string m = Metrics(*c);
+  EXPECT_NE(m.find(fmt::format("worker=\"{}\",version=\"0\"}} 1", w0.url)), std::string::npos) << m;
+  Proc late = Worker(), late_other = Worker({"--weight-version", "9"});
+  int status = 0;
+  PostJson(*c, "/workers", {{"url", late_other.url}}, &status);
+  EXPECT_EQ(status, 200);
+  PostJson(*c, "/workers", {{"url", late.url}}, &status);
+  EXPECT_EQ(status, 200);
+  EXPECT_TRUE(WaitHealthy(*c, late.url, true));
+  EXPECT_TRUE(StaysOut(*c, late_other.url)) << "a worker registered on other weights served";
+}
+
+TEST_F(GatewayIntegrationTest, OversizedBodiesAreRefused) {
+  Proc w0 = Worker({"--moe-layers", "8", "--moe-topk", "8"});
+  Proc small = Gateway({&w0}, "sticky", {"--max-body-mb", "1", "--max-upstream-response-mb", "1"});
+  Proc dflt = Gateway({&w0}, "sticky");
+  auto head = [](int port, size_t length) {
+    UniqueFd fd = SendRaw(port, fmt::format("POST /generate HTTP/1.1\r\nHost: x\r\n"
+                                            "Content-Type: application/json\r\n"
+                                            "Content-Length: {}\r\n\r\n{{",
+                                            length));
+    timeval tv{10, 0};
+    EXPECT_EQ(::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+    std::string got;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0) {
+      got.append(buf, n);
+    }
+    return got.substr(0, 12);
+  };
+  EXPECT_EQ(head(small.port, (size_t{1} << 20) + 1), "HTTP/1.1 413");
+  EXPECT_EQ(head(dflt.port, (size_t{64} << 20) + 1), "HTTP/1.1 413");
+  // A worker answer above the cap is a 502, one below it passes.
+  auto c = Http(small);
+  int status = 0;
+  json res = PostJson(*c, "/generate",
+                      {{"input_ids", Tokens(1, 5000)},
+                       {"return_routed_experts", true},
+                       {"sampling_params", {{"max_new_tokens", 1}}}},
+                      &status);
+  EXPECT_EQ(status, 502) << res.dump().substr(0, 300);
+  EXPECT_NE(res.dump().find("larger than"), std::string::npos) << res.dump().substr(0, 300);
+  PostJson(*c, "/generate",
+           {{"input_ids", Tokens(1, 500)},
+            {"return_routed_experts", true},
+            {"sampling_params", {{"max_new_tokens", 1}}}},
+           &status);
+  EXPECT_EQ(status, 200);
+}
+
+TEST_F(GatewayIntegrationTest, ClientForgetReleasesTheRollout) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "sticky");
+  auto client = RolloutClient::Create(gw.url, {});
+  ASSERT_TRUE(client.ok());
+  auto rollouts = [&] {
+    json j = json::parse(Http(gw)->Get("/workers")->body);
+    int64_t n = 0;
+    for (const json& w : j) {
+      n += w["rollouts"].get<int64_t>();
+    }
+    return n;
+  };
+  for (const char* key : {"a", "b", "c"}) {
+    ASSERT_TRUE((*client)->Generate(key, {1, 2, 3}, {{"max_new_tokens", 1}}).ok());
+  }
+  EXPECT_EQ(rollouts(), 3);
+  EXPECT_TRUE((*client)->Forget("b").ok());
+  EXPECT_EQ(rollouts(), 2);
+  EXPECT_TRUE((*client)->Forget("b").ok());
+  EXPECT_EQ(rollouts(), 2);
+}
+
+TEST_F(GatewayIntegrationTest, CacheSaltAndDpRankReachTheWorkerOnEveryPath) {
+  Proc w0 = Worker();
+  Proc gw = Gateway({&w0}, "sticky", {"--dp-size", "4"});
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "v2"}}, &status);
+  ASSERT_EQ(status, 200);
+  auto last = [&] { return json::parse(Http(w0)->Get("/sim/stats")->body)["last_request"]; };
+  PostJson(*c, "/generate", {{"input_ids", {1, 2, 3}}, {"routing_key", "k"}, {"extra_key", "mine"}},
+           &status);
+  ASSERT_EQ(status, 200);
+  EXPECT_EQ(last()["extra_key"], "mine|wv:v2");
+  httplib::Headers h = {{"X-Session-Id", "chat-1"}};
+  auto r =
+      c->Post("/v1/chat/completions", h,
+              json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}}.dump(),
+              "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  json got = last();
+  EXPECT_EQ(got["extra_key"], "wv:v2") << got.dump();
+  EXPECT_TRUE(got.contains("routed_dp_rank")) << got.dump();
+  r = c->Post("/v1/completions", h,
+              json{{"prompt", "abc"}, {"max_tokens", 2}, {"extra_key", "own"}}.dump(),
+              "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(last()["extra_key"], "own|wv:v2");
+  // The OpenAI requests' token counts are accounted.
+  std::string m = Metrics(*c);
+  size_t at = m.find("bragg_gateway_worker_prompt_tokens_total{");
+  ASSERT_NE(at, std::string::npos);
+  uint64_t prompt = std::stoull(m.substr(m.find("} ", at) + 2));
+  EXPECT_GT(prompt, 3u) << m;
+}
+
+TEST_F(GatewayIntegrationTest, MetricsEscapeLabelsAndCountOnlyStickyMoves) {
+  Proc w0 = Worker(), w1 = Worker();
+  Proc gw = Gateway({&w0, &w1}, "round_robin");
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*c, "/weights/update", {{"model_path", "/ckpt/2"}, {"weight_version", "a\"b\\c\nd"}},
+           &status);
+  ASSERT_EQ(status, 200);
+  for (int k = 0; k < 6; ++k) {
+    PostJson(*c, "/generate", {{"input_ids", {1, 2, 3}}, {"routing_key", "rr"}}, &status);
+    ASSERT_EQ(status, 200);
+  }
+  std::string m = Metrics(*c);
+  EXPECT_NE(m.find("version=\"a\\\"b\\\\c\\nd\"} 1"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rollouts_moved_total{pool=\"main\",worker=\"" + w0.url + "\"} 0"),
+            m.find("rollouts_moved_total{pool=\"main\",worker=\"" + w0.url + "\"}"))
+      << m;
+  EXPECT_NE(m.find("rollouts_moved_total{pool=\"main\",worker=\"" + w1.url + "\"} 0"),
+            std::string::npos)
+      << m;
+}
+
+// A worker that answers the first request on each connection and then, on the next one, closes
+// the connection after reading it (kClose: an orderly close, as a worker whose keep-alive timer
+// fires as the request arrives, or one that died after reading it) or resets it unread (kReset).
+class OneRequestPerConnectionWorker {
+ public:
+  enum class Mode { kClose, kReset };
+  explicit OneRequestPerConnectionWorker(Mode mode) : mode_(mode) {
+    listen_ = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(listen_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(::listen(listen_.get(), 64), 0);
+    socklen_t len = sizeof(addr);
+    ::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    accept_ = std::thread([this] {
+      for (;;) {
+        int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd < 0) {
+          return;
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        conns_.emplace_back([this, fd] { Serve(UniqueFd(fd)); });
+      }
+    });
+  }
+  ~OneRequestPerConnectionWorker() {
+    ::shutdown(listen_.get(), SHUT_RDWR);
+    accept_.join();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& t : conns_) {
+      t.join();
+    }
+  }
+  std::string url() const { return fmt::format("http://127.0.0.1:{}", port_); }
+  int generates() const { return generates_.load(); }
+
+ private:
+  // One request's head and body; false at EOF or error.
+  bool ReadRequest(int fd, std::string* head) {
+    std::string buf;
+    char c[4096];
+    size_t end;
+    while ((end = buf.find("\r\n\r\n")) == std::string::npos) {
+      ssize_t n = ::recv(fd, c, sizeof(c), 0);
+      if (n <= 0) {
+        return false;
+      }
+      buf.append(c, n);
+    }
+    *head = buf.substr(0, end);
+    size_t length = 0;
+    size_t at = head->find("Content-Length: ");
+    if (at == std::string::npos) {
+      at = head->find("content-length: ");
+    }
+    if (at != std::string::npos) {
+      length = std::stoul(head->substr(at + 16));
+    }
+    size_t have = buf.size() - end - 4;
+    while (have < length) {
+      ssize_t n = ::recv(fd, c, std::min(sizeof(c), length - have), 0);
+      if (n <= 0) {
+        return false;
+      }
+      have += n;
+    }
+    return true;
+  }
+  void Serve(UniqueFd fd) {
+    std::string head;
+    if (!ReadRequest(fd.get(), &head)) {
+      return;
+    }
+    if (head.rfind("POST /generate", 0) == 0) {
+      generates_++;
+    }
+    std::string body =
+        R"({"text":"","output_ids":[1],"weight_version":"0","model_path":"m",)"
+        R"("meta_info":{"prompt_tokens":1,"cached_tokens":0,"completion_tokens":1}})";
+    std::string res = fmt::format(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+        body.size(), body);
+    if (::send(fd.get(), res.data(), res.size(), MSG_NOSIGNAL) < 0) {
+      return;
+    }
+    pollfd p{fd.get(), POLLIN, 0};
+    if (::poll(&p, 1, 30000) <= 0) {
+      return;
+    }
+    if (mode_ == Mode::kReset) {
+      linger l{1, 0};
+      ::setsockopt(fd.get(), SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+      return;  // closed with the request unread: a reset
+    }
+    if (ReadRequest(fd.get(), &head) && head.rfind("POST /generate", 0) == 0) {
+      generates_++;
+    }
+  }
+
+  Mode mode_;
+  UniqueFd listen_;
+  int port_ = 0;
+  std::thread accept_;
+  std::mutex mu_;
+  std::vector<std::thread> conns_;
+  std::atomic<int> generates_{0};
+};
+
+TEST_F(GatewayIntegrationTest, StaleKeepAliveConnectionsAreNotReused) {
+  // Idle connections older than 200 ms are dropped: the worker closing one as it is reused
+  // cannot fail the request.
+  OneRequestPerConnectionWorker w(OneRequestPerConnectionWorker::Mode::kClose);
+  Proc fake{ChildProcess(), w.url(), 0};
+  Proc gw = Gateway({&fake}, "round_robin", {"--upstream-idle-ms", "200", "--io-threads", "1"});
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+  ASSERT_EQ(status, 200);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  json res = PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+  EXPECT_EQ(status, 200) << res.dump();
+  EXPECT_EQ(w.generates(), 2);
+}
+
+TEST_F(GatewayIntegrationTest, ResetReusedConnectionIsRetriedOnceOrderlyCloseIsNot) {
+  {
+    // Reset with the request unread: it never ran, so it goes again on a fresh connection.
+    OneRequestPerConnectionWorker w(OneRequestPerConnectionWorker::Mode::kReset);
+    Proc fake{ChildProcess(), w.url(), 0};
+    Proc gw = Gateway({&fake}, "round_robin", {"--io-threads", "1"});
+    auto c = Http(gw);
+    int status = 0;
+    for (int k = 0; k < 3; ++k) {
+      json res = PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+      EXPECT_EQ(status, 200) << k << " " << res.dump();
+    }
+    EXPECT_EQ(w.generates(), 3);
+  }
+  {
+    // Read, then closed without an answer: the worker may have run it; not sent again.
+    OneRequestPerConnectionWorker w(OneRequestPerConnectionWorker::Mode::kClose);
+    Proc fake{ChildProcess(), w.url(), 0};
+    Proc gw = Gateway({&fake}, "round_robin", {"--io-threads", "1", "--health-failures", "1000"});
+    auto c = Http(gw);
+    int status = 0;
+    PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+    ASSERT_EQ(status, 200);
+    PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+    EXPECT_EQ(status, 502);
+    EXPECT_EQ(w.generates(), 2);
+  }
+}
+
 UniqueFd SendRaw(int port, const std::string& request) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   EXPECT_GE(fd.get(), 0);

@@ -201,10 +201,43 @@ TEST(RouterTest, NewRolloutsAfterVersionChangeGetANewSalt) {
   EXPECT_EQ(fresh->salt, "wv:7");
   // The fresh rollout does not count the old-version prefix as cached.
   EXPECT_EQ(fresh->expected_cached, 0u);
+  // A client's own extra_key is combined with the version salt, never replaces it.
   auto client = r.Route("mine", Prompt(10, 1, 5), "custom");
-  EXPECT_EQ(client->salt, "custom");
+  EXPECT_EQ(client->salt, "custom|wv:7");
+  EXPECT_EQ(client->expected_cached, 0u);
+  auto client_old = r.Route("old", Prompt(10, 1, 9), "custom");
+  EXPECT_EQ(client_old->salt, "custom");  // the old rollout had no version salt
   EXPECT_NE(SaltToken("a"), SaltToken("b"));
   EXPECT_LT(SaltToken("a"), 0);
+}
+
+TEST(RouterTest, OnlyStickyRolloutsCountAsMoved) {
+  for (Policy p : {Policy::kRoundRobin, Policy::kLeastLoad, Policy::kCacheAware}) {
+    auto owned = MakeRouter(p, 3);
+    Router& r = *owned;
+    for (int turn = 0; turn < 6; ++turn) {
+      auto d = r.Route("k", Prompt(5, turn, 5));
+      ASSERT_TRUE(d.ok());
+      EXPECT_FALSE(d->moved);
+      r.Finish(d->worker, 0, 0);
+    }
+    int64_t rollouts = 0;
+    for (const WorkerSnapshot& s : r.Snapshot()) {
+      EXPECT_EQ(s.moved_out, 0u) << PolicyName(p);
+      rollouts += s.rollouts;
+    }
+    EXPECT_EQ(rollouts, 1) << PolicyName(p);
+  }
+}
+
+TEST(RouterTest, WorkerAddedUnhealthyGetsNothingUntilAdmitted) {
+  auto owned = MakeRouter(Policy::kRoundRobin, 0);
+  Router& r = *owned;
+  EXPECT_EQ(r.AddWorker("http://late", false), 0);
+  EXPECT_FALSE(r.Snapshot()[0].healthy);
+  EXPECT_EQ(r.Route("", Prompt(1, 1, 1)).status().code(), absl::StatusCode::kUnavailable);
+  r.SetHealthy(0, true);
+  EXPECT_EQ(r.Route("", Prompt(1, 1, 1))->worker, 0);
 }
 
 TEST(RouterTest, ForgetReleasesRolloutSlot) {

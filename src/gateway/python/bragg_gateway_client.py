@@ -76,6 +76,11 @@ class RolloutClient:
                                    f"{count} new positions")
             if not self._delta:
                 held = array.array("i")
+                positions = 0
+            # layers * top_k ids per position, the same on every turn of a rollout.
+            if count and positions and len(held) // positions != len(suffix) // count:
+                raise GatewayError(f"routed experts width changed from {len(held) // positions} "
+                                   f"to {len(suffix) // count} ids per position")
             held.extend(suffix)
             self._arrays[rollout_id] = (total - 1, held)
         return res
@@ -85,4 +90,18 @@ class RolloutClient:
         return self._arrays.get(rollout_id, (0, array.array("i")))[1]
 
     def forget(self, rollout_id):
+        """Ends a finished rollout: drops its array and tells the gateway
+        (POST /rollouts/forget), which stops counting it as load. The local state is dropped
+        even when the call fails (GatewayError)."""
         self._arrays.pop(rollout_id, None)
+        req = urllib.request.Request(self._url + "/rollouts/forget",
+                                     data=json.dumps({"routing_key": rollout_id}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self._timeout) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise GatewayError(f"POST /rollouts/forget: HTTP {e.code}: {e.read()[:500]!r}",
+                               e.code)
+        except (urllib.error.URLError, OSError) as e:
+            raise GatewayError(f"POST /rollouts/forget: {e}")
