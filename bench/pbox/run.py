@@ -4,7 +4,7 @@ in bench/peers/ (podman with runc; runsc by hand, the gVisor runtime's peer) in 
 run, repeats each configuration, and writes the pbox part of docs/benchmarks.md (between the
 pbox-bench markers; the other sections are kept) with charts in docs/img/.
 
-    bench/pbox/run.py --build build [--sandboxes 100] [--gvisor-sandboxes 50] [--repeat 4]
+    bench/pbox/run.py --build build [--sandboxes 100] [--gvisor-sandboxes 40] [--repeat 4]
                       [--rounds 2] [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 660]
 
 Per metric: min / median / max over the runs of each run's p50, the median p99, and the ratio
@@ -500,9 +500,10 @@ def main():
                     help="pbox runtimes to measure; one the agent does not offer is skipped")
     ap.add_argument("--peers", default="",
                     help="comma-separated peer names (bench/peers/NAME_peer.py); default: all")
-    ap.add_argument("--gvisor-sandboxes", type=int, default=50,
+    ap.add_argument("--gvisor-sandboxes", type=int, default=40,
                     help="live sandboxes of pbox's gVisor runtime and of its runsc peers (the "
-                         "same count on both sides: idle sandboxes cost CPU under gVisor)")
+                         "same count on both sides: idle sandboxes cost CPU under gVisor; 40 keeps "
+                         "four repeats of pbox and its three runsc peers within the budget)")
     ap.add_argument("--peer-sandboxes", type=int, default=10,
                     help="live containers per peer (each podman call costs ~0.2-1 s here)")
     ap.add_argument("--peer-rounds", type=int, default=1)

@@ -142,6 +142,59 @@ TEST(GvisorRuntimeTest, HostPidsBoundLeavesRoomForGvisorsOwnTasks) {
   EXPECT_TRUE(RemoveTree(dir).ok());
 }
 
+// A cgroup whose procs files cannot be written: the runsc launcher cannot join it.
+class UnjoinableCgroup : public Cgroup {
+ public:
+  const std::string& name() const override { return name_; }
+  Status AddProcess(pid_t) override { return absl::OkStatus(); }
+  Result<CgroupStats> Stats() const override { return CgroupStats{}; }
+  Status KillAll() override { return absl::OkStatus(); }
+  Status Destroy() override { return absl::OkStatus(); }
+  Status Freeze(bool) override { return absl::OkStatus(); }
+  int dir_fd() const override { return -1; }
+  std::vector<std::string> ProcsFiles() const override { return {"/nonexistent/pbox/tasks"}; }
+  Result<uint64_t> OomKills() const override { return uint64_t{0}; }
+
+ private:
+  std::string name_ = "unjoinable";
+};
+
+bool MountedUnder(const std::string& dir) {
+  auto text = ReadFileToString("/proc/self/mountinfo");
+  EXPECT_TRUE(text.ok()) << text.status();
+  return text.ok() && text->find(" " + dir + "/") != std::string::npos;
+}
+
+TEST(GvisorRuntimeTest, ALauncherThatCannotJoinTheCgroupFailsAndLeavesNothing) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "mounts the bundle: needs root";
+  }
+  char tmpl[] = "/tmp/pbox-gvisor-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  ASSERT_TRUE(MakeDirs(dir + "/lower/usr", 0755).ok());
+  // The launcher fails before its exec: any executable will do for runsc.
+  auto rt = GvisorRuntime::Create(
+      {.state_dir = dir + "/state", .init_path = "/bin/true", .runsc = "/bin/true"});
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Image image{.name = "test", .lower_dirs = {dir + "/lower"}};
+  UnjoinableCgroup cgroup;
+  LaunchSpec spec;
+  spec.id = "sb-unjoinable";
+  spec.image = &image;
+  spec.disk_bytes = 1 << 20;
+  spec.cgroup = &cgroup;
+  auto sb = (*rt)->Start(spec);
+  ASSERT_FALSE(sb.ok());
+  EXPECT_NE(std::string(sb.status().message()).find("joining the sandbox's cgroup"),
+            std::string::npos)
+      << sb.status();
+  EXPECT_FALSE(MountedUnder(dir)) << "the bundle's mounts outlived the failed start";
+  EXPECT_NE(::access((dir + "/state/gvisor/sb-unjoinable").c_str(), F_OK), 0);
+  rt->reset();
+  EXPECT_TRUE(RemoveTree(dir).ok());
+}
+
 TEST(GvisorHelperPathTest, NormalizesAndRefusesWhatMustNotBeTouchedFromInside) {
   EXPECT_EQ(GvisorHelperPath("/tmp/fill"), "/tmp/fill");
   EXPECT_EQ(GvisorHelperPath("tmp//./fill/"), "/tmp/fill");
