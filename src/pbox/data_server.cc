@@ -12,7 +12,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <system_error>
 
 #include "common/fs.h"
@@ -60,34 +62,12 @@ Status WaitFor(int fd, short events, milliseconds timeout, std::string_view what
   }
 }
 
-// Reads exactly out.size() bytes unless the peer closes first; returns how many were read.
-Result<size_t> ReadFull(int fd, char* out, size_t size, milliseconds timeout) {
-  size_t got = 0;
-  while (got < size) {
-    ssize_t n = ::recv(fd, out + got, size - got, 0);
-    if (n > 0) {
-      got += static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) {
-      break;
-    }
-    if (errno == EINTR) {
-      continue;
-    }
-    if (errno == EAGAIN) {
-      BRAGG_RETURN_IF_ERROR(WaitFor(fd, POLLIN, timeout, "data connection"));
-      continue;
-    }
-    return ErrnoError("recv", "data connection");
-  }
-  return got;
-}
-
-// ReadFull within one overall deadline (a request's header: a peer that sends it a byte at a
-// time must not hold the connection, and its thread, for stall_timeout per byte).
-Result<size_t> ReadFullBy(int fd, char* out, size_t size,
-                          std::chrono::steady_clock::time_point by) {
+// Reads exactly `size` bytes unless the peer closes first; returns how many were read. Fails
+// when no byte comes for `timeout`, and, given `by`, when the whole has not come by then (a
+// request's header: a peer that sends it a byte at a time must not hold the connection, and
+// its thread, for `timeout` per byte).
+Result<size_t> ReadFull(int fd, char* out, size_t size, milliseconds timeout,
+                        std::optional<Clock::time_point> by = std::nullopt) {
   size_t got = 0;
   while (got < size) {
     ssize_t n = ::recv(fd, out + got, size - got, 0);
@@ -104,11 +84,15 @@ Result<size_t> ReadFullBy(int fd, char* out, size_t size,
     if (errno != EAGAIN) {
       return ErrnoError("recv", "data connection");
     }
-    auto left = std::chrono::duration_cast<milliseconds>(by - std::chrono::steady_clock::now());
-    if (left <= milliseconds(0)) {
-      return absl::DeadlineExceededError("data connection: the request header did not arrive");
+    milliseconds wait = timeout;
+    if (by.has_value()) {
+      auto left = std::chrono::duration_cast<milliseconds>(*by - Clock::now());
+      if (left <= milliseconds(0)) {
+        return absl::DeadlineExceededError("data connection: the request header did not arrive");
+      }
+      wait = std::min(wait, left);
     }
-    BRAGG_RETURN_IF_ERROR(WaitFor(fd, POLLIN, left, "data connection"));
+    BRAGG_RETURN_IF_ERROR(WaitFor(fd, POLLIN, wait, "data connection"));
   }
   return got;
 }
@@ -566,7 +550,8 @@ void DataServer::Serve(UniqueFd sock) {
       break;
     }
     char head[kDataRequestBytes];
-    Result<size_t> got = ReadFullBy(fd, head, sizeof(head), Clock::now() + options_.stall_timeout);
+    Result<size_t> got = ReadFull(fd, head, sizeof(head), options_.stall_timeout,
+                                  Clock::now() + options_.stall_timeout);
     if (!got.ok() || *got == 0) {
       break;
     }
