@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "common/logging.h"
+#include "common/prometheus.h"
 
 namespace bragg::gateway {
 
@@ -98,24 +99,6 @@ std::string LastSseJson(const std::string& tail) {
     end = start;
   }
   return "";
-}
-
-// A Prometheus label value: backslash, double quote and line feed escaped (text format 0.0.4).
-std::string EscapeLabel(std::string_view v) {
-  std::string out;
-  out.reserve(v.size());
-  for (char c : v) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '"') {
-      out += "\\\"";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 }  // namespace
@@ -1115,7 +1098,8 @@ std::string Gateway::Metrics() {
     }
     for (size_t i = 0; i < snap.size(); ++i) {
       const WorkerSnapshot& s = snap[i];
-      std::string labels = fmt::format("pool=\"{}\",worker=\"{}\"", pool->name, EscapeLabel(s.url));
+      std::string labels =
+          fmt::format("pool=\"{}\",worker=\"{}\"", pool->name, PrometheusLabelValue(s.url));
       out += fmt::format("bragg_gateway_worker_healthy{{{}}} {}\n", labels, s.healthy ? 1 : 0);
       out += fmt::format("bragg_gateway_worker_in_flight{{{}}} {}\n", labels, s.in_flight);
       out += fmt::format("bragg_gateway_worker_rollouts{{{}}} {}\n", labels, s.rollouts);
@@ -1132,7 +1116,7 @@ std::string Gateway::Metrics() {
           fmt::format("bragg_gateway_worker_rollouts_moved_total{{{}}} {}\n", labels, s.moved_out);
       std::string v = i < versions.size() ? versions[i] : "";
       versions_block += fmt::format("bragg_gateway_worker_weight_version{{{},version=\"{}\"}} 1\n",
-                                    labels, EscapeLabel(v));
+                                    labels, PrometheusLabelValue(v));
       if (s.healthy && !fleet.empty() && v != fleet) {
         ++skew;
       }
@@ -1149,7 +1133,7 @@ std::string Gateway::Metrics() {
   for (Pool* pool : {main_.get(), prefill_.get(), decode_.get()}) {
     for (const auto& [reason, n] : pool->router.DecisionCounts()) {
       out += fmt::format("bragg_gateway_routing_decisions_total{{pool=\"{}\",reason=\"{}\"}} {}\n",
-                         pool->name, EscapeLabel(reason), n);
+                         pool->name, PrometheusLabelValue(reason), n);
     }
   }
   out += "# TYPE bragg_gateway_weight_version_skew gauge\n";

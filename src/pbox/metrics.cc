@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/prometheus.h"
 #include "common/unique_fd.h"
 
 namespace bragg::pbox {
@@ -101,24 +102,6 @@ std::string EscapeHelp(const std::string& s) {
   return out;
 }
 
-// Label values: backslash, double quote and newline escaped.
-std::string EscapeLabelValue(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '"') {
-      out += "\\\"";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 // Shortest round-trip form; Prometheus spells the specials +Inf, -Inf and NaN.
 std::string FormatDouble(double v) {
   if (std::isnan(v)) {
@@ -143,7 +126,7 @@ std::string FormatLabels(const MetricLabels& labels, const std::string& extra_na
       out += ',';
     }
     first = false;
-    out += fmt::format("{}=\"{}\"", name, EscapeLabelValue(value));
+    out += fmt::format("{}=\"{}\"", name, PrometheusLabelValue(value));
   }
   if (!extra_name.empty()) {
     if (!first) {

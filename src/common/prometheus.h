@@ -1,0 +1,14 @@
+#pragma once
+
+// Prometheus text exposition format (0.0.4) helpers shared by every part's /metrics.
+
+#include <string>
+#include <string_view>
+
+namespace bragg {
+
+// A label value as it goes between the double quotes: backslash, double quote and line feed
+// escaped, every other byte as it is.
+std::string PrometheusLabelValue(std::string_view value);
+
+}  // namespace bragg
