@@ -231,6 +231,7 @@ Status RunAgent(const AgentConfig& config) {
     gv.init_path = rt_opts.init_path;
     gv.runsc = config.runsc;
     gv.platform = config.gvisor_platform;
+    gv.runsc_huge_pages = config.runsc_huge_pages;
     gv.nofile_soft = native->sandbox_nofile().rlim_cur;
     gv.nofile_hard = native->sandbox_nofile().rlim_max;
     auto created = GvisorRuntime::Create(gv);

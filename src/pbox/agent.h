@@ -22,10 +22,11 @@ struct AgentConfig {
   std::string cpus;  // sandbox CPU set; empty: every CPU this process may use
   uint32_t max_sandboxes = 256;
   SandboxDefaults defaults;
-  std::string metrics_listen;                 // "HOST:PORT"; empty: no metrics endpoint
-  std::string runtime = "native";             // default runtime: native or gvisor
-  std::string gvisor_platform = "ptrace";     // runsc --platform: ptrace, systrap or kvm
-  std::string runsc = "runsc";                // runsc binary (path or name in PATH)
+  std::string metrics_listen;              // "HOST:PORT"; empty: no metrics endpoint
+  std::string runtime = "native";          // default runtime: native or gvisor
+  std::string gvisor_platform = "ptrace";  // runsc --platform: ptrace, systrap or kvm
+  std::string runsc = "runsc";             // runsc binary (path or name in PATH)
+  bool runsc_huge_pages = true;  // run runsc from a copy on a huge-page tmpfs (gvisor_runtime.h)
   std::map<std::string, std::string> images;  // name -> directory
   std::string init_path;                      // empty: pbox-init beside the pboxd binary
   std::string cgroup_mode = "auto";           // auto, v1, v2

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -240,6 +241,7 @@ struct LaunchPlan {
   std::vector<const char*> procs;  // the sandbox's cgroups' procs (v1: tasks) files
   int fds[3] = {-1, -1, -1};       // its stdin (to pbox-init), stdout (from it), stderr (log)
   int report = -1;                 // close-on-exec pipe for a LaunchReport
+  int exec_fd = -1;                // runsc to execveat (the copy on huge pages), or -1: argv[0]
 };
 struct LaunchReport {
   const char* step;  // a string literal: the child shares our memory
@@ -262,10 +264,13 @@ constexpr char kLaunchEnvPath[] =
 // process group, then runsc. System calls only, no allocation: it runs on our memory while
 // our thread waits for its exec.
 [[noreturn]] void LaunchMain(const LaunchPlan& plan) {
-  // Above the final slots first (any of them may sit on 0-3), then into place.
-  int moved[4];
-  const int from[4] = {plan.fds[0], plan.fds[1], plan.fds[2], plan.report};
-  for (int i = 0; i < 4; ++i) {
+  // Above the final slots first (any of them may sit on 0-4), then into place.
+  int moved[5] = {-1, -1, -1, -1, -1};
+  const int from[5] = {plan.fds[0], plan.fds[1], plan.fds[2], plan.report, plan.exec_fd};
+  for (int i = 0; i < 5; ++i) {
+    if (from[i] < 0) {
+      continue;  // no exec_fd
+    }
     moved[i] = ::fcntl(from[i], F_DUPFD_CLOEXEC, 10);
     if (moved[i] < 0) {
       LaunchFailed(plan.report, "fcntl(F_DUPFD_CLOEXEC)");
@@ -278,7 +283,12 @@ constexpr char kLaunchEnvPath[] =
   if (::dup2(moved[0], 0) != 0 || ::dup2(moved[1], 1) != 1 || ::dup2(moved[2], 2) != 2) {
     LaunchFailed(kReport, "dup2");
   }
-  ::syscall(SYS_close_range, 4, ~0U, 0);
+  // runsc's copy on 4, close-on-exec (an ELF binary needs no fd once exec'd).
+  constexpr int kExec = 4;
+  if (moved[4] >= 0 && ::dup3(moved[4], kExec, O_CLOEXEC) != kExec) {
+    LaunchFailed(kReport, "dup3");
+  }
+  ::syscall(SYS_close_range, moved[4] >= 0 ? kExec + 1 : kExec, ~0U, 0);
   for (const char* p : plan.procs) {
     int fd = ::open(p, O_WRONLY | O_CLOEXEC);
     if (fd < 0 || ::write(fd, "0", 1) != 1) {
@@ -291,6 +301,10 @@ constexpr char kLaunchEnvPath[] =
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
   ::setsid();  // out of the agent's process group (terminal signals)
   const char* envp[] = {kLaunchEnvPath, nullptr};
+  if (moved[4] >= 0) {
+    ::syscall(SYS_execveat, kExec, "", plan.argv.data(), envp, AT_EMPTY_PATH);
+    LaunchFailed(kReport, "execveat(runsc's copy on huge pages)");
+  }
   ::execve(plan.argv[0], plan.argv.data(), const_cast<char**>(envp));
   LaunchFailed(kReport, "execve(runsc)");
 }
@@ -318,6 +332,56 @@ Result<ChildProcess> SpawnLauncher(LaunchPlan& plan) {
     return ErrnoError("clone", "the runsc launcher", clone_errno);
   }
   return ChildProcess::Adopt(pid);
+}
+
+// A copy of the executable `path` on a tmpfs of huge pages (huge=always: every 2 MiB of the
+// file that can be is one page), mounted at `dir` only while it is written, then detached and
+// `dir` removed: the returned fd (read-only, close-on-exec) keeps the copy and its tmpfs.
+// EINVAL from kernels without transparent huge pages for shmem.
+Result<UniqueFd> CopyToHugePages(const std::string& path, const std::string& dir) {
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd src, OpenFile(path, O_RDONLY | O_CLOEXEC, 0));
+  struct stat st {};
+  if (::fstat(src.get(), &st) != 0) {
+    return ErrnoError("fstat", path);
+  }
+  if (!S_ISREG(st.st_mode) || st.st_size <= 0) {
+    return absl::FailedPreconditionError(path + " is not a regular file");
+  }
+  constexpr uint64_t kHuge = 2ull << 20;  // room for whole huge pages, and one more
+  const uint64_t size = (static_cast<uint64_t>(st.st_size) + 2 * kHuge - 1) / kHuge * kHuge;
+  BRAGG_RETURN_IF_ERROR(MakeDirs(dir, 0700));
+  struct RemoveDir {
+    const std::string& dir;
+    ~RemoveDir() { ::rmdir(dir.c_str()); }
+  } remove_dir{dir};
+  BRAGG_ASSIGN_OR_RETURN(ScopedMount mount,
+                         ScopedMount::Mount("pbox-runsc", dir, "tmpfs", MS_NOSUID | MS_NODEV,
+                                            fmt::format("size={},mode=0700,huge=always", size)));
+  const std::string copy = dir + "/runsc";
+  {
+    BRAGG_ASSIGN_OR_RETURN(
+        UniqueFd dst, OpenFile(copy, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0555));
+    uint64_t done = 0;
+    while (done < static_cast<uint64_t>(st.st_size)) {
+      ssize_t n = ::sendfile(dst.get(), src.get(), nullptr,
+                             static_cast<size_t>(static_cast<uint64_t>(st.st_size) - done));
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n < 0) {
+        return ErrnoError("sendfile", path + " to " + copy);
+      }
+      if (n == 0) {
+        return absl::DataLossError(path + " ended before its size while being copied");
+      }
+      done += static_cast<uint64_t>(n);
+    }
+  }
+  // 0555 as installed: runsc executes itself again as the sandbox, as nobody in a user
+  // namespace. Read-only: execveat needs no more, and nothing can change the copy through it.
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd out, OpenFile(copy, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0));
+  BRAGG_RETURN_IF_ERROR(mount.Unmount());  // detached: the open copy keeps the tmpfs alive
+  return out;
 }
 
 }  // namespace
@@ -500,6 +564,16 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
                   seccomp.prog()->len * sizeof(struct sock_filter));
   BRAGG_RETURN_IF_ERROR(
       WriteStringToFile(rt->dir_ + "/seccomp.bpf", rt->policy_.init_seccomp_program));
+  if (options.runsc_huge_pages) {
+    Result<UniqueFd> copy = CopyToHugePages(runsc, rt->dir_ + "/bin");
+    if (copy.ok()) {
+      rt->runsc_copy_ = std::move(*copy);
+      spdlog::info("gVisor sandboxes start {} from a copy on huge pages", runsc);
+    } else {
+      spdlog::info("gVisor sandboxes start {} where it is (no copy on huge pages: {})", runsc,
+                   std::string(copy.status().message()));
+    }
+  }
   return rt;
 }
 
@@ -631,6 +705,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   plan.fds[1] = from_init.write.get();
   plan.fds[2] = log.get();
   plan.report = report.write.get();
+  plan.exec_fd = runsc_copy_.get();
   BRAGG_ASSIGN_OR_RETURN(ChildProcess launcher, SpawnLauncher(plan));
   report.write.Reset();
   LaunchReport failed{};

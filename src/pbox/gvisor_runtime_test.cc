@@ -1,11 +1,21 @@
 #include "pbox/gvisor_runtime.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/magic.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -192,6 +202,114 @@ TEST(GvisorRuntimeTest, ALauncherThatCannotJoinTheCgroupFailsAndLeavesNothing) {
   EXPECT_FALSE(MountedUnder(dir)) << "the bundle's mounts outlived the failed start";
   EXPECT_NE(::access((dir + "/state/gvisor/sb-unjoinable").c_str(), F_OK), 0);
   rt->reset();
+  EXPECT_TRUE(RemoveTree(dir).ok());
+}
+
+// Whether some mapping of [addr, addr + len) in this process is backed by huge pages.
+bool HugePagesBack(const void* addr, size_t len) {
+  auto smaps = ReadFileToString("/proc/self/smaps");
+  EXPECT_TRUE(smaps.ok()) << smaps.status();
+  if (!smaps.ok()) {
+    return false;
+  }
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(addr), hi = lo + len;
+  bool inside = false;
+  std::istringstream lines(*smaps);
+  std::string line;
+  while (std::getline(lines, line)) {
+    uintptr_t a = 0, b = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &a, &b) == 2 && line.find(':') > line.find('-')) {
+      inside = a < hi && lo < b;
+    } else if (inside &&
+               (line.rfind("ShmemPmdMapped:", 0) == 0 || line.rfind("FilePmdMapped:", 0) == 0)) {
+      if (std::strtoull(line.c_str() + line.find(':') + 1, nullptr, 10) > 0) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+TEST(GvisorRuntimeTest, RunscStartsFromACopyOnHugePagesThatNothingMounts) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "mounts a tmpfs: needs root";
+  }
+  char tmpl[] = "/tmp/pbox-gvisor-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  // A "runsc" of 5 MiB and a few bytes (more than two huge pages), each byte telling where it
+  // is, so that a short or shifted copy shows.
+  std::string body(5 * (1 << 20) + 12345, '\0');
+  for (size_t i = 0; i < body.size(); ++i) {
+    body[i] = static_cast<char>((i * 2654435761u) >> 13);
+  }
+  const std::string runsc = dir + "/runsc-original";
+  ASSERT_TRUE(WriteStringToFile(runsc, body).ok());
+  ASSERT_EQ(::chmod(runsc.c_str(), 0755), 0);
+  const GvisorRuntimeOptions options{
+      .state_dir = dir + "/state", .init_path = "/bin/true", .runsc = runsc};
+  auto rt = GvisorRuntime::Create(options);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  EXPECT_EQ((*rt)->runsc_path(), runsc);
+  EXPECT_FALSE(MountedUnder(dir)) << "the copy's tmpfs is still mounted";
+  EXPECT_NE(::access((dir + "/state/gvisor/bin").c_str(), F_OK), 0) << "its mount point stayed";
+  const int fd = (*rt)->runsc_copy_fd();
+  if (fd < 0) {
+    // Only a kernel without huge pages for tmpfs may refuse the copy.
+    const std::string probe = dir + "/probe";
+    ASSERT_TRUE(MakeDirs(probe, 0700).ok());
+    const bool huge = ::mount("probe", probe.c_str(), "tmpfs", 0, "huge=always") == 0;
+    if (huge) {
+      ::umount2(probe.c_str(), MNT_DETACH);
+    }
+    ASSERT_FALSE(huge) << "this kernel mounts tmpfs with huge=always, yet runsc was not copied";
+    rt->reset();
+    EXPECT_TRUE(RemoveTree(dir).ok());
+    GTEST_SKIP() << "no tmpfs with huge=always on this kernel";
+  }
+  struct statfs fs {};
+  ASSERT_EQ(::fstatfs(fd, &fs), 0);
+  EXPECT_EQ(fs.f_type, TMPFS_MAGIC);
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0555u) << "runsc executes itself again as nobody";
+  EXPECT_EQ(static_cast<size_t>(st.st_size), body.size());
+  EXPECT_EQ(::fcntl(fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+  EXPECT_NE(::fcntl(fd, F_GETFD) & FD_CLOEXEC, 0) << "commands would inherit it";
+  std::string copy(body.size(), '\0');
+  ASSERT_EQ(::pread(fd, copy.data(), copy.size(), 0), static_cast<ssize_t>(copy.size()));
+  EXPECT_TRUE(copy == body) << "the copy differs";
+  // Its pages are huge: a mapping of it (as exec makes) is backed by PMD-sized pages.
+  constexpr size_t kLen = 4 << 20;
+  void* map = ::mmap(nullptr, kLen, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  volatile char sum = 0;
+  for (size_t i = 0; i < kLen; i += 4096) {
+    sum = sum + static_cast<const char*>(map)[i];
+  }
+  EXPECT_TRUE(HugePagesBack(map, kLen)) << "the copy is not on huge pages";
+  ::munmap(map, kLen);
+  rt->reset();
+
+  // Off: runsc runs where it is.
+  auto off = GvisorRuntime::Create({.state_dir = dir + "/state",
+                                    .init_path = "/bin/true",
+                                    .runsc = runsc,
+                                    .runsc_huge_pages = false});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ((*off)->runsc_copy_fd(), -1);
+  off->reset();
+
+  // A runsc that cannot be copied (a directory passes the executable check): runsc runs
+  // where it is, and the failed copy leaves no mount and no mount point.
+  ASSERT_TRUE(MakeDirs(dir + "/runsc-dir", 0755).ok());
+  auto dir_runsc = GvisorRuntime::Create(
+      {.state_dir = dir + "/state", .init_path = "/bin/true", .runsc = dir + "/runsc-dir"});
+  ASSERT_TRUE(dir_runsc.ok()) << dir_runsc.status();
+  EXPECT_EQ((*dir_runsc)->runsc_copy_fd(), -1);
+  EXPECT_FALSE(MountedUnder(dir));
+  EXPECT_NE(::access((dir + "/state/gvisor/bin").c_str(), F_OK), 0);
+  dir_runsc->reset();
   EXPECT_TRUE(RemoveTree(dir).ok());
 }
 
