@@ -5,7 +5,7 @@ run, repeats each configuration, and writes the pbox part of docs/benchmarks.md 
 pbox-bench markers; the other sections are kept) with charts in docs/img/.
 
     bench/pbox/run.py --build build [--sandboxes 100] [--gvisor-sandboxes 40] [--repeat 4]
-                      [--rounds 2] [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 660]
+                      [--rounds 2] [--peer-sandboxes 10] [--tool-samples 4] [--budget-s 780]
 
 Per metric: min / median / max over the runs of each run's p50, the median p99, and the ratio
 of each system's median p50 to pbox's; the floor (the host without isolation, loopback TCP) is
@@ -82,6 +82,21 @@ def start_agent(build, tmp, sandboxes, extra):
     subprocess.run([os.path.join(build, "src/pbox/pboxd"), "--reap", "--state-dir",
                     os.path.join(tmp, "state")], stdout=subprocess.DEVNULL)
     sys.exit("bench: pboxd did not become ready")
+
+
+def agent_cpu_count(extra):
+    """How many CPUs the agent gives sandboxes: its --cpus list (in --pboxd-arg), else every
+    CPU it may run on, which it inherits from this process."""
+    for k, a in enumerate(extra):
+        text = a[len("--cpus="):] if a.startswith("--cpus=") else (
+            extra[k + 1] if a == "--cpus" and k + 1 < len(extra) else None)
+        if text is not None:
+            n = 0
+            for part in text.strip().split(","):
+                lo, _, hi = part.partition("-")
+                n += int(hi or lo) - int(lo) + 1
+            return n
+    return len(os.sched_getaffinity(0))
 
 
 def last_line(text):
@@ -282,7 +297,8 @@ def report(args, systems, notes, commands, meta):
              "pbox's, from the bundle's first mount to pbox-init's Ready), and the floor (the "
              "same commands spawned on "
              "the host without isolation; the same bytes over loopback TCP). Each configuration "
-             f"ran {nruns} times (per repeat: pbox native and podman, then pbox gvisor and "
+             f"ran {nruns} times (per repeat: pbox native and podman, then pbox gvisor, at its "
+             "default one CPU per sandbox and with every CPU (gvisor-allcpus), and "
              "the runsc peers in an order that turns by one each repeat, so that none of these "
              "always runs first or right after another's teardown); each run reports its p50 "
              "and p99, and the "
@@ -344,8 +360,9 @@ def report(args, systems, notes, commands, meta):
         lines += [f"### Targets ({args.sandboxes} sandboxes, native runtime, median over runs)", "",
                   "| target | measured | |", "|---|---|---|"] + tg + [""]
 
-    # gVisor: create no worse than runsc run by hand (at equal CPUs: the pinned peer), exec
-    # overhead reported as it is.
+    # gVisor: create no worse than runsc run by hand, each peer against pbox at the CPUs it
+    # has (the pinned peers: pbox's default one CPU per sandbox; the unpinned one: every CPU,
+    # `pbox gvisor-allcpus`), exec overhead reported as it is.
     gv = "pbox gvisor"
     gvisor_peers = [s for s in systems if s["kind"] == "peer" and s["runs"]
                     and s["runs"][0].get("peer_of") == "gvisor"]
@@ -356,24 +373,36 @@ def report(args, systems, notes, commands, meta):
             if not m["create_ms"]:
                 continue
             pinned = "-pinned" in s["label"]
-            how = (" (equal CPUs, and pbox-init's PID namespace and seccomp program as pbox "
-                   "runs it)" if s["label"].endswith("-isolated") else
-                   " (equal CPUs)" if pinned else " (unpinned: all CPUs each)")
-            r = med[gv]["create_ms"] / m["create_ms"]
+            mine = gv
+            if pinned:
+                how = (" (equal CPUs, and pbox-init's PID namespace and seccomp program as pbox "
+                       "runs it)" if s["label"].endswith("-isolated") else " (equal CPUs)")
+            elif med.get("pbox gvisor-allcpus", {}).get("create_ms"):
+                mine = "pbox gvisor-allcpus"
+                how = " (unpinned; equal CPUs: pbox gvisor-allcpus)"
+            else:
+                how = " (unpinned: all CPUs each; pbox at one CPU per sandbox)"
+            r = med[mine]["create_ms"] / m["create_ms"]
             alone = (f"; its `runsc run` -> Ready alone {fmt_ms(m['create_runsc_ms'])} ms"
                      if m.get("create_runsc_ms") else "")
-            if m.get("create_exec_ms") and med[gv].get("create_exec_ms"):
-                alone += (f"; create and the first `true`: {fmt_ms(med[gv]['create_exec_ms'])} "
-                          f"against {fmt_ms(m['create_exec_ms'])} ms")
+            if m.get("create_exec_ms") and med[mine].get("create_exec_ms"):
+                alone += (f"; create and the first `true`: "
+                          f"{fmt_ms(med[mine]['create_exec_ms'])} against "
+                          f"{fmt_ms(m['create_exec_ms'])} ms")
             gl.append(f"| create p50 no worse than {s['label']}{how} | "
-                      f"{fmt_ms(med[gv]['create_ms'])} ms against {fmt_ms(m['create_ms'])} ms "
+                      f"{fmt_ms(med[mine]['create_ms'])} ms against {fmt_ms(m['create_ms'])} ms "
                       f"({r:.2f}x{alone}) | {'met' if r <= 1.0 else '**missed**'} |")
+            if mine != gv:  # pbox's default shape against the unpinned peer, as information
+                r1 = med[gv]["create_ms"] / m["create_ms"]
+                gl.append(f"| create of {gv} (one CPU per sandbox) against {s['label']} "
+                          f"(every CPU for each sandbox; reported) | {fmt_ms(med[gv]['create_ms'])} "
+                          f"ms against {fmt_ms(m['create_ms'])} ms ({r1:.2f}x) | |")
             for key, what in (("exec_true_ms", "exec `true`"),
                               ("exec_python_ms", "exec `python3 -c pass`")):
-                if m[key] and med[gv][key]:
-                    gl.append(f"| {what} overhead against {s['label']} (reported) | "
-                              f"{med[gv][key] - m[key]:+.1f} ms ({fmt_ms(med[gv][key])} against "
-                              f"{fmt_ms(m[key])} ms) | |")
+                if m[key] and med[mine][key]:
+                    gl.append(f"| {what} overhead of {mine} against {s['label']} (reported) | "
+                              f"{med[mine][key] - m[key]:+.1f} ms ({fmt_ms(med[mine][key])} "
+                              f"against {fmt_ms(m[key])} ms) | |")
         lines += ["### Targets (gVisor runtime, median over runs)", "",
                   "| target | measured | |", "|---|---|---|"] + gl + [""]
 
@@ -496,20 +525,23 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tool-samples", type=int, default=4,
                     help="executions of each tool per run and system")
-    ap.add_argument("--runtimes", default="native,gvisor",
-                    help="pbox runtimes to measure; one the agent does not offer is skipped")
+    ap.add_argument("--runtimes", default="native,gvisor,gvisor-allcpus",
+                    help="pbox runtimes to measure; one the agent does not offer is skipped "
+                         "(gvisor-allcpus: the gVisor runtime with every CPU of the agent's set "
+                         "per sandbox, as the unpinned runsc peer has)")
     ap.add_argument("--peers", default="",
                     help="comma-separated peer names (bench/peers/NAME_peer.py); default: all")
     ap.add_argument("--gvisor-sandboxes", type=int, default=40,
                     help="live sandboxes of pbox's gVisor runtime and of its runsc peers (the "
                          "same count on both sides: idle sandboxes cost CPU under gVisor; 40 keeps "
-                         "four repeats of pbox and its three runsc peers within the budget)")
+                         "four repeats of pbox's two gVisor runs and its three runsc peers "
+                         "within the budget)")
     ap.add_argument("--peer-sandboxes", type=int, default=10,
                     help="live containers per peer (each podman call costs ~0.2-1 s here)")
     ap.add_argument("--peer-rounds", type=int, default=1)
     ap.add_argument("--pboxd-arg", action="append", default=[],
                     help="extra pboxd argument (repeatable), e.g. for a runtime's setup")
-    ap.add_argument("--budget-s", type=float, default=660,
+    ap.add_argument("--budget-s", type=float, default=780,
                     help="stop repeating when another repeat would end past this")
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs/benchmarks.md"))
     ap.add_argument("--no-doc", action="store_true", help="print the section, write nothing")
@@ -541,13 +573,25 @@ def main():
     # runsc_isolated_peer.py: pbox-init --isolate with the seccomp program this pboxd wrote.
     os.environ.setdefault("PBOX_INIT_SECCOMP", os.path.join(tmp, "state/gvisor/seccomp.bpf"))
     pbox_argv = {}
+    agent_cpus = agent_cpu_count(args.pboxd_arg)
+    if agent_cpus < 2 and "gvisor-allcpus" in runtimes:
+        runtimes.remove("gvisor-allcpus")  # the same as `gvisor` with one CPU
+        del results["pbox-gvisor-allcpus"]
     repeats_done = 0
     try:
         def run_pbox(rt, i):
-            n_rt = args.gvisor_sandboxes if rt == "gvisor" else args.sandboxes
+            # gvisor-allcpus: the gVisor runtime with every CPU of the agent's set per sandbox
+            # (`cpus` = its size), what the unpinned runsc peer gives each of its sandboxes:
+            # create and exec at equal CPUs with it. Its tool times would repeat pbox gvisor's
+            # at more CPUs, so it runs none (bounded make bench).
+            gvisor = rt.startswith("gvisor")
+            n_rt = args.gvisor_sandboxes if gvisor else args.sandboxes
+            samples = 0 if rt == "gvisor-allcpus" else args.tool_samples
             argv = [bench, "--endpoint", endpoint, "--sandboxes", str(n_rt),
-                    "--rounds", str(args.rounds), "--tool-samples", str(args.tool_samples),
-                    "--runtime", rt]
+                    "--rounds", str(args.rounds), "--tool-samples", str(samples),
+                    "--runtime", "gvisor" if gvisor else rt]
+            if rt == "gvisor-allcpus":
+                argv += ["--cpus", str(agent_cpus)]
             pbox_argv[rt] = argv
             log(f"run {i + 1}/{args.repeat}: pbox {rt}, {n_rt} sandboxes "
                 f"(load {loadavg()})")
@@ -558,6 +602,7 @@ def main():
                 runtimes.remove(rt)
                 del results[f"pbox-{rt}"]
                 return
+            res["runtime"] = rt
             res["repeat"] = i
             results[f"pbox-{rt}"].append(res)
             if len(results["floor"]) == i:  # the floor of this repeat: its first pbox run
@@ -595,10 +640,12 @@ def main():
             # peers, which are compared with each other, in an order that turns by one each
             # repeat, so that no one of them always runs first, or always right after another
             # system's teardown.
-            jobs = [lambda i=i, rt=rt: run_pbox(rt, i) for rt in runtimes if rt != "gvisor"]
+            jobs = [lambda i=i, rt=rt: run_pbox(rt, i) for rt in runtimes
+                    if not rt.startswith("gvisor")]
             jobs += [lambda i=i, n=n, p=p: run_peer(n, p, i)
                      for n, p in peers if not is_gvisor_peer(n)]
-            group = [lambda i=i: run_pbox("gvisor", i)] if "gvisor" in runtimes else []
+            group = [lambda i=i, rt=rt: run_pbox(rt, i) for rt in runtimes
+                     if rt.startswith("gvisor")]
             group += [lambda i=i, n=n, p=p: run_peer(n, p, i)
                       for n, p in peers if is_gvisor_peer(n)]
             if group:
@@ -633,17 +680,21 @@ def main():
            f"--peer-rounds {args.peer_rounds}")
     commands = [cmd, "# which runs, per repeat:",
                 show(pboxd_argv).replace(tmp, "$TMP") + "   # once, for all repeats"]
-    commands += [show(a).replace(tmp, "$TMP") + " --json OUT" for a in pbox_argv.values()
-                 if a[-1] in runtimes]
+    commands += [show(a).replace(tmp, "$TMP") + " --json OUT" for rt, a in pbox_argv.items()
+                 if rt in runtimes]
     commands += [show(a) + " --json OUT" for n, a in peer_argv.items() if n in results]
 
     systems = []
     for rt in runtimes:
+        allcpus = rt == "gvisor-allcpus"
         systems.append({"label": f"pbox {rt}", "kind": "pbox", "runs": results[f"pbox-{rt}"],
-                        "desc": f"{args.gvisor_sandboxes if rt == 'gvisor' else args.sandboxes} "
-                                f"sandboxes, `--runtime {rt}`, "
+                        "desc": f"{args.gvisor_sandboxes if rt.startswith('gvisor') else args.sandboxes} "
+                                f"sandboxes, `--runtime {'gvisor' if allcpus else rt}`"
+                                + (f", `--cpus {agent_cpus}` (every CPU of the agent's set "
+                                   "for each sandbox, as the unpinned runsc peer has)"
+                                   if allcpus else " (one CPU per sandbox)") + ", "
                                 f"{args.rounds} round(s) per sandbox and metric, "
-                                f"{args.tool_samples} executions per tool."})
+                                f"{0 if allcpus else args.tool_samples} executions per tool."})
     for name, _ in peers:
         runs = results[name]
         if runs:
