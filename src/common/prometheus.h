@@ -11,4 +11,7 @@ namespace bragg {
 // escaped, every other byte as it is.
 std::string PrometheusLabelValue(std::string_view value);
 
+// A # HELP line's text: backslash and line feed escaped (a double quote stays as it is).
+std::string PrometheusHelpText(std::string_view text);
+
 }  // namespace bragg

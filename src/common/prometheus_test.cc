@@ -20,5 +20,13 @@ TEST(PrometheusLabelValueTest, EscapesWhatWouldEndOrBreakTheValue) {
   EXPECT_EQ(PrometheusLabelValue(raw), raw);
 }
 
+TEST(PrometheusHelpTextTest, EscapesBackslashAndLineFeedOnly) {
+  EXPECT_EQ(PrometheusHelpText("plain"), "plain");
+  EXPECT_EQ(PrometheusHelpText("a\\b\nc"), "a\\\\b\\nc");
+  // A help line may hold double quotes as they are.
+  EXPECT_EQ(PrometheusHelpText("the \"ready\" state"), "the \"ready\" state");
+  EXPECT_EQ(PrometheusHelpText("x\n# TYPE fake counter"), "x\\n# TYPE fake counter");
+}
+
 }  // namespace
 }  // namespace bragg

@@ -86,22 +86,6 @@ MetricLabels CanonicalLabels(const std::string& metric, MetricLabels labels, boo
   return labels;
 }
 
-// Help text: backslash and newline escaped (format 0.0.4).
-std::string EscapeHelp(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 // Shortest round-trip form; Prometheus spells the specials +Inf, -Inf and NaN.
 std::string FormatDouble(double v) {
   if (std::isnan(v)) {
@@ -317,8 +301,8 @@ std::string Registry::Render() const {
   std::string out;
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& f : families_) {
-    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", f->name, EscapeHelp(f->help), f->name,
-                       TypeName(f->type));
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", f->name, PrometheusHelpText(f->help),
+                       f->name, TypeName(f->type));
     for (const auto& s : f->series) {
       if (s->counter) {
         out += fmt::format("{}{} {}\n", f->name, FormatLabels(s->labels), s->counter->value());
