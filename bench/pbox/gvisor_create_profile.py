@@ -19,7 +19,9 @@ events:
   stubs         the ptrace platform's stub processes, where sandboxed code runs and traps
   client        this script (the Python client, or the peer's driver writing frames)
 Each is split into user and kernel (`[kernel.kallsyms]`) time. `idle` is what was left of
-every CPU. Needs root, perf, runsc and a build.
+every CPU. A second perf session records every context switch with its kernel stack, for
+the time runsc's processes spent off their CPU and why (an RCU grace period, a ptrace stop,
+waiting for a peer, ...). Needs root, perf, runsc and a build.
 """
 
 import argparse
@@ -43,14 +45,68 @@ FORK = re.compile(r"PERF_RECORD_FORK\((\d+):\d+\):\((\d+):\d+\)")
 COMM = re.compile(r"PERF_RECORD_COMM(?: exec)?: (.+) (\d+)/\d+")
 
 
-def record(out, freq):
-    """Starts a system-wide perf record; returns the process (stop with SIGINT)."""
-    proc = subprocess.Popen(["perf", "record", "-a", "-q", "-F", str(freq), "-o", out],
+def record(out, events):
+    """Starts a system-wide perf record of `events` (perf arguments); returns the process
+    (stop with SIGINT)."""
+    proc = subprocess.Popen(["perf", "record", "-a", "-q", "-o", out] + events,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(0.5)  # perf opens its events before the measured work starts
     if proc.poll() is not None:
         sys.exit("gvisor_create_profile: perf record failed: " + proc.stderr.read().decode())
     return proc
+
+
+SWITCH = re.compile(r"\s(\d+)\s+\[\d+\]\s+([\d.]+):\s+sched:sched_switch: prev_comm=(.*?) "
+                    r"prev_pid=(\d+) prev_prio=\d+ prev_state=(\S+) ==> next_comm=.*? "
+                    r"next_pid=(\d+)")
+# Why a thread of runsc's (runsc run, gofer, sentry, stubs) was off its CPU, from the kernel
+# frames of its switch: the first rule whose frame is on the stack.
+WAITS = [("RCU grace period", ("synchronize_rcu",)),
+         ("ptrace stop (stubs, sentry)", ("ptrace_stop",)),
+         ("page fault, mmap lock", ("lock_mm_and_find_vma", "rwsem_down")),
+         ("pipe read", ("pipe_read",)),
+         ("poll, epoll (a peer's answer)", ("do_sys_poll", "do_epoll_wait")),
+         ("wait4 (a child)", ("do_wait",)),
+         ("nanosleep", ("do_nanosleep",)),
+         ("futex (Go runtime threads parked)", ("futex_wait",))]
+OFF_PARTS = ["RCU grace period", "ptrace stop (stubs, sentry)", "page fault, mmap lock",
+             "pipe read", "poll, epoll (a peer's answer)", "wait4 (a child)", "nanosleep",
+             "futex (Go runtime threads parked)", "other"]
+
+
+def off_cpu(data):
+    """Thread-seconds off CPU (sleeping, in D state or ptrace-stopped) of runsc's processes
+    (comm runsc or exe), by reason, and the count and seconds of RCU grace periods waited."""
+    text = subprocess.run(["perf", "script", "-i", data], capture_output=True, text=True,
+                          check=True).stdout
+    out = collections.defaultdict(float)
+    rcu = [0, 0.0]
+    away = {}  # tid -> (time, reason)
+    event = None
+    for line in text.splitlines() + [""]:
+        m = SWITCH.search(line)
+        if m:
+            event = [float(m.group(2)), m.group(3), int(m.group(4)), m.group(5),
+                     int(m.group(6)), []]
+            continue
+        if event is not None and line.strip():
+            event[5].append(line.split()[1].split("+")[0] if len(line.split()) > 1 else "")
+            continue
+        if event is None:
+            continue
+        t, prev_comm, prev, state, nxt, stack = event
+        event = None
+        if nxt in away:
+            t0, why = away.pop(nxt)
+            out[why] += t - t0
+            if why == "RCU grace period":
+                rcu[0] += 1
+                rcu[1] += t - t0
+        if prev_comm in ("runsc", "exe") and state[0] in "SDtT":
+            why = next((name for name, frames in WAITS
+                        if any(f.startswith(x) for f in stack for x in frames)), "other")
+            away[prev] = (t, why)
+    return out, rcu
 
 
 def stop(proc):
@@ -144,6 +200,8 @@ def main():
     ap.add_argument("--kinds",
                     default="pbox1,pinned-isolate,pinned,pbox2,unpinned-isolate,unpinned")
     ap.add_argument("--freq", type=int, default=2000, help="perf samples per second per CPU")
+    ap.add_argument("--rcu-expedited", choices=["0", "1"], default="",
+                    help="set /sys/kernel/rcu_expedited for the run (restored after)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("gvisor_create_profile: needs root (pboxd, runsc, perf -a)")
@@ -157,10 +215,16 @@ def main():
     import runsc_peer  # noqa: E402
 
     kinds = [k for k in args.kinds.split(",") if k]
+    rcu_path = "/sys/kernel/rcu_expedited"
+    with open(rcu_path) as f:
+        rcu_before = f.read().strip()
     tmp = tempfile.mkdtemp(prefix="gvisor-profile-")
     agent = None
     rows = []
     try:
+        if args.rcu_expedited:
+            with open(rcu_path, "w") as f:
+                f.write(args.rcu_expedited)
         agent = gvisor_create_ab.start_agent(build, tmp + "/new", [])
         client = pbox.Client(f"unix://{tmp}/new/s.sock")
         client.create(runtime="gvisor").destroy()  # the agent's first-use costs, unmeasured
@@ -177,7 +241,9 @@ def main():
         for k in kinds:
             made, wall = [], []
             data = os.path.join(tmp, f"{k}.data")
-            perf = record(data, args.freq)
+            sched = os.path.join(tmp, f"{k}.sched.data")
+            perf = record(data, ["-F", str(args.freq)])
+            perf_sched = record(sched, ["-e", "sched:sched_switch", "-g"])
             t0 = time.monotonic()
             try:
                 for i in range(args.sandboxes):
@@ -199,27 +265,35 @@ def main():
                 span = time.monotonic() - t0
             finally:
                 stop(perf)
+                stop(perf_sched)
                 for sb in made:
                     try:
                         sb.destroy() if k.startswith("pbox") else sb.close()
                     except Exception:  # noqa: BLE001 - the agent's exit destroys the rest
                         pass
             cpu = classify(data, agent.pid, os.getpid())
+            off, rcu = off_cpu(sched)
             n = len(wall)
             row = {"kind": k, "n": n, "p50": statistics.median(wall),
                    "mean": statistics.fmean(wall), "span": span,
-                   "cpu": {key: v * 1e3 / n for key, v in cpu.items()}}
+                   "cpu": {key: v * 1e3 / n for key, v in cpu.items()},
+                   "off": {key: v * 1e3 / n for key, v in off.items()},
+                   "rcu": (rcu[0] / n, rcu[1] * 1e3 / max(rcu[0], 1))}
             rows.append(row)
             print(f"{k}: {n} creates, p50 {row['p50']:.1f} ms (load {os.getloadavg()[0]:.2f})",
                   file=sys.stderr)
     finally:
+        if args.rcu_expedited:
+            with open(rcu_path, "w") as f:
+                f.write(rcu_before)
         if agent is not None:
             agent.terminate()
             agent.wait(timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"{args.sandboxes} creates per kind, perf record -a -F {args.freq} (cpu-clock), "
-          f"{ncpu} CPUs, load {os.getloadavg()}")
+          f"{ncpu} CPUs, rcu_expedited {args.rcu_expedited or rcu_before}, "
+          f"load {os.getloadavg()}")
     print("CPU ms per create, user + kernel; `busy` is every part but idle, `wall` the mean "
           "create time (busy over wall: how many CPUs it kept busy).")
     print("| kind | create p50 ms | wall mean ms | " +
@@ -237,6 +311,17 @@ def main():
         # creates (the client's own bookkeeping), which the agent and client parts hold.
         print(f"| {r['kind']} | {r['p50']:.1f} | {r['mean']:.1f} | " + " | ".join(cells) +
               f" | {busy:.1f} | {busy / r['mean']:.2f} |")
+    print()
+    print("Off CPU: thread-ms per create that runsc's processes (runsc run, gofer, sentry, "
+          "stubs) spent asleep, blocked or ptrace-stopped, by the kernel frame they waited in "
+          "(perf record -e sched:sched_switch -g; threads wait at once, so these add up past "
+          "the wall time). RCU: grace periods waited per create (runsc's membarrier "
+          "registration at each of its starts, fd table growth) and their mean length.")
+    print("| kind | " + " | ".join(OFF_PARTS) + " | RCU waits per create | mean RCU wait ms |")
+    print("|---|" + "---:|" * (len(OFF_PARTS) + 2))
+    for r in rows:
+        print(f"| {r['kind']} | " + " | ".join(f"{r['off'].get(p, 0.0):.1f}" for p in OFF_PARTS)
+              + f" | {r['rcu'][0]:.1f} | {r['rcu'][1]:.1f} |")
 
 
 if __name__ == "__main__":
