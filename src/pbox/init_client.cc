@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -153,6 +154,11 @@ InitClient::~InitClient() {
     uint64_t one = 1;
     (void)!::write(stop_fd_.get(), &one, sizeof(one));
     {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    stdin_cv_.notify_all();
+    {
       std::lock_guard<std::mutex> lock(send_mu_);
       to_init_.Reset();
     }
@@ -277,6 +283,14 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   if (efd < 0) {
     return ErrnoError("eventfd", "");
   }
+  UniqueFd stdin_wake;
+  if (relay[0].valid()) {
+    stdin_wake.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!stdin_wake.valid()) {
+      ::close(efd);
+      return ErrnoError("eventfd", "stdin relay");
+    }
+  }
   PendingSpawn pending;
   pending.done_fd.Reset(efd);
   pending.program = request.argv[0];
@@ -290,11 +304,16 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
     if (stream_ && (relay[1].valid() || relay[2].valid())) {
       outputs_[frame.id] = {std::move(relay[1]), std::move(relay[2])};
     }
+    if (stdin_wake.valid()) {
+      // Before the Spawn goes out, so that no StdinCredit or Exited can miss it.
+      stdin_windows_[frame.id].wake = std::move(stdin_wake);
+    }
   }
   auto forget = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     pending_.erase(frame.id);
     outputs_.erase(frame.id);
+    stdin_windows_.erase(frame.id);
   };
   std::string wire;
   std::string error;
@@ -307,12 +326,16 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   if (!sent.ok() && !pending.done) {
     pending_.erase(frame.id);
     outputs_.erase(frame.id);
+    stdin_windows_.erase(frame.id);
     return Annotate(sent, fmt::format("spawn {}", request.argv[0]));
   }
   pending.cv.wait(lock, [&] { return pending.done; });
   if (!pending.result.ok()) {
     outputs_.erase(frame.id);  // init made no pipes: no EOF will come
-  } else if (relay[0].valid() && alive_.load()) {
+    stdin_windows_.erase(frame.id);
+  } else if (!relay[0].valid() || !alive_.load()) {
+    stdin_windows_.erase(frame.id);
+  } else {
     // The pumps of commands whose stdin has ended go first: a long-lived sandbox would
     // otherwise keep a thread (its stack and descriptor) for every command it ever fed.
     for (auto it = pumps_.begin(); it != pumps_.end();) {
@@ -330,6 +353,7 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
       // No thread to be had: the command's stdin is cut (writes to it fail) rather than lost
       // with the command.
       pumps_.pop_back();
+      stdin_windows_.erase(frame.id);
       spdlog::warn("spawn {}: no thread to relay its stdin: {}", request.argv[0], e.what());
     }
   }
@@ -340,26 +364,54 @@ void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd, StdinPumpThread* self
   struct Finished {
     InitClient* client;
     StdinPumpThread* self;
+    uint64_t id;
     ~Finished() {
       std::lock_guard<std::mutex> lock(client->mu_);
       self->finished = true;
+      client->stdin_windows_.erase(id);
     }
-  } finished{this, self};
+  } finished{this, self, id};
+  int wake_fd = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stdin_windows_.find(id);
+    if (it == stdin_windows_.end()) {
+      return;
+    }
+    // std::map nodes are stable and only this thread erases its own: the fd outlives the loop.
+    wake_fd = it->second.wake.get();
+  }
   std::string chunk(proto::kMaxDataBytes, '\0');
   std::string wire;
   std::string error;
   while (true) {
-    pollfd fds[2] = {{stdin_fd.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
-    int n = ::poll(fds, 2, -1);
+    // At most what the window allows: init buffers no more than that for this command.
+    size_t allowed = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      StdinWindow& window = stdin_windows_.at(id);
+      stdin_cv_.wait(lock, [&] { return stopping_ || window.closed || window.credit > 0; });
+      if (stopping_ || window.closed) {
+        return;
+      }
+      allowed = std::min(window.credit, chunk.size());
+    }
+    pollfd fds[3] = {
+        {stdin_fd.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}, {wake_fd, POLLIN, 0}};
+    int n = ::poll(fds, 3, -1);
     if (n < 0 && errno == EINTR) {
       continue;
     }
-    if (n < 0 || fds[1].revents != 0) {
-      return;
+    if (n < 0 || fds[1].revents != 0 || fds[2].revents != 0) {
+      return;  // stopping, or the command exited: nothing reads its stdin any more
     }
-    ssize_t got = ::read(stdin_fd.get(), chunk.data(), chunk.size());
+    ssize_t got = ::read(stdin_fd.get(), chunk.data(), allowed);
     if (got < 0 && (errno == EINTR || errno == EAGAIN)) {
       continue;
+    }
+    if (got > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stdin_windows_.at(id).credit -= static_cast<size_t>(got);
     }
     proto::StdinFrame frame{id, got > 0 ? chunk.substr(0, static_cast<size_t>(got)) : ""};
     if (!proto::EncodeFrame(frame, &wire, &error) || !SendFrame(wire, {}).ok() || got <= 0) {
@@ -530,6 +582,15 @@ void InitClient::HandleFrame(proto::Frame frame) {
     p->done = true;
     p->cv.notify_all();
   };
+  // The command is gone: its stdin pump stops (init drops what it would still send).
+  auto close_stdin = [&](uint64_t id) {
+    if (auto it = stdin_windows_.find(id); it != stdin_windows_.end()) {
+      it->second.closed = true;
+      uint64_t one = 1;
+      (void)!::write(it->second.wake.get(), &one, sizeof(one));
+      stdin_cv_.notify_all();
+    }
+  };
   if (auto* f = std::get_if<proto::SpawnedFrame>(&frame)) {
     auto it = pending_.find(f->id);
     if (it == pending_.end()) {
@@ -552,6 +613,7 @@ void InitClient::HandleFrame(proto::Frame frame) {
       return;
     }
     if (f->stage == proto::SpawnStage::kExec) {
+      close_stdin(f->id);
       std::shared_ptr<ProcessHandle> handle(
           new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
       ProcessExit e;
@@ -568,7 +630,20 @@ void InitClient::HandleFrame(proto::Frame frame) {
                                                               : ErrnoToCode(f->err),
                  fmt::format("pbox-init could not start {}: {}", it->second->program, f->message)));
     }
+  } else if (auto* f = std::get_if<proto::StdinCreditFrame>(&frame); f != nullptr && stream_) {
+    auto it = stdin_windows_.find(f->id);
+    if (it == stdin_windows_.end()) {
+      return;  // its pump has ended
+    }
+    if (it->second.credit + f->bytes > proto::kStdioWindowBytes) {
+      spdlog::warn("pbox-init stream: stdin credit for process {} beyond the window", f->id);
+      it->second.credit = proto::kStdioWindowBytes;
+    } else {
+      it->second.credit += f->bytes;
+    }
+    stdin_cv_.notify_all();
   } else if (auto* f = std::get_if<proto::ExitedFrame>(&frame)) {
+    close_stdin(f->id);
     ProcessExit e;
     e.exit_code = f->signal != 0 ? -1 : f->exit_code;
     e.signal = f->signal;
@@ -620,6 +695,8 @@ void InitClient::ChannelDied() {
     pending_.clear();
     live.swap(live_);
     outputs_.clear();  // the callers' readers see EOF
+    stopping_ = true;
+    stdin_cv_.notify_all();
     ready_cv_.notify_all();
   }
   if (stream_) {

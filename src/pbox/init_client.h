@@ -147,6 +147,16 @@ class InitClient {
   std::mutex send_mu_;                // stream transport: one frame at a time on the byte stream
   UniqueFd stop_fd_;                  // stream transport: eventfd that stops the stdin pumps
   std::list<StdinPumpThread> pumps_;  // guarded by mu_; stable addresses for `self`
+  // Stream transport: the stdin window of each command with a stdin pump (init_protocol.h):
+  // how many more bytes it may send before init credits some back. Guarded by mu_.
+  struct StdinWindow {
+    size_t credit = init_protocol::kStdioWindowBytes;
+    bool closed = false;  // the command exited: the pump stops
+    UniqueFd wake;        // eventfd written when `closed` is set, for the pump's poll
+  };
+  std::map<uint64_t, StdinWindow> stdin_windows_;
+  std::condition_variable stdin_cv_;  // with mu_: a window changed, or stopping_
+  bool stopping_ = false;             // guarded by mu_: the pumps return
   // Stream transport: the caller's stdout/stderr (duplicates) per process, until EOF. Only
   // the reader thread erases.
   std::map<uint64_t, std::array<UniqueFd, 2>> outputs_;

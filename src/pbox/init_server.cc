@@ -776,14 +776,41 @@ void InitServer::Forget(uint64_t id) {
 
 void InitServer::HandleStdin(proto::StdinFrame frame) {
   auto it = streams_.find(frame.id);
-  if (it == streams_.end() || !it->second.stdin_write.valid()) {
-    return;  // exited, or stdin closed or never requested: the data has nowhere to go
+  if (it == streams_.end()) {
+    return;  // exited (its Exited frame stops the agent's relay) or never streamed
+  }
+  Streams& st = it->second;
+  if (st.stdin_refused) {
+    return;
   }
   if (frame.data.empty()) {
-    it->second.stdin_eof = true;
-  } else {
-    it->second.stdin_pending += frame.data;
+    st.stdin_eof = true;
+    FlushStdin(frame.id);
+    return;
   }
+  if (st.stdin_pending.size() + st.stdin_uncredited + frame.data.size() >
+      proto::kStdioWindowBytes) {
+    // Only a broken agent sends past its window; buffering what it sends would let it grow
+    // this process (the sandbox's memory) without bound.
+    Log("process %llu: stdin sent past its window of %zu bytes; closing its stdin",
+        static_cast<unsigned long long>(frame.id), proto::kStdioWindowBytes);
+    SendError(frame.id, "stdin sent past the window of " +
+                            std::to_string(proto::kStdioWindowBytes) +
+                            " bytes; the command's stdin is closed");
+    st.stdin_refused = true;
+    st.stdin_pending.clear();
+    st.stdin_write.Reset();
+    MaybeForgetStreams(frame.id);
+    return;
+  }
+  if (!st.stdin_write.valid()) {
+    // The command closed its stdin (or it was never a pipe): dropped, and the window
+    // reopened, as a pipe without reader would fail the writes without blocking them.
+    st.stdin_uncredited += frame.data.size();
+    CreditStdin(frame.id, st);
+    return;
+  }
+  st.stdin_pending += frame.data;
   FlushStdin(frame.id);
 }
 
@@ -793,26 +820,40 @@ void InitServer::FlushStdin(uint64_t id) {
     return;
   }
   Streams& st = it->second;
-  while (!st.stdin_pending.empty()) {
-    ssize_t n = write(st.stdin_write.get(), st.stdin_pending.data(), st.stdin_pending.size());
+  size_t written = 0;
+  while (written < st.stdin_pending.size()) {
+    ssize_t n = write(st.stdin_write.get(), st.stdin_pending.data() + written,
+                      st.stdin_pending.size() - written);
     if (n > 0) {
-      st.stdin_pending.erase(0, static_cast<size_t>(n));
+      written += static_cast<size_t>(n);
       continue;
     }
     if (n < 0 && errno == EINTR) {
       continue;
     }
     if (n < 0 && errno == EAGAIN) {
-      return;  // polled for POLLOUT
+      break;  // polled for POLLOUT
     }
     // EPIPE: the command closed its stdin; drop what it will never read.
-    st.stdin_pending.clear();
+    written = st.stdin_pending.size();
     st.stdin_write.Reset();
+    break;
+  }
+  st.stdin_pending.erase(0, written);
+  st.stdin_uncredited += written;
+  if (st.stdin_pending.empty() && st.stdin_eof) {
+    st.stdin_write.Reset();
+  }
+  CreditStdin(id, st);
+}
+
+void InitServer::CreditStdin(uint64_t id, Streams& st) {
+  if (st.stdin_uncredited == 0 ||
+      (st.stdin_uncredited < proto::kStdioCreditBatchBytes && !st.stdin_pending.empty())) {
     return;
   }
-  if (st.stdin_eof) {
-    st.stdin_write.Reset();
-  }
+  Send(proto::StdinCreditFrame{id, static_cast<uint32_t>(st.stdin_uncredited)});
+  st.stdin_uncredited = 0;
 }
 
 void InitServer::PumpOutput(uint64_t id, int stream, bool drain) {

@@ -81,7 +81,11 @@ class InitServer {
     UniqueFd stdin_write;  // non-blocking
     std::string stdin_pending;
     bool stdin_eof = false;  // close stdin once stdin_pending is written
-    UniqueFd out[2];         // stdout, stderr read ends, non-blocking
+    // Stdin bytes written (or dropped) and not yet credited back: with stdin_pending, what
+    // the agent's stdin window holds (init_protocol.h).
+    size_t stdin_uncredited = 0;
+    bool stdin_refused = false;  // the agent overran its window: its stdin is ignored
+    UniqueFd out[2];             // stdout, stderr read ends, non-blocking
   };
 
   InitServer(UniqueFd channel, UniqueFd out, UniqueFd signal_fd, InitServerOptions options,
@@ -94,8 +98,12 @@ class InitServer {
   bool ReadStream();
   void Dispatch(init_protocol::DecodeResult decoded, std::vector<UniqueFd> fds);
   void HandleStdin(init_protocol::StdinFrame frame);
-  // Writes pending stdin; closes it after EOF or when the command stopped reading.
+  // Writes pending stdin; closes it after EOF or when the command stopped reading. Returns
+  // credit to the agent for what left the buffer.
   void FlushStdin(uint64_t id);
+  // Sends StdinCredit for `st`'s uncredited bytes once there are enough of them, or any once
+  // its buffer is empty.
+  void CreditStdin(uint64_t id, Streams& st);
   // Reads what the command wrote into `stream` (0 stdout, 1 stderr) and sends it; with
   // `drain`, until the pipe is empty. Sends EOF and closes the pipe at its end.
   void PumpOutput(uint64_t id, int stream, bool drain);

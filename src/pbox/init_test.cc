@@ -195,6 +195,37 @@ std::string ReadLine(int fd) {
   return line;
 }
 
+// VmRSS of `pid` in KiB; -1 when unreadable.
+long RssKb(pid_t pid) {
+  auto s = ReadFileToString(fmt::format("/proc/{}/status", pid));
+  if (!s.ok()) {
+    return -1;
+  }
+  auto at = s->find("VmRSS:");
+  return at == std::string::npos ? -1 : std::stol(s->substr(at + 6));
+}
+
+// Writes `total` bytes into the non-blocking `fd` for at most `within`; returns how many
+// went in (fewer when the reader stopped taking them).
+size_t WriteFor(int fd, size_t total, milliseconds within) {
+  const std::string chunk(64 * 1024, 's');
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  size_t done = 0;
+  while (done < total && std::chrono::steady_clock::now() < deadline) {
+    pollfd p = {fd, POLLOUT, 0};
+    if (::poll(&p, 1, 50) <= 0) {
+      continue;
+    }
+    ssize_t n = ::write(fd, chunk.data(), std::min(chunk.size(), total - done));
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+      break;
+    }
+  }
+  return done;
+}
+
 struct Captured {
   ProcessExit exit;
   std::string out;
@@ -778,6 +809,76 @@ TEST_P(InitTest, ACommandThatClosesStdinEarlyDoesNotStallOthers) {
   writer.join();
 }
 
+TEST_P(InitTest, StdinOfACommandThatDoesNotReadIsBounded) {
+  // Stream transport: the agent relays stdin only as far as pbox-init's credit allows, so a
+  // command that never reads holds up its writer (as a pipe would) instead of growing init.
+  if (!GetParam()) {
+    GTEST_SKIP() << "the seqpacket transport hands the command the caller's pipe itself";
+  }
+  auto in = MakePipe();
+  ASSERT_TRUE(in.ok());
+  SpawnRequest req;
+  req.argv = {"sleep", "30"};
+  req.stdin_fd = in->read.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  in->read.Reset();
+  const long rss_before = RssKb(init_.pid());
+  ASSERT_GT(rss_before, 0);
+  ASSERT_EQ(::fcntl(in->write.get(), F_SETFL, O_NONBLOCK), 0);
+  // Pipes on both sides (64 KiB each), the relay's chunk and the window: well under 4 MiB.
+  const size_t taken = WriteFor(in->write.get(), 64u << 20, milliseconds(3000));
+  EXPECT_LT(taken, 4u << 20);
+  EXPECT_LT(RssKb(init_.pid()), rss_before + 16 * 1024);
+  // Init still serves: another command runs, and a Kill reaches the stuck one.
+  EXPECT_EQ(Run({"echo", "still here"}).out, "still here\n");
+  ASSERT_TRUE(client_->Kill((*h)->id(), SIGKILL, false).ok());
+  auto exit = (*h)->Wait(milliseconds(20000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->signal, SIGKILL);
+  // Its exit stops the relay: the writer sees the pipe's reader go.
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(20000);
+  bool broken = false;
+  while (!broken && std::chrono::steady_clock::now() < deadline) {
+    broken = ::write(in->write.get(), "x", 1) < 0 && errno == EPIPE;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_TRUE(broken);
+}
+
+TEST_P(InitTest, LargeStdinThroughTheWindowArrivesWhole) {
+  // 32 MiB and a bit (not a multiple of any chunk or window) through cat: every credit must
+  // come back for the stream to finish, and the bytes in order.
+  std::string input(32u * 1024 * 1024 + 12345, '\0');
+  for (size_t i = 0; i < input.size(); ++i) {
+    input[i] = static_cast<char>((i * 2654435761u) >> 13);
+  }
+  auto in = MakePipe();
+  auto out = MakePipe();
+  ASSERT_TRUE(in.ok() && out.ok());
+  SpawnRequest req;
+  req.argv = {"cat"};
+  req.stdin_fd = in->read.get();
+  req.stdout_fd = out->write.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  in->read.Reset();
+  out->write.Reset();
+  std::thread writer([&] {
+    EXPECT_TRUE(WriteAll(in->write.get(), input).ok());
+    in->write.Reset();
+  });
+  std::string got;
+  got.reserve(input.size());
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got, milliseconds(120000)));
+  writer.join();
+  EXPECT_EQ(got.size(), input.size());
+  EXPECT_TRUE(got == input);
+  auto exit = (*h)->Wait(milliseconds(30000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, InitTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Stream" : "SeqPacket";
@@ -1230,6 +1331,89 @@ TEST(StreamInitTest, SurvivesBadFramesAndStopsOnABrokenStream) {
   auto exit = process.Wait(milliseconds(10000));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(exit->exit_code, 1);
+}
+
+// A sender that ignores the stdin window (only a broken agent would) is refused with an Error
+// frame instead of being buffered: init's memory stays bounded whatever the agent sends.
+TEST(StreamInitTest, RefusesStdinPastTheWindow) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto init = StartStreamInit();
+  ASSERT_TRUE(init.ok()) << init.status();
+  ChildProcess process = std::move(init->first.process);
+  UniqueFd from_init = std::move(init->first.channel);
+  UniqueFd to_init = std::move(init->second);
+  auto read_frame = [&]() -> std::optional<proto::Frame> {
+    // Bounded, so that an init that never answers fails the test instead of hanging it.
+    pollfd p = {from_init.get(), POLLIN, 0};
+    if (::poll(&p, 1, 20000) != 1) {
+      ADD_FAILURE() << "no frame from init within 20 s";
+      return std::nullopt;
+    }
+    std::string prefix(proto::kStreamPrefixBytes, '\0');
+    if (!ReadFull(from_init.get(), prefix.data(), prefix.size()).ok()) {
+      return std::nullopt;
+    }
+    size_t len = 0;
+    std::string error;
+    if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
+      return std::nullopt;
+    }
+    std::string body(len, '\0');
+    if (!ReadFull(from_init.get(), body.data(), len).ok()) {
+      return std::nullopt;
+    }
+    return proto::DecodeFrame(body, 0).frame;
+  };
+  auto send = [&](const proto::Frame& f) {
+    std::string bytes;
+    std::string error;
+    ASSERT_TRUE(proto::EncodeFrame(f, &bytes, &error)) << error;
+    ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(bytes.size()) + bytes).ok());
+  };
+  auto ready = read_frame();
+  ASSERT_TRUE(ready.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::ReadyFrame>(*ready));
+  const long rss_before = RssKb(process.pid());
+
+  send(proto::SpawnFrame{
+      1, proto::kStreamStdio | proto::kStdoutNull | proto::kStderrNull, "/", {"sleep", "30"}, {}});
+  // 16 MiB of stdin for a command that never reads, without waiting for any credit.
+  const std::string data(proto::kMaxDataBytes, 'z');
+  for (int i = 0; i < 256; ++i) {
+    send(proto::StdinFrame{1, data});
+  }
+  size_t credited = 0;
+  bool refused = false;
+  while (!refused) {
+    auto f = read_frame();
+    ASSERT_TRUE(f.has_value());
+    if (auto* c = std::get_if<proto::StdinCreditFrame>(&*f)) {
+      credited += c->bytes;
+    } else if (auto* e = std::get_if<proto::ErrorFrame>(&*f)) {
+      EXPECT_EQ(e->id, 1u);
+      EXPECT_NE(e->message.find("window"), std::string::npos) << e->message;
+      refused = true;
+    }
+  }
+  // Only what the pipe took was credited: the command never read.
+  EXPECT_LE(credited, 1u << 20);
+  EXPECT_LT(RssKb(process.pid()), rss_before + 8 * 1024);
+  // The stream goes on: the command is still there to kill.
+  send(proto::KillFrame{1, SIGKILL, false});
+  bool exited = false;
+  while (!exited) {
+    auto f = read_frame();
+    ASSERT_TRUE(f.has_value());
+    if (auto* x = std::get_if<proto::ExitedFrame>(&*f)) {
+      EXPECT_EQ(x->id, 1u);
+      EXPECT_EQ(x->signal, SIGKILL);
+      exited = true;
+    }
+  }
+  to_init.Reset();
+  auto exit = process.Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
 }
 
 // The one-shot helpers (init_helpers.h), run on the host here: they are plain programs.
