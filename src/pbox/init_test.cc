@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -879,6 +880,60 @@ TEST_P(InitTest, LargeStdinThroughTheWindowArrivesWhole) {
   EXPECT_EQ(exit->exit_code, 0);
 }
 
+TEST_P(InitTest, OutputNobodyReadsDoesNotStallOtherCommands) {
+  // The caller never reads the first command's stdout (yet): on the stream transport its
+  // output must wait in its own window, not in the reader that serves the whole sandbox.
+  constexpr size_t kBytes = 16u << 20;
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  SpawnRequest req;
+  req.argv = {"head", "-c", std::to_string(kBytes), "/dev/zero"};
+  req.stdout_fd = out->write.get();
+  auto stuck = client_->Spawn(req);
+  ASSERT_TRUE(stuck.ok()) << stuck.status();
+  out->write.Reset();
+  // Another command's Spawned, output and Exited all arrive meanwhile (in a thread, so that
+  // a stalled client fails the test instead of hanging it).
+  auto other = std::async(std::launch::async, [this] { return Run({"echo", "still here"}); });
+  const bool in_time = other.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(in_time) << "a caller that does not read stalled the other command";
+  // The stuck caller gets every byte once it reads, then EOF, then the exit.
+  std::string got;
+  got.reserve(kBytes);
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got, milliseconds(120000)));
+  EXPECT_EQ(got.size(), kBytes);
+  EXPECT_EQ(got.find_first_not_of('\0'), std::string::npos);
+  if (in_time || other.wait_for(std::chrono::seconds(30)) == std::future_status::ready) {
+    Captured c = other.get();
+    EXPECT_EQ(c.out, "still here\n");
+    EXPECT_EQ(c.exit.exit_code, 0);
+  }
+  auto exit = (*stuck)->Wait(milliseconds(30000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+TEST_P(InitTest, ExitWaitsForTheOutputBeforeIt) {
+  // 200 kB fits the stream's window but not the caller's pipe: the command exits at once on
+  // the stream transport, yet its exit must not reach the caller before its output, as on
+  // the native runtime (where the command itself blocks on the pipe).
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  SpawnRequest req;
+  req.argv = {"head", "-c", "200000", "/dev/zero"};
+  req.stdout_fd = out->write.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  out->write.Reset();
+  EXPECT_EQ((*h)->Wait(milliseconds(1000)).status().code(), absl::StatusCode::kDeadlineExceeded);
+  std::string got;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got));
+  EXPECT_EQ(got.size(), 200000u);
+  auto exit = (*h)->Wait(milliseconds(30000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, InitTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Stream" : "SeqPacket";
@@ -1414,6 +1469,68 @@ TEST(StreamInitTest, RefusesStdinPastTheWindow) {
   auto exit = process.Wait(milliseconds(10000));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(exit->exit_code, 0);
+}
+
+// The agent's end against a pbox-init (it runs inside the sandbox) that sends output past its
+// window: the stream is dropped rather than buffered, and the reader goes on.
+TEST(StreamClientTest, DropsOutputSentPastTheWindow) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto to_init = MakePipe();
+  auto from_init = MakePipe();
+  auto out = MakePipe();
+  ASSERT_TRUE(to_init.ok() && from_init.ok() && out.ok());
+  auto client = InitClient::CreateStream(std::move(to_init->write), std::move(from_init->read));
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto send = [&](const proto::Frame& f) {
+    std::string bytes;
+    std::string error;
+    EXPECT_TRUE(proto::EncodeFrame(f, &bytes, &error)) << error;
+    return WriteAll(from_init->write.get(), proto::StreamPrefix(bytes.size()) + bytes).ok();
+  };
+  ASSERT_TRUE(send(proto::ReadyFrame{}));
+  ASSERT_TRUE((*client)->WaitReady(milliseconds(10000)).ok());
+  SpawnRequest req;
+  req.argv = {"flood"};
+  req.stdout_fd = out->write.get();
+  auto spawned = std::async(std::launch::async, [&] { return (*client)->Spawn(req); });
+  // The Spawn frame: id 1 (the client's first).
+  std::string prefix(proto::kStreamPrefixBytes, '\0');
+  ASSERT_TRUE(ReadFull(to_init->read.get(), prefix.data(), prefix.size()).ok());
+  size_t len = 0;
+  std::string error;
+  ASSERT_TRUE(proto::ParseStreamPrefix(prefix, &len, &error)) << error;
+  std::string body(len, '\0');
+  ASSERT_TRUE(ReadFull(to_init->read.get(), body.data(), len).ok());
+  auto spawn = proto::DecodeFrame(body, 0);
+  ASSERT_TRUE(spawn.frame.has_value());
+  const uint64_t id = std::get<proto::SpawnFrame>(*spawn.frame).id;
+  ASSERT_TRUE(send(proto::SpawnedFrame{id, 42}));
+  auto handle = spawned.get();
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  out->write.Reset();
+  // 8 MiB without waiting for credit, while the caller reads nothing: the client must take
+  // it all without blocking (past the window it drops the stream).
+  auto flood = std::async(std::launch::async, [&] {
+    const std::string data(proto::kMaxDataBytes, 'f');
+    for (int i = 0; i < 128; ++i) {
+      if (!send(proto::OutputFrame{id, proto::OutputStream::kStdout, data})) {
+        return false;
+      }
+    }
+    return true;
+  });
+  const bool taken = flood.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(taken) << "the client's reader blocked on the caller's pipe";
+  std::string got;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got, milliseconds(30000)));
+  EXPECT_LE(got.size(), proto::kStdioWindowBytes);
+  EXPECT_TRUE(flood.get());
+  // The reader still serves: the exit arrives.
+  ASSERT_TRUE(send(proto::ExitedFrame{id, 0, 0, 0, 0, 0}));
+  auto exit = (*handle)->Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+  from_init->write.Reset();
 }
 
 // The one-shot helpers (init_helpers.h), run on the host here: they are plain programs.
