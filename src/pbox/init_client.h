@@ -46,8 +46,11 @@ struct SpawnRequest {
   std::vector<std::string> env;   // "K=V"
   std::string cwd;                // absolute inside the sandbox; "" = "/"
   int stdin_fd = -1;              // borrowed; -1: /dev/null
-  int stdout_fd = -1;             // borrowed; -1: /dev/null
-  int stderr_fd = -1;             // borrowed; -1: /dev/null
+  // Borrowed; -1: /dev/null. Stream transport: a pipe is reopened as the client's own
+  // non-blocking description; any other kind of fd is duplicated and set O_NONBLOCK, which
+  // its other descriptors share.
+  int stdout_fd = -1;
+  int stderr_fd = -1;
 };
 
 struct ProcessExit {
