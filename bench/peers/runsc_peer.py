@@ -52,10 +52,12 @@ TOOLS_IN = "/opt/bragg-tools"
 ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/root", "LANG=C.UTF-8"]
 
 # init_protocol.h
-SPAWN, STDIN = 1, 3
+SPAWN, STDIN, OUTPUT_CREDIT = 1, 3, 4
 SPAWNED, SPAWN_FAILED, EXITED, ERROR, OUTPUT, READY = 0x81, 0x82, 0x83, 0x84, 0x85, 0x86
+STDIN_CREDIT = 0x87
 STDIN_NULL, STDOUT_NULL, STDERR_NULL, STREAM_STDIO = 1, 2, 4, 8
 MAX_DATA = 64 * 1024
+WINDOW = 256 * 1024  # kStdioWindowBytes: stdin sent ahead of StdinCredit, output of OutputCredit
 
 
 def frame(typ, fid, payload):
@@ -277,19 +279,41 @@ class Sandbox:
         flags = STDERR_NULL | (0 if stdin is not None else STDIN_NULL)
         t = time.monotonic()
         self.proc.stdin.write(spawn_frame(fid, argv, flags))
-        if stdin is not None:
-            for i in range(0, len(stdin), MAX_DATA):
-                chunk = stdin[i:i + MAX_DATA]
-                self.proc.stdin.write(frame(STDIN, fid, struct.pack("<I", len(chunk)) + chunk))
-            self.proc.stdin.write(frame(STDIN, fid, struct.pack("<I", 0)))
-        self.proc.stdin.flush()
+        # Stdin within the window pbox-init grants (it refuses a sender past it).
+        sent, credit, eof_sent = 0, WINDOW, stdin is None
+
+        def feed():
+            nonlocal sent, credit, eof_sent
+            while not eof_sent:
+                if sent == len(stdin):
+                    self.proc.stdin.write(frame(STDIN, fid, struct.pack("<I", 0)))
+                    eof_sent = True
+                    break
+                n = min(MAX_DATA, credit, len(stdin) - sent)
+                if n == 0:
+                    break
+                chunk = stdin[sent:sent + n]
+                self.proc.stdin.write(frame(STDIN, fid, struct.pack("<I", n) + chunk))
+                sent += n
+                credit -= n
+            self.proc.stdin.flush()
+
+        feed()
         out = []
         while True:
             typ, got, payload = self.read()
             if got != fid:
                 continue
-            if typ == OUTPUT:
-                out.append(payload[5:])
+            if typ == STDIN_CREDIT:
+                credit += struct.unpack("<I", payload[:4])[0]
+                feed()
+            elif typ == OUTPUT:
+                data = payload[5:]
+                out.append(data)
+                if data:  # reopen the stream's window
+                    self.proc.stdin.write(frame(OUTPUT_CREDIT, fid,
+                                                payload[:1] + struct.pack("<I", len(data))))
+                    self.proc.stdin.flush()
             elif typ == EXITED:
                 code, sig = struct.unpack("<ii", payload[:8])
                 if code != 0:

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -53,6 +54,34 @@ bool WriteFully(int fd, std::string_view data, int* err) {
     data.remove_prefix(static_cast<size_t>(n));
   }
   return true;
+}
+
+// Stream transport: the client's own descriptor of a caller's stdio fd. Output fds must not
+// block the writer thread: a pipe is reopened through /proc as a new, non-blocking open file
+// description (so the caller's stays as it is); anything else (a socket, a file) is
+// duplicated and set non-blocking, which the caller's descriptor then shares.
+Result<UniqueFd> RelayFd(int fd, bool output) {
+  if (output) {
+    struct stat st;
+    if (::fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
+      UniqueFd reopened(
+          ::open(fmt::format("/proc/self/fd/{}", fd).c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+      if (reopened.valid()) {
+        return reopened;
+      }
+    }
+  }
+  UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 3));
+  if (!dup.valid()) {
+    return ErrnoError("fcntl", "F_DUPFD_CLOEXEC of a stdio fd");
+  }
+  if (output) {
+    int flags = ::fcntl(dup.get(), F_GETFL);
+    if (flags < 0 || ::fcntl(dup.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
+      return ErrnoError("fcntl", "O_NONBLOCK on an output fd");
+    }
+  }
+  return dup;
 }
 
 }  // namespace
@@ -136,8 +165,15 @@ Result<std::unique_ptr<InitClient>> InitClient::CreateStream(UniqueFd to_init, U
   if (efd < 0) {
     return ErrnoError("eventfd", "stream stop");
   }
+  UniqueFd stop_fd(efd);
+  UniqueFd wake_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd.valid()) {
+    return ErrnoError("eventfd", "output writer");
+  }
   std::unique_ptr<InitClient> client(new InitClient(std::move(to_init), std::move(from_init)));
-  client->stop_fd_.Reset(efd);
+  client->stop_fd_ = std::move(stop_fd);
+  client->writer_wake_ = std::move(wake_fd);
+  client->writer_ = std::thread(&InitClient::WriterLoop, client.get());
   client->reader_ = std::thread(&InitClient::ReaderLoop, client.get());
   return client;
 }
@@ -153,6 +189,11 @@ InitClient::~InitClient() {
     uint64_t one = 1;
     (void)!::write(stop_fd_.get(), &one, sizeof(one));
     {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    stdin_cv_.notify_all();
+    {
       std::lock_guard<std::mutex> lock(send_mu_);
       to_init_.Reset();
     }
@@ -162,6 +203,20 @@ InitClient::~InitClient() {
   }
   if (reader_.joinable()) {
     reader_.join();
+  }
+  if (writer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writer_stop_ = true;
+    }
+    WakeWriter();
+    writer_.join();
+  }
+  // Exits that still waited for their output to be taken: the caller gets them all the same.
+  for (auto& [id, out] : outputs_) {
+    if (out.exited != nullptr) {
+      out.exited->Complete(out.exit);
+    }
   }
   std::list<StdinPumpThread> pumps;
   {
@@ -261,11 +316,7 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
     if (stdio[i] < 0) {
       frame.flags |= null_bits[i];
     } else if (stream_) {
-      int fd = ::fcntl(stdio[i], F_DUPFD_CLOEXEC, 3);
-      if (fd < 0) {
-        return ErrnoError("fcntl", "F_DUPFD_CLOEXEC of a stdio fd");
-      }
-      relay[i].Reset(fd);
+      BRAGG_ASSIGN_OR_RETURN(relay[i], RelayFd(stdio[i], /*output=*/i > 0));
     } else {
       fds.push_back(stdio[i]);
     }
@@ -276,6 +327,14 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (efd < 0) {
     return ErrnoError("eventfd", "");
+  }
+  UniqueFd stdin_wake;
+  if (relay[0].valid()) {
+    stdin_wake.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!stdin_wake.valid()) {
+      ::close(efd);
+      return ErrnoError("eventfd", "stdin relay");
+    }
   }
   PendingSpawn pending;
   pending.done_fd.Reset(efd);
@@ -288,13 +347,22 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
     frame.id = next_id_++;
     pending_[frame.id] = &pending;
     if (stream_ && (relay[1].valid() || relay[2].valid())) {
-      outputs_[frame.id] = {std::move(relay[1]), std::move(relay[2])};
+      CommandOutput& out = outputs_[frame.id];
+      for (int i = 0; i < 2; ++i) {
+        out.sinks[i].fd = std::move(relay[i + 1]);
+        out.sinks[i].eof = !out.sinks[i].fd.valid();  // /dev/null: no pipe, no EOF to come
+      }
+    }
+    if (stdin_wake.valid()) {
+      // Before the Spawn goes out, so that no StdinCredit or Exited can miss it.
+      stdin_windows_[frame.id].wake = std::move(stdin_wake);
     }
   }
   auto forget = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     pending_.erase(frame.id);
     outputs_.erase(frame.id);
+    stdin_windows_.erase(frame.id);
   };
   std::string wire;
   std::string error;
@@ -307,12 +375,16 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   if (!sent.ok() && !pending.done) {
     pending_.erase(frame.id);
     outputs_.erase(frame.id);
+    stdin_windows_.erase(frame.id);
     return Annotate(sent, fmt::format("spawn {}", request.argv[0]));
   }
   pending.cv.wait(lock, [&] { return pending.done; });
   if (!pending.result.ok()) {
     outputs_.erase(frame.id);  // init made no pipes: no EOF will come
-  } else if (relay[0].valid() && alive_.load()) {
+    stdin_windows_.erase(frame.id);
+  } else if (!relay[0].valid() || !alive_.load()) {
+    stdin_windows_.erase(frame.id);
+  } else {
     // The pumps of commands whose stdin has ended go first: a long-lived sandbox would
     // otherwise keep a thread (its stack and descriptor) for every command it ever fed.
     for (auto it = pumps_.begin(); it != pumps_.end();) {
@@ -330,6 +402,7 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
       // No thread to be had: the command's stdin is cut (writes to it fail) rather than lost
       // with the command.
       pumps_.pop_back();
+      stdin_windows_.erase(frame.id);
       spdlog::warn("spawn {}: no thread to relay its stdin: {}", request.argv[0], e.what());
     }
   }
@@ -340,26 +413,54 @@ void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd, StdinPumpThread* self
   struct Finished {
     InitClient* client;
     StdinPumpThread* self;
+    uint64_t id;
     ~Finished() {
       std::lock_guard<std::mutex> lock(client->mu_);
       self->finished = true;
+      client->stdin_windows_.erase(id);
     }
-  } finished{this, self};
+  } finished{this, self, id};
+  int wake_fd = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stdin_windows_.find(id);
+    if (it == stdin_windows_.end()) {
+      return;
+    }
+    // std::map nodes are stable and only this thread erases its own: the fd outlives the loop.
+    wake_fd = it->second.wake.get();
+  }
   std::string chunk(proto::kMaxDataBytes, '\0');
   std::string wire;
   std::string error;
   while (true) {
-    pollfd fds[2] = {{stdin_fd.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
-    int n = ::poll(fds, 2, -1);
+    // At most what the window allows: init buffers no more than that for this command.
+    size_t allowed = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      StdinWindow& window = stdin_windows_.at(id);
+      stdin_cv_.wait(lock, [&] { return stopping_ || window.closed || window.credit > 0; });
+      if (stopping_ || window.closed) {
+        return;
+      }
+      allowed = std::min(window.credit, chunk.size());
+    }
+    pollfd fds[3] = {
+        {stdin_fd.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}, {wake_fd, POLLIN, 0}};
+    int n = ::poll(fds, 3, -1);
     if (n < 0 && errno == EINTR) {
       continue;
     }
-    if (n < 0 || fds[1].revents != 0) {
-      return;
+    if (n < 0 || fds[1].revents != 0 || fds[2].revents != 0) {
+      return;  // stopping, or the command exited: nothing reads its stdin any more
     }
-    ssize_t got = ::read(stdin_fd.get(), chunk.data(), chunk.size());
+    ssize_t got = ::read(stdin_fd.get(), chunk.data(), allowed);
     if (got < 0 && (errno == EINTR || errno == EAGAIN)) {
       continue;
+    }
+    if (got > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stdin_windows_.at(id).credit -= static_cast<size_t>(got);
     }
     proto::StdinFrame frame{id, got > 0 ? chunk.substr(0, static_cast<size_t>(got)) : ""};
     if (!proto::EncodeFrame(frame, &wire, &error) || !SendFrame(wire, {}).ok() || got <= 0) {
@@ -368,36 +469,151 @@ void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd, StdinPumpThread* self
   }
 }
 
-void InitClient::HandleOutput(const proto::OutputFrame& frame) {
-  int fd = -1;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = outputs_.find(frame.id);
-    if (it == outputs_.end()) {
-      return;
-    }
-    const size_t index = frame.stream == proto::OutputStream::kStdout ? 0 : 1;
-    if (frame.data.empty()) {
-      it->second[index].Reset();  // EOF: the caller's read end sees it once it holds no copy
-      if (!it->second[0].valid() && !it->second[1].valid()) {
-        outputs_.erase(it);
-      }
-      return;
-    }
-    fd = it->second[index].get();
+void InitClient::HandleOutput(proto::OutputFrame frame) {
+  auto it = outputs_.find(frame.id);
+  if (it == outputs_.end()) {
+    return;  // no pipe was asked for
   }
-  if (fd < 0) {
+  OutputSink& sink = it->second.sinks[frame.stream == proto::OutputStream::kStdout ? 0 : 1];
+  if (sink.eof) {
     return;
   }
-  // Only this thread closes these fds, so `fd` stays valid without the lock. A blocking
-  // write: a caller that stops reading holds up this sandbox's other output (as a full pipe
-  // would hold up the command itself on the native runtime).
-  int err = 0;
-  if (!WriteFully(fd, frame.data, &err)) {
-    // The reader went away (EPIPE): drop the rest of this stream.
+  if (frame.data.empty()) {
+    sink.eof = true;  // the caller's read end sees EOF once the queue is written
+    if (sink.queue.empty()) {
+      sink.fd.Reset();
+    }
+    WakeWriter();
+    return;
+  }
+  if (sink.queue.size() + sink.uncredited + frame.data.size() > proto::kStdioWindowBytes) {
+    // pbox-init runs inside the sandbox: what it sends past its window is not buffered.
+    spdlog::warn("pbox-init stream: process {} sent output past its window; dropping the stream",
+                 frame.id);
+    sink.queue.clear();
+    sink.fd.Reset();
+    sink.eof = true;
+    WakeWriter();
+    return;
+  }
+  if (sink.fd.valid()) {
+    sink.queue += frame.data;
+  } else {
+    sink.uncredited += frame.data.size();  // the caller's reader went away: dropped
+  }
+  WakeWriter();
+}
+
+void InitClient::WakeWriter() {
+  uint64_t one = 1;
+  (void)!::write(writer_wake_.get(), &one, sizeof(one));
+}
+
+void InitClient::WriterLoop() {
+  struct Credit {
+    uint64_t id;
+    proto::OutputStream stream;
+    size_t bytes;
+  };
+  std::vector<pollfd> fds;
+  std::vector<std::pair<uint64_t, int>> polled;  // (process id, stream) of fds[i]
+  std::vector<Credit> credits;
+  std::vector<std::pair<std::shared_ptr<ProcessHandle>, ProcessExit>> exits;
+  std::string wire;
+  std::string error;
+  // Writes what the caller's pipe takes now; drops the stream once its reader is gone.
+  auto flush = [](OutputSink& sink) {
+    size_t written = 0;
+    while (written < sink.queue.size() && sink.fd.valid()) {
+      ssize_t n = ::write(sink.fd.get(), sink.queue.data() + written, sink.queue.size() - written);
+      if (n > 0) {
+        written += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n < 0 && errno == EAGAIN) {
+        break;
+      }
+      written = sink.queue.size();  // EPIPE: nobody reads this stream any more
+      sink.fd.Reset();
+    }
+    sink.queue.erase(0, written);
+    sink.uncredited += written;
+    if (sink.queue.empty() && sink.eof) {
+      sink.fd.Reset();
+    }
+  };
+  while (true) {
+    fds.clear();
+    polled.clear();
+    credits.clear();
+    exits.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (writer_stop_) {
+        return;
+      }
+      for (auto it = outputs_.begin(); it != outputs_.end();) {
+        CommandOutput& out = it->second;
+        bool idle = true;
+        for (int i = 0; i < 2; ++i) {
+          OutputSink& sink = out.sinks[i];
+          if (!sink.queue.empty()) {
+            fds.push_back({sink.fd.get(), POLLOUT, 0});
+            polled.emplace_back(it->first, i);
+          }
+          if (sink.uncredited >= proto::kStdioCreditBatchBytes ||
+              (sink.uncredited > 0 && sink.queue.empty())) {
+            credits.push_back({it->first,
+                               i == 0 ? proto::OutputStream::kStdout : proto::OutputStream::kStderr,
+                               sink.uncredited});
+            sink.uncredited = 0;
+          }
+          idle = idle && sink.queue.empty() && sink.eof && !sink.fd.valid();
+        }
+        const bool written = out.sinks[0].queue.empty() && out.sinks[1].queue.empty();
+        if (written && out.exited != nullptr) {
+          exits.emplace_back(std::move(out.exited), out.exit);
+          out.exited = nullptr;
+        }
+        it = idle && out.exited == nullptr ? outputs_.erase(it) : std::next(it);
+      }
+    }
+    for (auto& [handle, exit] : exits) {
+      handle->Complete(exit);
+    }
+    for (const Credit& c : credits) {
+      // Blocking is fine here: pbox-init reads its stream all the time. A channel that is
+      // gone needs no credit.
+      proto::OutputCreditFrame frame{c.id, c.stream, static_cast<uint32_t>(c.bytes)};
+      if (proto::EncodeFrame(frame, &wire, &error)) {
+        (void)SendFrame(wire, {});
+      }
+    }
+    fds.push_back({writer_wake_.get(), POLLIN, 0});
+    int n = ::poll(fds.data(), fds.size(), -1);
+    if (n < 0 && errno != EINTR) {
+      spdlog::error("pbox-init stream: output writer: poll: {}", strerror(errno));
+      return;
+    }
+    if (n <= 0) {
+      continue;
+    }
+    if (fds.back().revents != 0) {
+      uint64_t count = 0;
+      (void)!::read(writer_wake_.get(), &count, sizeof(count));
+    }
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = outputs_.find(frame.id); it != outputs_.end()) {
-      it->second[frame.stream == proto::OutputStream::kStdout ? 0 : 1].Reset();
+    for (size_t i = 0; i + 1 < fds.size(); ++i) {
+      if (fds[i].revents == 0) {
+        continue;
+      }
+      // Looked up again: the reader may have closed the fd meanwhile (EOF, channel end).
+      if (auto it = outputs_.find(polled[i].first); it != outputs_.end()) {
+        flush(it->second.sinks[polled[i].second]);
+      }
     }
   }
 }
@@ -530,6 +746,15 @@ void InitClient::HandleFrame(proto::Frame frame) {
     p->done = true;
     p->cv.notify_all();
   };
+  // The command is gone: its stdin pump stops (init drops what it would still send).
+  auto close_stdin = [&](uint64_t id) {
+    if (auto it = stdin_windows_.find(id); it != stdin_windows_.end()) {
+      it->second.closed = true;
+      uint64_t one = 1;
+      (void)!::write(it->second.wake.get(), &one, sizeof(one));
+      stdin_cv_.notify_all();
+    }
+  };
   if (auto* f = std::get_if<proto::SpawnedFrame>(&frame)) {
     auto it = pending_.find(f->id);
     if (it == pending_.end()) {
@@ -552,6 +777,7 @@ void InitClient::HandleFrame(proto::Frame frame) {
       return;
     }
     if (f->stage == proto::SpawnStage::kExec) {
+      close_stdin(f->id);
       std::shared_ptr<ProcessHandle> handle(
           new ProcessHandle(f->id, f->pid, std::move(it->second->done_fd)));
       ProcessExit e;
@@ -568,7 +794,20 @@ void InitClient::HandleFrame(proto::Frame frame) {
                                                               : ErrnoToCode(f->err),
                  fmt::format("pbox-init could not start {}: {}", it->second->program, f->message)));
     }
+  } else if (auto* f = std::get_if<proto::StdinCreditFrame>(&frame); f != nullptr && stream_) {
+    auto it = stdin_windows_.find(f->id);
+    if (it == stdin_windows_.end()) {
+      return;  // its pump has ended
+    }
+    if (it->second.credit + f->bytes > proto::kStdioWindowBytes) {
+      spdlog::warn("pbox-init stream: stdin credit for process {} beyond the window", f->id);
+      it->second.credit = proto::kStdioWindowBytes;
+    } else {
+      it->second.credit += f->bytes;
+    }
+    stdin_cv_.notify_all();
   } else if (auto* f = std::get_if<proto::ExitedFrame>(&frame)) {
+    close_stdin(f->id);
     ProcessExit e;
     e.exit_code = f->signal != 0 ? -1 : f->exit_code;
     e.signal = f->signal;
@@ -592,14 +831,24 @@ void InitClient::HandleFrame(proto::Frame frame) {
       spdlog::warn("pbox-init reported an error for id {}: {}", f->id, f->message);
     }
   } else if (auto* f = std::get_if<proto::OutputFrame>(&frame); f != nullptr && stream_) {
-    lock.unlock();
-    HandleOutput(*f);
-    return;
+    HandleOutput(std::move(*f));
   } else if (std::holds_alternative<proto::ReadyFrame>(frame) && stream_) {
     ready_ = true;
     ready_cv_.notify_all();
   } else {
     spdlog::warn("pbox-init channel: unexpected frame from init");
+  }
+  if (to_complete != nullptr && exit.ok()) {
+    // The caller learns of the exit only once the output that came before it is in its
+    // pipes, as when the command wrote into them itself.
+    auto it = outputs_.find(to_complete->id());
+    if (it != outputs_.end() &&
+        (!it->second.sinks[0].queue.empty() || !it->second.sinks[1].queue.empty())) {
+      it->second.exited = std::move(to_complete);
+      it->second.exit = *exit;
+      to_complete = nullptr;
+      WakeWriter();
+    }
   }
   lock.unlock();
   if (to_complete != nullptr) {
@@ -619,12 +868,22 @@ void InitClient::ChannelDied() {
     }
     pending_.clear();
     live.swap(live_);
-    outputs_.clear();  // the callers' readers see EOF
+    for (auto& [id, out] : outputs_) {
+      for (OutputSink& sink : out.sinks) {
+        sink.eof = true;  // the callers' readers see EOF once what came is written
+        if (sink.queue.empty()) {
+          sink.fd.Reset();
+        }
+      }
+    }
+    stopping_ = true;
+    stdin_cv_.notify_all();
     ready_cv_.notify_all();
   }
   if (stream_) {
     uint64_t one = 1;
     (void)!::write(stop_fd_.get(), &one, sizeof(one));
+    WakeWriter();
   }
   for (auto& [id, handle] : live) {
     handle->Complete(ChannelClosed());

@@ -8,9 +8,13 @@
 //   command to the agent directly, never copied through init.
 // - stream (gVisor runtime, CreateStream; fds cannot cross into gVisor): length-prefixed
 //   frames over two byte streams. The client relays the caller's stdio fds itself: a thread
-//   per command with stdin sends what it reads as Stdin frames, and the reader thread writes
-//   Output frames into the caller's stdout/stderr fds (its own duplicates, closed at the
-//   stream's EOF). Callers see the same fds, handles and exits on both.
+//   per command with stdin sends what it reads as Stdin frames, and one writer thread puts
+//   Output frames into the caller's stdout/stderr fds (its own non-blocking descriptions of
+//   them, closed at the stream's EOF). Both directions are flow-controlled per command
+//   (init_protocol.h): a command whose caller stops reading its output blocks on its pipe in
+//   the sandbox, as on the native runtime, and holds up no other command. Callers see the
+//   same fds, handles and exits on both; a handle completes only once the output that
+//   preceded the exit is in the caller's pipes (or the caller's reader closed them).
 //
 // If the channel closes (the agent died), pbox-init exits and the kernel kills every process
 // of the sandbox's pid namespace with it.
@@ -42,8 +46,11 @@ struct SpawnRequest {
   std::vector<std::string> env;   // "K=V"
   std::string cwd;                // absolute inside the sandbox; "" = "/"
   int stdin_fd = -1;              // borrowed; -1: /dev/null
-  int stdout_fd = -1;             // borrowed; -1: /dev/null
-  int stderr_fd = -1;             // borrowed; -1: /dev/null
+  // Borrowed; -1: /dev/null. Stream transport: a pipe is reopened as the client's own
+  // non-blocking description; any other kind of fd is duplicated and set O_NONBLOCK, which
+  // its other descriptors share.
+  int stdout_fd = -1;
+  int stderr_fd = -1;
 };
 
 struct ProcessExit {
@@ -126,8 +133,13 @@ class InitClient {
   // on an error (logged).
   bool ReadStreamFrame(std::string* frame);
   void HandleFrame(init_protocol::Frame frame);
-  // Stream transport: writes one Output frame's data into the caller's fd.
-  void HandleOutput(const init_protocol::OutputFrame& frame);
+  // Stream transport: queues one Output frame's data for the caller's fd (never blocks).
+  // Called with mu_ held.
+  void HandleOutput(init_protocol::OutputFrame frame);
+  // Stream transport: the writer thread: moves queued output into the callers' pipes as
+  // they take it, returns credit for it, and completes the exits that waited for it.
+  void WriterLoop();
+  void WakeWriter();
   // Stream transport: one thread relaying a command's stdin; `finished` (under mu_) once it
   // returned, when the next Spawn joins it.
   struct StdinPumpThread {
@@ -147,9 +159,36 @@ class InitClient {
   std::mutex send_mu_;                // stream transport: one frame at a time on the byte stream
   UniqueFd stop_fd_;                  // stream transport: eventfd that stops the stdin pumps
   std::list<StdinPumpThread> pumps_;  // guarded by mu_; stable addresses for `self`
-  // Stream transport: the caller's stdout/stderr (duplicates) per process, until EOF. Only
-  // the reader thread erases.
-  std::map<uint64_t, std::array<UniqueFd, 2>> outputs_;
+  // Stream transport: the stdin window of each command with a stdin pump (init_protocol.h):
+  // how many more bytes it may send before init credits some back. Guarded by mu_.
+  struct StdinWindow {
+    size_t credit = init_protocol::kStdioWindowBytes;
+    bool closed = false;  // the command exited: the pump stops
+    UniqueFd wake;        // eventfd written when `closed` is set, for the pump's poll
+  };
+  std::map<uint64_t, StdinWindow> stdin_windows_;
+  std::condition_variable stdin_cv_;  // with mu_: a window changed, or stopping_
+  bool stopping_ = false;             // guarded by mu_: the pumps return
+  // Stream transport: one output stream of a command on its way to the caller's pipe.
+  struct OutputSink {
+    UniqueFd fd;            // non-blocking; invalid once closed (or /dev/null)
+    std::string queue;      // received, not yet written (at most the window)
+    bool eof = false;       // init said EOF (or there is no pipe): close once written
+    size_t uncredited = 0;  // written (or dropped) and not yet credited back to init
+  };
+  struct CommandOutput {
+    OutputSink sinks[2];  // stdout, stderr
+    // An Exited frame that came while output was still queued: the handle completes once
+    // the queues are written.
+    std::shared_ptr<ProcessHandle> exited;
+    ProcessExit exit;
+  };
+  // Guarded by mu_; the writer thread erases entries once both streams ended and all is
+  // written and credited.
+  std::map<uint64_t, CommandOutput> outputs_;
+  UniqueFd writer_wake_;      // stream transport: eventfd that wakes the writer thread
+  bool writer_stop_ = false;  // guarded by mu_: the destructor stops the writer
+  std::thread writer_;
   bool ready_ = false;
   std::condition_variable ready_cv_;
   std::atomic<bool> alive_{true};

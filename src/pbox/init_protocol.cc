@@ -270,6 +270,36 @@ bool EncodeOne(const ReadyFrame& f, Writer& w, std::string* error) {
   return true;
 }
 
+bool CheckCredit(uint32_t bytes, std::string* error) {
+  if (bytes == 0 || bytes > kStdioWindowBytes) {
+    return Fail(error, "credit of " + std::to_string(bytes) + " bytes, outside 1.." +
+                           std::to_string(kStdioWindowBytes));
+  }
+  return true;
+}
+
+bool EncodeOne(const OutputCreditFrame& f, Writer& w, std::string* error) {
+  if (f.stream != OutputStream::kStdout && f.stream != OutputStream::kStderr) {
+    return Fail(error, "unknown output stream");
+  }
+  if (!CheckCredit(f.bytes, error)) {
+    return false;
+  }
+  Header(w, FrameType::kOutputCredit, f.id);
+  w.U8(static_cast<uint8_t>(f.stream));
+  w.U32(f.bytes);
+  return true;
+}
+
+bool EncodeOne(const StdinCreditFrame& f, Writer& w, std::string* error) {
+  if (!CheckCredit(f.bytes, error)) {
+    return false;
+  }
+  Header(w, FrameType::kStdinCredit, f.id);
+  w.U32(f.bytes);
+  return true;
+}
+
 // Reads a bytes field (any byte values) of at most kMaxDataBytes.
 bool ReadData(Reader& r, std::string* out, std::string* error) {
   uint32_t len;
@@ -479,6 +509,36 @@ bool DecodePayload(FrameType type, uint64_t id, Reader& r, size_t num_fds, Frame
       *frame = ReadyFrame{};
       break;
     }
+    case FrameType::kOutputCredit: {
+      OutputCreditFrame f;
+      f.id = id;
+      uint8_t stream = 0;
+      if (!r.U8(&stream) || !r.U32(&f.bytes)) {
+        return Fail(error, "truncated output-credit frame");
+      }
+      if (stream != static_cast<uint8_t>(OutputStream::kStdout) &&
+          stream != static_cast<uint8_t>(OutputStream::kStderr)) {
+        return Fail(error, "unknown output stream " + std::to_string(stream));
+      }
+      f.stream = static_cast<OutputStream>(stream);
+      if (!CheckCredit(f.bytes, error)) {
+        return false;
+      }
+      *frame = f;
+      break;
+    }
+    case FrameType::kStdinCredit: {
+      StdinCreditFrame f;
+      f.id = id;
+      if (!r.U32(&f.bytes)) {
+        return Fail(error, "truncated stdin-credit frame");
+      }
+      if (!CheckCredit(f.bytes, error)) {
+        return false;
+      }
+      *frame = f;
+      break;
+    }
     default:
       return Fail(error, "unknown frame type " + std::to_string(static_cast<unsigned>(type)));
   }
@@ -660,6 +720,10 @@ const char* FrameTypeName(FrameType type) {
       return "Output";
     case FrameType::kReady:
       return "Ready";
+    case FrameType::kOutputCredit:
+      return "OutputCredit";
+    case FrameType::kStdinCredit:
+      return "StdinCredit";
   }
   return "unknown";
 }

@@ -44,6 +44,11 @@
 //                      argv bytes + env bytes <= kMaxArgEnvBytes; cwd <= kMaxPathBytes.
 //     Kill (2)         i32 signal (0..kMaxSignal), u8 whole_tree (0 or 1).
 //     Stdin (3)        bytes data (<= kMaxDataBytes): for the command's stdin; empty: close it.
+//                      Flow control: at most kStdioWindowBytes of a command's stdin may be
+//                      sent and not yet credited back by StdinCredit; init refuses a sender
+//                      that exceeds it (Error frame; the command's stdin is closed).
+//     OutputCredit (4) u8 stream (1 stdout, 2 stderr), u32 bytes (1..kStdioWindowBytes): the
+//                      agent handed that many bytes of the stream's Output on to its reader.
 //   init -> agent
 //     Spawned (0x81)     i32 pid (> 0): the program was exec'd.
 //     SpawnFailed (0x82) u32 stage, i32 errno, i32 pid, str message (<= kMaxMessageBytes).
@@ -58,6 +63,18 @@
 //                        the command wrote; empty: that stream reached EOF. All output a
 //                        process wrote before it exited precedes its Exited frame.
 //     Ready (0x86)       empty payload, id 0: init serves (stream transport only).
+//     StdinCredit (0x87) u32 bytes (1..kStdioWindowBytes): init wrote (or, once the command's
+//                        stdin is closed, dropped) that many bytes of the command's Stdin
+//                        data; the agent may send that many more.
+//
+// Flow control (stream transport): each direction of each command's stdio has a window of
+// kStdioWindowBytes, as in HTTP/2 or SSH channels. The agent sends at most that many stdin
+// bytes ahead of init's StdinCredit; init sends at most that many bytes of a stream's Output
+// ahead of the agent's OutputCredit and, when the window is full, stops reading the command's
+// pipe (the command blocks, as on a pipe of the native runtime). Credits are batched (once a
+// quarter of the window is consumed, or when the consumer's buffer empties). Empty Stdin and
+// Output frames (EOF) take no window. A credit that would raise a window above
+// kStdioWindowBytes is refused.
 //
 // `bytes` is a u32 length and that many bytes of any value (NULs allowed).
 //
@@ -98,12 +115,14 @@ enum class FrameType : uint16_t {
   kSpawn = 1,
   kKill = 2,
   kStdin = 3,
+  kOutputCredit = 4,
   kSpawned = 0x81,
   kSpawnFailed = 0x82,
   kExited = 0x83,
   kError = 0x84,
   kOutput = 0x85,
   kReady = 0x86,
+  kStdinCredit = 0x87,
 };
 
 inline constexpr uint32_t kStdinNull = 1u << 0;
@@ -179,8 +198,20 @@ struct ReadyFrame {
   uint64_t id = 0;
 };
 
-using Frame = std::variant<SpawnFrame, KillFrame, SpawnedFrame, SpawnFailedFrame, ExitedFrame,
-                           ErrorFrame, StdinFrame, OutputFrame, ReadyFrame>;
+struct OutputCreditFrame {
+  uint64_t id = 0;
+  OutputStream stream = OutputStream::kStdout;
+  uint32_t bytes = 0;  // 1..kStdioWindowBytes
+};
+
+struct StdinCreditFrame {
+  uint64_t id = 0;
+  uint32_t bytes = 0;  // 1..kStdioWindowBytes
+};
+
+using Frame =
+    std::variant<SpawnFrame, KillFrame, SpawnedFrame, SpawnFailedFrame, ExitedFrame, ErrorFrame,
+                 StdinFrame, OutputFrame, ReadyFrame, OutputCreditFrame, StdinCreditFrame>;
 
 // Number of fds a Spawn frame with `flags` must carry (one per stream that is not /dev/null;
 // none with kStreamStdio).
@@ -214,6 +245,12 @@ struct DecodeResult {
 // Thread-compatible.
 DecodeResult DecodeFrame(std::string_view bytes, size_t num_fds);
 
+// Stream transport: the flow-control window of each direction of each command's stdio
+// (bytes sent and not yet credited back). Four full frames keep the pipe between gVisor and
+// the agent busy while credits travel back.
+inline constexpr size_t kStdioWindowBytes = 256 * 1024;
+// Credits are sent once this much is consumed (or the consumer's buffer is empty).
+inline constexpr size_t kStdioCreditBatchBytes = kStdioWindowBytes / 4;
 // Stream transport: the 4-byte length prefix of a frame of `frame_bytes` bytes.
 std::string StreamPrefix(size_t frame_bytes);
 // Stream transport: parses a length prefix (exactly kStreamPrefixBytes bytes). Returns false

@@ -44,6 +44,9 @@ std::vector<Frame> SampleFrames() {
       OutputFrame{18, OutputStream::kStderr, std::string(kMaxDataBytes, 'x')},
       OutputFrame{19, OutputStream::kStdout, ""},
       ReadyFrame{},
+      OutputCreditFrame{20, OutputStream::kStdout, 1},
+      OutputCreditFrame{21, OutputStream::kStderr, kStdioWindowBytes},
+      StdinCreditFrame{22, 65536},
   };
 }
 
@@ -169,6 +172,68 @@ TEST(InitProtocolTest, EncodeRefusesBadFrames) {
   EXPECT_FALSE(EncodeFrame(SpawnedFrame{1, 0}, &out, &error));
   EXPECT_FALSE(EncodeFrame(ErrorFrame{1, std::string(kMaxMessageBytes + 1, 'x')}, &out, &error));
   EXPECT_TRUE(out.empty());
+}
+
+// Credits are how the stdio windows reopen: a zero credit, one above the window or an unknown
+// stream are refused by both sides, so that no peer can make the other's window grow.
+TEST(InitProtocolTest, CreditFramesAreBounded) {
+  std::string out;
+  std::string error;
+  EXPECT_FALSE(EncodeFrame(StdinCreditFrame{1, 0}, &out, &error));
+  EXPECT_FALSE(EncodeFrame(StdinCreditFrame{1, kStdioWindowBytes + 1}, &out, &error));
+  EXPECT_FALSE(EncodeFrame(OutputCreditFrame{1, OutputStream::kStdout, 0}, &out, &error));
+  EXPECT_FALSE(EncodeFrame(OutputCreditFrame{1, OutputStream::kStdout, kStdioWindowBytes + 1}, &out,
+                           &error));
+  EXPECT_FALSE(EncodeFrame(OutputCreditFrame{1, static_cast<OutputStream>(3), 5}, &out, &error));
+
+  // Hand-made payloads behind valid headers.
+  auto with_payload = [](FrameType type, std::string payload) {
+    std::string bytes = MustEncode(StdinCreditFrame{9, 1});
+    bytes.resize(kHeaderBytes);
+    bytes[4] = static_cast<char>(static_cast<uint16_t>(type) & 0xff);
+    bytes[5] = static_cast<char>(static_cast<uint16_t>(type) >> 8);
+    return bytes + payload;
+  };
+  auto u32 = [](uint32_t v) {
+    std::string s(4, '\0');
+    for (int i = 0; i < 4; ++i) {
+      s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+    }
+    return s;
+  };
+  DecodeResult ok = DecodeFrame(with_payload(FrameType::kStdinCredit, u32(4096)), 0);
+  ASSERT_TRUE(ok.frame.has_value()) << ok.error;
+  EXPECT_EQ(std::get<StdinCreditFrame>(*ok.frame).bytes, 4096u);
+  EXPECT_EQ(std::get<StdinCreditFrame>(*ok.frame).id, 9u);
+  ok = DecodeFrame(with_payload(FrameType::kOutputCredit, std::string(1, '\2') + u32(77)), 0);
+  ASSERT_TRUE(ok.frame.has_value()) << ok.error;
+  EXPECT_EQ(std::get<OutputCreditFrame>(*ok.frame).stream, OutputStream::kStderr);
+  EXPECT_EQ(std::get<OutputCreditFrame>(*ok.frame).bytes, 77u);
+
+  const std::string bad[] = {
+      with_payload(FrameType::kStdinCredit, u32(0)),
+      with_payload(FrameType::kStdinCredit, u32(kStdioWindowBytes + 1)),
+      with_payload(FrameType::kStdinCredit, u32(0xffffffff)),
+      with_payload(FrameType::kStdinCredit, std::string(3, '\1')),
+      with_payload(FrameType::kStdinCredit, u32(1) + "x"),
+      with_payload(FrameType::kOutputCredit, std::string(1, '\1') + u32(0)),
+      with_payload(FrameType::kOutputCredit, std::string(1, '\1') + u32(kStdioWindowBytes + 1)),
+      with_payload(FrameType::kOutputCredit, std::string(1, '\0') + u32(1)),
+      with_payload(FrameType::kOutputCredit, std::string(1, '\3') + u32(1)),
+      with_payload(FrameType::kOutputCredit, std::string(1, '\1') + std::string(3, '\1')),
+      with_payload(FrameType::kOutputCredit, std::string(1, '\1') + u32(1) + "x"),
+  };
+  for (const std::string& b : bad) {
+    DecodeResult r = DecodeFrame(b, 0);
+    EXPECT_FALSE(r.frame.has_value());
+    EXPECT_FALSE(r.error.empty());
+    ASSERT_TRUE(r.id.has_value());
+    EXPECT_EQ(*r.id, 9u);
+  }
+  // Credits never carry fds.
+  EXPECT_FALSE(DecodeFrame(with_payload(FrameType::kStdinCredit, u32(1)), 1).frame.has_value());
+  EXPECT_STREQ(FrameTypeName(FrameType::kStdinCredit), "StdinCredit");
+  EXPECT_STREQ(FrameTypeName(FrameType::kOutputCredit), "OutputCredit");
 }
 
 TEST(InitProtocolTest, ArgEnvLimitIsExact) {

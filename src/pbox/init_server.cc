@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdarg>
@@ -401,7 +402,9 @@ int InitServer::Run() {
         what.push_back({3, id});
       }
       for (int i = 0; i < 2; ++i) {
-        if (st.out[i].valid()) {
+        // A full window leaves the pipe unread: the command blocks on it, as on a pipe of the
+        // native runtime, until the agent's reader catches up.
+        if (st.out[i].valid() && st.out_unacked[i] < proto::kStdioWindowBytes) {
           fds.push_back({st.out[i].get(), POLLIN, 0});
           what.push_back({4 + i, id});
         }
@@ -550,6 +553,9 @@ void InitServer::Dispatch(proto::DecodeResult decoded, std::vector<UniqueFd> fds
   } else if (auto* stdin_frame = std::get_if<proto::StdinFrame>(&*decoded.frame);
              stdin_frame != nullptr && stream_) {
     HandleStdin(std::move(*stdin_frame));
+  } else if (auto* credit = std::get_if<proto::OutputCreditFrame>(&*decoded.frame);
+             credit != nullptr && stream_) {
+    HandleOutputCredit(*credit);
   } else {
     const uint64_t id = std::visit([](const auto& f) { return f.id; }, *decoded.frame);
     Log("unexpected frame for id %llu from the agent", static_cast<unsigned long long>(id));
@@ -559,7 +565,7 @@ void InitServer::Dispatch(proto::DecodeResult decoded, std::vector<UniqueFd> fds
 
 void InitServer::HandleSpawn(proto::SpawnFrame frame, std::vector<UniqueFd> fds) {
   const uint64_t id = frame.id;
-  if (children_.count(id) != 0) {
+  if (children_.count(id) != 0 || streams_.count(id) != 0) {
     SendError(id, "duplicate process id " + std::to_string(id));
     return;
   }
@@ -663,10 +669,7 @@ void InitServer::HandleErrorPipe(uint64_t id) {
     child.state = State::kRunning;
     Send(proto::SpawnedFrame{id, child.pid});
     if (child.early_exit.has_value()) {
-      PumpOutput(id, 0, /*drain=*/true);
-      PumpOutput(id, 1, /*drain=*/true);
-      Send(*child.early_exit);
-      Forget(id);
+      FinishExit(*child.early_exit);
     }
     return;
   }
@@ -745,11 +748,7 @@ void InitServer::ReapChildren() {
         child.early_exit = f;
         break;
       case State::kRunning:
-        // Everything the process wrote is in its pipes now: send it ahead of the exit.
-        PumpOutput(id, 0, /*drain=*/true);
-        PumpOutput(id, 1, /*drain=*/true);
-        Send(f);
-        Forget(id);
+        FinishExit(f);
         break;
       case State::kFailed:
         Forget(id);
@@ -776,14 +775,41 @@ void InitServer::Forget(uint64_t id) {
 
 void InitServer::HandleStdin(proto::StdinFrame frame) {
   auto it = streams_.find(frame.id);
-  if (it == streams_.end() || !it->second.stdin_write.valid()) {
-    return;  // exited, or stdin closed or never requested: the data has nowhere to go
+  if (it == streams_.end()) {
+    return;  // exited (its Exited frame stops the agent's relay) or never streamed
+  }
+  Streams& st = it->second;
+  if (st.stdin_refused) {
+    return;
   }
   if (frame.data.empty()) {
-    it->second.stdin_eof = true;
-  } else {
-    it->second.stdin_pending += frame.data;
+    st.stdin_eof = true;
+    FlushStdin(frame.id);
+    return;
   }
+  if (st.stdin_pending.size() + st.stdin_uncredited + frame.data.size() >
+      proto::kStdioWindowBytes) {
+    // Only a broken agent sends past its window; buffering what it sends would let it grow
+    // this process (the sandbox's memory) without bound.
+    Log("process %llu: stdin sent past its window of %zu bytes; closing its stdin",
+        static_cast<unsigned long long>(frame.id), proto::kStdioWindowBytes);
+    SendError(frame.id, "stdin sent past the window of " +
+                            std::to_string(proto::kStdioWindowBytes) +
+                            " bytes; the command's stdin is closed");
+    st.stdin_refused = true;
+    st.stdin_pending.clear();
+    st.stdin_write.Reset();
+    MaybeForgetStreams(frame.id);
+    return;
+  }
+  if (!st.stdin_write.valid()) {
+    // The command closed its stdin (or it was never a pipe): dropped, and the window
+    // reopened, as a pipe without reader would fail the writes without blocking them.
+    st.stdin_uncredited += frame.data.size();
+    CreditStdin(frame.id, st);
+    return;
+  }
+  st.stdin_pending += frame.data;
   FlushStdin(frame.id);
 }
 
@@ -793,66 +819,146 @@ void InitServer::FlushStdin(uint64_t id) {
     return;
   }
   Streams& st = it->second;
-  while (!st.stdin_pending.empty()) {
-    ssize_t n = write(st.stdin_write.get(), st.stdin_pending.data(), st.stdin_pending.size());
+  size_t written = 0;
+  while (written < st.stdin_pending.size()) {
+    ssize_t n = write(st.stdin_write.get(), st.stdin_pending.data() + written,
+                      st.stdin_pending.size() - written);
     if (n > 0) {
-      st.stdin_pending.erase(0, static_cast<size_t>(n));
+      written += static_cast<size_t>(n);
       continue;
     }
     if (n < 0 && errno == EINTR) {
       continue;
     }
     if (n < 0 && errno == EAGAIN) {
-      return;  // polled for POLLOUT
+      break;  // polled for POLLOUT
     }
     // EPIPE: the command closed its stdin; drop what it will never read.
-    st.stdin_pending.clear();
+    written = st.stdin_pending.size();
     st.stdin_write.Reset();
-    return;
+    break;
   }
-  if (st.stdin_eof) {
+  st.stdin_pending.erase(0, written);
+  st.stdin_uncredited += written;
+  if (st.stdin_pending.empty() && st.stdin_eof) {
     st.stdin_write.Reset();
   }
+  CreditStdin(id, st);
 }
 
-void InitServer::PumpOutput(uint64_t id, int stream, bool drain) {
-  auto it = streams_.find(id);
-  if (it == streams_.end() || !it->second.out[stream].valid()) {
+void InitServer::CreditStdin(uint64_t id, Streams& st) {
+  if (st.stdin_uncredited == 0 ||
+      (st.stdin_uncredited < proto::kStdioCreditBatchBytes && !st.stdin_pending.empty())) {
     return;
   }
-  UniqueFd& fd = it->second.out[stream];
+  Send(proto::StdinCreditFrame{id, static_cast<uint32_t>(st.stdin_uncredited)});
+  st.stdin_uncredited = 0;
+}
+
+InitServer::Pumped InitServer::PumpOutput(uint64_t id, int stream, bool drain) {
+  auto it = streams_.find(id);
+  if (it == streams_.end() || !it->second.out[stream].valid()) {
+    return Pumped::kEof;
+  }
+  Streams& st = it->second;
+  UniqueFd& fd = st.out[stream];
   proto::OutputFrame f;
   f.id = id;
   f.stream = stream == 0 ? proto::OutputStream::kStdout : proto::OutputStream::kStderr;
   std::string chunk(proto::kMaxDataBytes, '\0');
   // Without `drain`, one read per wakeup keeps one chatty command from starving the others.
   for (int reads = 0; drain || reads < 1; ++reads) {
-    ssize_t n = read(fd.get(), chunk.data(), chunk.size());
+    const size_t room = proto::kStdioWindowBytes - st.out_unacked[stream];
+    if (room == 0) {
+      return Pumped::kWindowFull;
+    }
+    ssize_t n = read(fd.get(), chunk.data(), std::min(chunk.size(), room));
     if (n < 0 && errno == EINTR) {
       continue;
     }
     if (n < 0 && errno == EAGAIN) {
-      return;
+      return Pumped::kEmpty;
     }
     if (n <= 0) {
       f.data.clear();
       Send(f);  // EOF (or a read error, which ends the stream the same way)
       fd.Reset();
       MaybeForgetStreams(id);
-      return;
+      return Pumped::kEof;
     }
     f.data.assign(chunk.data(), static_cast<size_t>(n));
+    st.out_unacked[stream] += static_cast<size_t>(n);
     Send(f);
     if (channel_closed_) {
-      return;
+      return Pumped::kEof;
     }
   }
+  return Pumped::kRead;
+}
+
+void InitServer::HandleOutputCredit(const proto::OutputCreditFrame& frame) {
+  auto it = streams_.find(frame.id);
+  if (it == streams_.end()) {
+    return;  // both pipes ended and the process exited: nothing left to send
+  }
+  const int stream = frame.stream == proto::OutputStream::kStdout ? 0 : 1;
+  size_t& unacked = it->second.out_unacked[stream];
+  if (frame.bytes > unacked) {
+    Log("process %llu: output credit of %u bytes for %zu sent",
+        static_cast<unsigned long long>(frame.id), frame.bytes, unacked);
+    SendError(frame.id, "output credit beyond what was sent");
+    return;
+  }
+  unacked -= frame.bytes;
+  if (it->second.exit.has_value()) {
+    FlushExit(frame.id);
+  }
+}
+
+void InitServer::FinishExit(const proto::ExitedFrame& frame) {
+  // No Kill may reach the pid any more (it can be reused once reaped).
+  Forget(frame.id);
+  auto it = streams_.find(frame.id);
+  if (it == streams_.end()) {
+    Send(frame);
+    return;
+  }
+  it->second.exit = frame;
+  it->second.out_drained[0] = it->second.out_drained[1] = false;
+  FlushExit(frame.id);
+}
+
+void InitServer::FlushExit(uint64_t id) {
+  // Everything the process wrote is in its pipes now: send it ahead of the exit, as far as
+  // the windows let it go; the rest follows credits.
+  for (int i = 0; i < 2; ++i) {
+    auto it = streams_.find(id);
+    if (it == streams_.end() || !it->second.exit.has_value()) {
+      return;
+    }
+    if (!it->second.out_drained[i]) {
+      Pumped p = PumpOutput(id, i, /*drain=*/true);
+      it = streams_.find(id);
+      if (it == streams_.end()) {
+        return;
+      }
+      it->second.out_drained[i] = p != Pumped::kWindowFull;
+    }
+  }
+  auto it = streams_.find(id);
+  if (it == streams_.end() || !it->second.out_drained[0] || !it->second.out_drained[1]) {
+    return;
+  }
+  proto::ExitedFrame f = *it->second.exit;
+  it->second.exit.reset();
+  Send(f);
+  MaybeForgetStreams(id);
 }
 
 void InitServer::MaybeForgetStreams(uint64_t id) {
   auto it = streams_.find(id);
   if (it != streams_.end() && !it->second.stdin_write.valid() && !it->second.out[0].valid() &&
-      !it->second.out[1].valid() && children_.count(id) == 0) {
+      !it->second.out[1].valid() && !it->second.exit.has_value() && children_.count(id) == 0) {
     streams_.erase(it);
   }
 }

@@ -67,6 +67,8 @@ class InitServer {
 
  private:
   enum class State { kStarting, kRunning, kFailed };
+  // What PumpOutput stopped at.
+  enum class Pumped { kRead, kEmpty, kEof, kWindowFull };
   struct Child {
     uint64_t id = 0;
     pid_t pid = 0;
@@ -81,7 +83,18 @@ class InitServer {
     UniqueFd stdin_write;  // non-blocking
     std::string stdin_pending;
     bool stdin_eof = false;  // close stdin once stdin_pending is written
-    UniqueFd out[2];         // stdout, stderr read ends, non-blocking
+    // Stdin bytes written (or dropped) and not yet credited back: with stdin_pending, what
+    // the agent's stdin window holds (init_protocol.h).
+    size_t stdin_uncredited = 0;
+    bool stdin_refused = false;  // the agent overran its window: its stdin is ignored
+    UniqueFd out[2];             // stdout, stderr read ends, non-blocking
+    // Output bytes sent and not yet credited back: the pipe is not read while a stream's
+    // window is full (init_protocol.h).
+    size_t out_unacked[2] = {0, 0};
+    // The process was reaped while output it wrote before exiting could not be sent yet (its
+    // window was full): sent once each pipe was found empty (out_drained) or at EOF.
+    std::optional<init_protocol::ExitedFrame> exit;
+    bool out_drained[2] = {false, false};
   };
 
   InitServer(UniqueFd channel, UniqueFd out, UniqueFd signal_fd, InitServerOptions options,
@@ -94,11 +107,21 @@ class InitServer {
   bool ReadStream();
   void Dispatch(init_protocol::DecodeResult decoded, std::vector<UniqueFd> fds);
   void HandleStdin(init_protocol::StdinFrame frame);
-  // Writes pending stdin; closes it after EOF or when the command stopped reading.
+  // Writes pending stdin; closes it after EOF or when the command stopped reading. Returns
+  // credit to the agent for what left the buffer.
   void FlushStdin(uint64_t id);
-  // Reads what the command wrote into `stream` (0 stdout, 1 stderr) and sends it; with
-  // `drain`, until the pipe is empty. Sends EOF and closes the pipe at its end.
-  void PumpOutput(uint64_t id, int stream, bool drain);
+  // Sends StdinCredit for `st`'s uncredited bytes once there are enough of them, or any once
+  // its buffer is empty.
+  void CreditStdin(uint64_t id, Streams& st);
+  // Reads what the command wrote into `stream` (0 stdout, 1 stderr) and sends it, as far as
+  // the stream's window allows; with `drain`, until the pipe is empty. Sends EOF and closes
+  // the pipe at its end (which may forget the streams: callers look `id` up again).
+  Pumped PumpOutput(uint64_t id, int stream, bool drain);
+  void HandleOutputCredit(const init_protocol::OutputCreditFrame& frame);
+  // The process `id` was reaped: forgets it and sends its Exited frame after the output it
+  // wrote before exiting, at once or (window full) once FlushExit found its pipes drained.
+  void FinishExit(const init_protocol::ExitedFrame& frame);
+  void FlushExit(uint64_t id);
   void MaybeForgetStreams(uint64_t id);
   bool WriteChannel(const std::string& bytes);
   void HandleSpawn(init_protocol::SpawnFrame frame, std::vector<UniqueFd> fds);

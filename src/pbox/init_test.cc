@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -193,6 +194,37 @@ std::string ReadLine(int fd) {
     line.push_back(c);
   }
   return line;
+}
+
+// VmRSS of `pid` in KiB; -1 when unreadable.
+long RssKb(pid_t pid) {
+  auto s = ReadFileToString(fmt::format("/proc/{}/status", pid));
+  if (!s.ok()) {
+    return -1;
+  }
+  auto at = s->find("VmRSS:");
+  return at == std::string::npos ? -1 : std::stol(s->substr(at + 6));
+}
+
+// Writes `total` bytes into the non-blocking `fd` for at most `within`; returns how many
+// went in (fewer when the reader stopped taking them).
+size_t WriteFor(int fd, size_t total, milliseconds within) {
+  const std::string chunk(64 * 1024, 's');
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  size_t done = 0;
+  while (done < total && std::chrono::steady_clock::now() < deadline) {
+    pollfd p = {fd, POLLOUT, 0};
+    if (::poll(&p, 1, 50) <= 0) {
+      continue;
+    }
+    ssize_t n = ::write(fd, chunk.data(), std::min(chunk.size(), total - done));
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+      break;
+    }
+  }
+  return done;
 }
 
 struct Captured {
@@ -778,6 +810,130 @@ TEST_P(InitTest, ACommandThatClosesStdinEarlyDoesNotStallOthers) {
   writer.join();
 }
 
+TEST_P(InitTest, StdinOfACommandThatDoesNotReadIsBounded) {
+  // Stream transport: the agent relays stdin only as far as pbox-init's credit allows, so a
+  // command that never reads holds up its writer (as a pipe would) instead of growing init.
+  if (!GetParam()) {
+    GTEST_SKIP() << "the seqpacket transport hands the command the caller's pipe itself";
+  }
+  auto in = MakePipe();
+  ASSERT_TRUE(in.ok());
+  SpawnRequest req;
+  req.argv = {"sleep", "30"};
+  req.stdin_fd = in->read.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  in->read.Reset();
+  const long rss_before = RssKb(init_.pid());
+  ASSERT_GT(rss_before, 0);
+  ASSERT_EQ(::fcntl(in->write.get(), F_SETFL, O_NONBLOCK), 0);
+  // Pipes on both sides (64 KiB each), the relay's chunk and the window: well under 4 MiB.
+  const size_t taken = WriteFor(in->write.get(), 64u << 20, milliseconds(3000));
+  EXPECT_LT(taken, 4u << 20);
+  EXPECT_LT(RssKb(init_.pid()), rss_before + 16 * 1024);
+  // Init still serves: another command runs, and a Kill reaches the stuck one.
+  EXPECT_EQ(Run({"echo", "still here"}).out, "still here\n");
+  ASSERT_TRUE(client_->Kill((*h)->id(), SIGKILL, false).ok());
+  auto exit = (*h)->Wait(milliseconds(20000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->signal, SIGKILL);
+  // Its exit stops the relay: the writer sees the pipe's reader go.
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(20000);
+  bool broken = false;
+  while (!broken && std::chrono::steady_clock::now() < deadline) {
+    broken = ::write(in->write.get(), "x", 1) < 0 && errno == EPIPE;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_TRUE(broken);
+}
+
+TEST_P(InitTest, LargeStdinThroughTheWindowArrivesWhole) {
+  // 32 MiB and a bit (not a multiple of any chunk or window) through cat: every credit must
+  // come back for the stream to finish, and the bytes in order.
+  std::string input(32u * 1024 * 1024 + 12345, '\0');
+  for (size_t i = 0; i < input.size(); ++i) {
+    input[i] = static_cast<char>((i * 2654435761u) >> 13);
+  }
+  auto in = MakePipe();
+  auto out = MakePipe();
+  ASSERT_TRUE(in.ok() && out.ok());
+  SpawnRequest req;
+  req.argv = {"cat"};
+  req.stdin_fd = in->read.get();
+  req.stdout_fd = out->write.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  in->read.Reset();
+  out->write.Reset();
+  std::thread writer([&] {
+    EXPECT_TRUE(WriteAll(in->write.get(), input).ok());
+    in->write.Reset();
+  });
+  std::string got;
+  got.reserve(input.size());
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got, milliseconds(120000)));
+  writer.join();
+  EXPECT_EQ(got.size(), input.size());
+  EXPECT_TRUE(got == input);
+  auto exit = (*h)->Wait(milliseconds(30000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+TEST_P(InitTest, OutputNobodyReadsDoesNotStallOtherCommands) {
+  // The caller never reads the first command's stdout (yet): on the stream transport its
+  // output must wait in its own window, not in the reader that serves the whole sandbox.
+  constexpr size_t kBytes = 16u << 20;
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  SpawnRequest req;
+  req.argv = {"head", "-c", std::to_string(kBytes), "/dev/zero"};
+  req.stdout_fd = out->write.get();
+  auto stuck = client_->Spawn(req);
+  ASSERT_TRUE(stuck.ok()) << stuck.status();
+  out->write.Reset();
+  // Another command's Spawned, output and Exited all arrive meanwhile (in a thread, so that
+  // a stalled client fails the test instead of hanging it).
+  auto other = std::async(std::launch::async, [this] { return Run({"echo", "still here"}); });
+  const bool in_time = other.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(in_time) << "a caller that does not read stalled the other command";
+  // The stuck caller gets every byte once it reads, then EOF, then the exit.
+  std::string got;
+  got.reserve(kBytes);
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got, milliseconds(120000)));
+  EXPECT_EQ(got.size(), kBytes);
+  EXPECT_EQ(got.find_first_not_of('\0'), std::string::npos);
+  if (in_time || other.wait_for(std::chrono::seconds(30)) == std::future_status::ready) {
+    Captured c = other.get();
+    EXPECT_EQ(c.out, "still here\n");
+    EXPECT_EQ(c.exit.exit_code, 0);
+  }
+  auto exit = (*stuck)->Wait(milliseconds(30000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+TEST_P(InitTest, ExitWaitsForTheOutputBeforeIt) {
+  // 200 kB fits the stream's window but not the caller's pipe: the command exits at once on
+  // the stream transport, yet its exit must not reach the caller before its output, as on
+  // the native runtime (where the command itself blocks on the pipe).
+  auto out = MakePipe();
+  ASSERT_TRUE(out.ok());
+  SpawnRequest req;
+  req.argv = {"head", "-c", "200000", "/dev/zero"};
+  req.stdout_fd = out->write.get();
+  auto h = client_->Spawn(req);
+  ASSERT_TRUE(h.ok()) << h.status();
+  out->write.Reset();
+  EXPECT_EQ((*h)->Wait(milliseconds(1000)).status().code(), absl::StatusCode::kDeadlineExceeded);
+  std::string got;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got));
+  EXPECT_EQ(got.size(), 200000u);
+  auto exit = (*h)->Wait(milliseconds(30000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, InitTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Stream" : "SeqPacket";
@@ -1230,6 +1386,151 @@ TEST(StreamInitTest, SurvivesBadFramesAndStopsOnABrokenStream) {
   auto exit = process.Wait(milliseconds(10000));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(exit->exit_code, 1);
+}
+
+// A sender that ignores the stdin window (only a broken agent would) is refused with an Error
+// frame instead of being buffered: init's memory stays bounded whatever the agent sends.
+TEST(StreamInitTest, RefusesStdinPastTheWindow) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto init = StartStreamInit();
+  ASSERT_TRUE(init.ok()) << init.status();
+  ChildProcess process = std::move(init->first.process);
+  UniqueFd from_init = std::move(init->first.channel);
+  UniqueFd to_init = std::move(init->second);
+  auto read_frame = [&]() -> std::optional<proto::Frame> {
+    // Bounded, so that an init that never answers fails the test instead of hanging it.
+    pollfd p = {from_init.get(), POLLIN, 0};
+    if (::poll(&p, 1, 20000) != 1) {
+      ADD_FAILURE() << "no frame from init within 20 s";
+      return std::nullopt;
+    }
+    std::string prefix(proto::kStreamPrefixBytes, '\0');
+    if (!ReadFull(from_init.get(), prefix.data(), prefix.size()).ok()) {
+      return std::nullopt;
+    }
+    size_t len = 0;
+    std::string error;
+    if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
+      return std::nullopt;
+    }
+    std::string body(len, '\0');
+    if (!ReadFull(from_init.get(), body.data(), len).ok()) {
+      return std::nullopt;
+    }
+    return proto::DecodeFrame(body, 0).frame;
+  };
+  auto send = [&](const proto::Frame& f) {
+    std::string bytes;
+    std::string error;
+    ASSERT_TRUE(proto::EncodeFrame(f, &bytes, &error)) << error;
+    ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(bytes.size()) + bytes).ok());
+  };
+  auto ready = read_frame();
+  ASSERT_TRUE(ready.has_value());
+  ASSERT_TRUE(std::holds_alternative<proto::ReadyFrame>(*ready));
+  const long rss_before = RssKb(process.pid());
+
+  send(proto::SpawnFrame{
+      1, proto::kStreamStdio | proto::kStdoutNull | proto::kStderrNull, "/", {"sleep", "30"}, {}});
+  // 16 MiB of stdin for a command that never reads, without waiting for any credit.
+  const std::string data(proto::kMaxDataBytes, 'z');
+  for (int i = 0; i < 256; ++i) {
+    send(proto::StdinFrame{1, data});
+  }
+  size_t credited = 0;
+  bool refused = false;
+  while (!refused) {
+    auto f = read_frame();
+    ASSERT_TRUE(f.has_value());
+    if (auto* c = std::get_if<proto::StdinCreditFrame>(&*f)) {
+      credited += c->bytes;
+    } else if (auto* e = std::get_if<proto::ErrorFrame>(&*f)) {
+      EXPECT_EQ(e->id, 1u);
+      EXPECT_NE(e->message.find("window"), std::string::npos) << e->message;
+      refused = true;
+    }
+  }
+  // Only what the pipe took was credited: the command never read.
+  EXPECT_LE(credited, 1u << 20);
+  EXPECT_LT(RssKb(process.pid()), rss_before + 8 * 1024);
+  // The stream goes on: the command is still there to kill.
+  send(proto::KillFrame{1, SIGKILL, false});
+  bool exited = false;
+  while (!exited) {
+    auto f = read_frame();
+    ASSERT_TRUE(f.has_value());
+    if (auto* x = std::get_if<proto::ExitedFrame>(&*f)) {
+      EXPECT_EQ(x->id, 1u);
+      EXPECT_EQ(x->signal, SIGKILL);
+      exited = true;
+    }
+  }
+  to_init.Reset();
+  auto exit = process.Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+// The agent's end against a pbox-init (it runs inside the sandbox) that sends output past its
+// window: the stream is dropped rather than buffered, and the reader goes on.
+TEST(StreamClientTest, DropsOutputSentPastTheWindow) {
+  ::signal(SIGPIPE, SIG_IGN);
+  auto to_init = MakePipe();
+  auto from_init = MakePipe();
+  auto out = MakePipe();
+  ASSERT_TRUE(to_init.ok() && from_init.ok() && out.ok());
+  auto client = InitClient::CreateStream(std::move(to_init->write), std::move(from_init->read));
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto send = [&](const proto::Frame& f) {
+    std::string bytes;
+    std::string error;
+    EXPECT_TRUE(proto::EncodeFrame(f, &bytes, &error)) << error;
+    return WriteAll(from_init->write.get(), proto::StreamPrefix(bytes.size()) + bytes).ok();
+  };
+  ASSERT_TRUE(send(proto::ReadyFrame{}));
+  ASSERT_TRUE((*client)->WaitReady(milliseconds(10000)).ok());
+  SpawnRequest req;
+  req.argv = {"flood"};
+  req.stdout_fd = out->write.get();
+  auto spawned = std::async(std::launch::async, [&] { return (*client)->Spawn(req); });
+  // The Spawn frame: id 1 (the client's first).
+  std::string prefix(proto::kStreamPrefixBytes, '\0');
+  ASSERT_TRUE(ReadFull(to_init->read.get(), prefix.data(), prefix.size()).ok());
+  size_t len = 0;
+  std::string error;
+  ASSERT_TRUE(proto::ParseStreamPrefix(prefix, &len, &error)) << error;
+  std::string body(len, '\0');
+  ASSERT_TRUE(ReadFull(to_init->read.get(), body.data(), len).ok());
+  auto spawn = proto::DecodeFrame(body, 0);
+  ASSERT_TRUE(spawn.frame.has_value());
+  const uint64_t id = std::get<proto::SpawnFrame>(*spawn.frame).id;
+  ASSERT_TRUE(send(proto::SpawnedFrame{id, 42}));
+  auto handle = spawned.get();
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  out->write.Reset();
+  // 8 MiB without waiting for credit, while the caller reads nothing: the client must take
+  // it all without blocking (past the window it drops the stream).
+  auto flood = std::async(std::launch::async, [&] {
+    const std::string data(proto::kMaxDataBytes, 'f');
+    for (int i = 0; i < 128; ++i) {
+      if (!send(proto::OutputFrame{id, proto::OutputStream::kStdout, data})) {
+        return false;
+      }
+    }
+    return true;
+  });
+  const bool taken = flood.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(taken) << "the client's reader blocked on the caller's pipe";
+  std::string got;
+  EXPECT_TRUE(ReadToEof(out->read.get(), &got, milliseconds(30000)));
+  EXPECT_LE(got.size(), proto::kStdioWindowBytes);
+  EXPECT_TRUE(flood.get());
+  // The reader still serves: the exit arrives.
+  ASSERT_TRUE(send(proto::ExitedFrame{id, 0, 0, 0, 0, 0}));
+  auto exit = (*handle)->Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->exit_code, 0);
+  from_init->write.Reset();
 }
 
 // The one-shot helpers (init_helpers.h), run on the host here: they are plain programs.

@@ -51,6 +51,10 @@ bool SameFrame(const proto::Frame& a, const proto::Frame& b) {
           return x.id == y.id && x.stream == y.stream && x.data == y.data;
         } else if constexpr (std::is_same_v<T, proto::ReadyFrame>) {
           return x.id == y.id;
+        } else if constexpr (std::is_same_v<T, proto::OutputCreditFrame>) {
+          return x.id == y.id && x.stream == y.stream && x.bytes == y.bytes;
+        } else if constexpr (std::is_same_v<T, proto::StdinCreditFrame>) {
+          return x.id == y.id && x.bytes == y.bytes;
         } else {
           static_assert(std::is_same_v<T, proto::ErrorFrame>);
           return x.id == y.id && x.message == y.message;

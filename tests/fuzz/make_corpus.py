@@ -60,6 +60,12 @@ FRAMES = {
     "exited": (0, header(0x83, 7) + struct.pack("<iiqqq", 0, 0, 10, 20, 3000)),
     "exited_signal": (0, header(0x83, 8) + struct.pack("<iiqqq", -1, 9, 1, 1, 1)),
     "error": (0, header(0x84, 9) + s(b"bad frame")),
+    "stdin": (0, header(3, 15) + s(b"input\0bytes")),
+    "output": (0, header(0x85, 16) + b"\x02" + s(b"err")),
+    "output_credit": (0, header(4, 17) + struct.pack("<BI", 1, 65536)),
+    "stdin_credit": (0, header(0x87, 18) + struct.pack("<I", 262144)),
+    "bad_credit_zero": (0, header(0x87, 19) + struct.pack("<I", 0)),
+    "bad_credit_over_window": (0, header(4, 20) + struct.pack("<BI", 2, 262145)),
     # known bad: wrong fd count, truncated, huge length, bad magic
     "bad_fd_count": (1, spawn(10, 0, b"/", [b"x"], [])),
     "bad_truncated": (0, spawn(11, 7, b"/", [b"x"], [])[:-3]),

@@ -279,3 +279,58 @@ def _swallow(fn, *args) -> None:
         fn(*args)
     except pbox.PboxError:
         pass  # the command ended while its stdin was being written: expected here
+
+
+def test_stdin_nobody_reads_blocks_the_writer(sandbox: pbox.Sandbox) -> None:
+    # A command that never reads its stdin holds up the client's writes (as a pipe would)
+    # instead of having the sandbox buffer them: under gVisor pbox-init relays stdin, and its
+    # memory is the sandbox's. Meanwhile other commands run and a signal reaches this one.
+    total = 64 << 20
+    proc = sandbox.exec(["sleep", "60"], stdin=True)
+    sent = [0]
+
+    def feed() -> None:
+        chunk = b"s" * (1 << 20)
+        try:
+            while sent[0] < total:
+                proc.write_stdin(chunk)
+                sent[0] += len(chunk)
+        except pbox.PboxError:
+            pass  # the command was killed below
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    # Until the writes stall: no progress for 2 s (the pipes, the agent's and gRPC's buffers
+    # fill in well under that).
+    deadline = time.monotonic() + 60
+    last, still_since = -1, time.monotonic()
+    while time.monotonic() < deadline and sent[0] < total:
+        if sent[0] != last:
+            last, still_since = sent[0], time.monotonic()
+        elif time.monotonic() - still_since > 2:
+            break
+        time.sleep(0.05)
+    assert sent[0] < 32 << 20, f"{sent[0]} bytes of stdin taken by a command that never reads"
+    # (proc.kill() would queue behind the stdin on the Exec call's own request stream.)
+    assert sandbox.run(["pkill", "-KILL", "-x", "sleep"]).ok
+    res = proc.wait()
+    assert res.signal == signal.SIGKILL
+    writer.join(30)
+    assert not writer.is_alive()
+
+
+def test_output_nobody_reads_does_not_stall_other_commands(sandbox: pbox.Sandbox) -> None:
+    # The client reads nothing of this command's 64 MiB for now: its output waits in the
+    # command's pipe, and the sandbox's other commands still run (under gVisor their frames
+    # share one stream with it).
+    total = 64 << 20
+    stuck = sandbox.exec(["head", "-c", str(total), "/dev/zero"])
+    time.sleep(0.5)  # let it fill every buffer on the way
+    done: list = []
+    other = threading.Thread(target=lambda: done.append(sandbox.run(["echo", "hi"])), daemon=True)
+    other.start()
+    other.join(60)
+    assert done, "a command whose output nobody reads stalled another command"
+    assert done[0].stdout == b"hi\n" and done[0].ok
+    assert sum(len(c) for c in stuck.stdout_iter()) == total
+    assert stuck.result is not None and stuck.result.ok
