@@ -121,12 +121,16 @@ def main():
                         made[k][i](argv)
                         execs[k][j].append((time.monotonic() - t) * 1e3)
         print(f"{args.sandboxes} of each kind, load {os.getloadavg()}")
-        print("| kind | create p50 ms | create min | exec `true` p50 ms | "
-              "exec `python3 -c pass` p50 ms |\n|---|---:|---:|---:|---:|")
+        def pct(values, q):
+            v = sorted(values)
+            return v[min(len(v) - 1, int(q / 100 * len(v)))]
+
+        print("| kind | create p50 ms | create min | exec `true` p50 ms | exec `true` p10 / p90 | "
+              "exec `python3 -c pass` p50 ms |\n|---|---:|---:|---:|---:|---:|")
         for k in kinds:
             print(f"| {k} | {statistics.median(create[k]):.1f} | {min(create[k]):.1f} | "
-                  f"{statistics.median(execs[k][0]):.1f} | "
-                  f"{statistics.median(execs[k][1]):.1f} |")
+                  f"{statistics.median(execs[k][0]):.1f} | {pct(execs[k][0], 10):.1f} / "
+                  f"{pct(execs[k][0], 90):.1f} | {statistics.median(execs[k][1]):.1f} |")
     finally:
         for b in boxes:
             b.close()
