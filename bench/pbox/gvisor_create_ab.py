@@ -29,9 +29,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start_agent(build, tmp, extra):
+def start_agent(build, tmp, extra, pboxd=None):
+    """Starts a gVisor pboxd (the build's, or `pboxd`) on <tmp>/s.sock; returns it once it
+    serves."""
     os.makedirs(tmp)
-    proc = subprocess.Popen([os.path.join(build, "src/pbox/pboxd"), "--listen",
+    proc = subprocess.Popen([pboxd or os.path.join(build, "src/pbox/pboxd"), "--listen",
                              f"unix://{tmp}/s.sock", "--state-dir", tmp + "/state",
                              "--ready-file", tmp + "/ready", "--log-level", "warn",
                              "--runtime", "gvisor", "--max-sandboxes", "400"] + extra)
@@ -39,10 +41,10 @@ def start_agent(build, tmp, extra):
         if os.path.exists(tmp + "/ready"):
             return proc
         if proc.poll() is not None:
-            sys.exit("gvisor_create_ab: pboxd exited early")
+            sys.exit(f"{os.path.basename(sys.argv[0])}: pboxd exited early")
         time.sleep(0.05)
     proc.kill()
-    sys.exit("gvisor_create_ab: pboxd did not become ready")
+    sys.exit(f"{os.path.basename(sys.argv[0])}: pboxd did not become ready")
 
 
 def main():

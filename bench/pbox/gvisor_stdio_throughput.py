@@ -16,25 +16,12 @@ import argparse
 import hashlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-
-def start_agent(pboxd, tmp):
-    os.makedirs(tmp)
-    proc = subprocess.Popen([pboxd, "--listen", f"unix://{tmp}/s.sock", "--state-dir",
-                             tmp + "/state", "--ready-file", tmp + "/ready", "--log-level",
-                             "warn", "--runtime", "gvisor"])
-    for _ in range(600):
-        if os.path.exists(tmp + "/ready"):
-            return proc
-        if proc.poll() is not None:
-            sys.exit("gvisor_stdio_throughput: pboxd exited early")
-        time.sleep(0.05)
-    proc.kill()
-    sys.exit("gvisor_stdio_throughput: pboxd did not become ready")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gvisor_create_ab  # noqa: E402
 
 
 def stdin_mibps(sb, data, digest):
@@ -83,7 +70,7 @@ def main():
     agents, clients, boxes = {}, {}, {}
     try:
         for k, binary in kinds.items():
-            agents[k] = start_agent(binary, f"{tmp}/{k}")
+            agents[k] = gvisor_create_ab.start_agent(None, f"{tmp}/{k}", [], pboxd=binary)
             clients[k] = pbox.Client(f"unix://{tmp}/{k}/s.sock")
             boxes[k] = clients[k].create(memory="1G")
         results = {k: ([], []) for k in kinds}
