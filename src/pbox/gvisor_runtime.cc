@@ -339,6 +339,11 @@ Result<ChildProcess> SpawnLauncher(LaunchPlan& plan) {
 // `dir` removed: the returned fd (read-only, close-on-exec) keeps the copy and its tmpfs.
 // EINVAL from kernels without transparent huge pages for shmem.
 Result<UniqueFd> CopyToHugePages(const std::string& path, const std::string& dir) {
+  // "deny" (an emergency switch) makes tmpfs ignore huge=: a copy would buy nothing.
+  if (auto policy = ReadFileToString("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+      policy.ok() && policy->find("[deny]") != std::string::npos) {
+    return absl::FailedPreconditionError("huge pages for tmpfs are denied (shmem_enabled)");
+  }
   BRAGG_ASSIGN_OR_RETURN(UniqueFd src, OpenFile(path, O_RDONLY | O_CLOEXEC, 0));
   struct stat st {};
   if (::fstat(src.get(), &st) != 0) {
