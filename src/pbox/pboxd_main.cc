@@ -67,9 +67,9 @@ int main(int argc, char** argv) {
   app.add_option("--runsc", config.runsc, "runsc binary for the gVisor runtime")
       ->capture_default_str();
   app.add_flag("--runsc-huge-pages,!--no-runsc-huge-pages", config.runsc_huge_pages,
-               "run runsc from a copy on a tmpfs of huge pages under --state-dir (24 MB of "
-               "memory), which starts each gVisor sandbox's runsc processes with fewer page "
-               "faults; falls back to --runsc where huge pages are not to be had")
+               "run runsc from a copy on a tmpfs of huge pages (24 MB of memory the agent holds; "
+               "nothing stays mounted), so that each gVisor sandbox's runsc processes start "
+               "with fewer page faults; without huge pages for tmpfs, runsc runs where it is")
       ->capture_default_str();
   app.add_option("--image", images, "NAME=DIR: a directory image; repeatable");
   app.add_option("--max-image-bytes", max_image,
