@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "fmt/format.h"
+#include "pbox/init_fds.h"
 #include "pbox/init_protocol.h"
 #include "spdlog/spdlog.h"
 
@@ -524,20 +525,13 @@ void InitClient::WriterLoop() {
   // Writes what the caller's pipe takes now; drops the stream once its reader is gone.
   auto flush = [](OutputSink& sink) {
     size_t written = 0;
-    while (written < sink.queue.size() && sink.fd.valid()) {
-      ssize_t n = ::write(sink.fd.get(), sink.queue.data() + written, sink.queue.size() - written);
-      if (n > 0) {
-        written += static_cast<size_t>(n);
-        continue;
+    if (sink.fd.valid() && !sink.queue.empty()) {
+      bool broken = false;
+      written = WriteAvailable(sink.fd.get(), sink.queue, &broken);
+      if (broken) {  // EPIPE: nobody reads this stream any more
+        written = sink.queue.size();
+        sink.fd.Reset();
       }
-      if (n < 0 && errno == EINTR) {
-        continue;
-      }
-      if (n < 0 && errno == EAGAIN) {
-        break;
-      }
-      written = sink.queue.size();  // EPIPE: nobody reads this stream any more
-      sink.fd.Reset();
     }
     sink.queue.erase(0, written);
     sink.uncredited += written;

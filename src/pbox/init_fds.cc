@@ -1,6 +1,7 @@
 #include "pbox/init_fds.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -77,6 +78,24 @@ void CloseFdsFrom(int first) {
   for (long fd = first; fd < max; ++fd) {
     (void)RawSyscall(SYS_close, fd);
   }
+}
+
+size_t WriteAvailable(int fd, std::string_view data, bool* broken) {
+  *broken = false;
+  size_t written = 0;
+  while (written < data.size()) {
+    long n = RawSyscall(SYS_write, fd, reinterpret_cast<long>(data.data() + written),
+                        static_cast<long>(data.size() - written));
+    if (n > 0) {
+      written += static_cast<size_t>(n);
+    } else if (n == -EAGAIN) {
+      break;
+    } else if (n != -EINTR) {
+      *broken = true;
+      break;
+    }
+  }
+  return written;
 }
 
 }  // namespace bragg::pbox

@@ -5,6 +5,9 @@
 // (every system call is made directly, raw_syscall.h), so the holder, which shares
 // pbox-init's memory and thread-local storage, may call it too.
 
+#include <cstddef>
+#include <string_view>
+
 namespace bragg::pbox {
 
 // Closes every fd >= `first`. One close_range(2) where the kernel has it; otherwise (older
@@ -19,5 +22,10 @@ void CloseFdsFrom(int first);
 // that /proc/self/fd lists (two passes). False when /proc/self/fd cannot be read (nothing
 // was closed then, or not everything).
 bool CloseFdsListedInProc(int first);
+
+// Writes what the non-blocking `fd` takes of `data` now, retrying on EINTR, and returns how
+// many bytes it took. Sets `*broken` when it failed otherwise than with EAGAIN (the reader is
+// gone: EPIPE): nothing more of `data` will ever be taken.
+size_t WriteAvailable(int fd, std::string_view data, bool* broken);
 
 }  // namespace bragg::pbox

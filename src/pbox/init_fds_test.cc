@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <functional>
+#include <string>
 
 namespace bragg::pbox {
 namespace {
@@ -85,6 +87,35 @@ TEST(InitFdsTest, ProcListingClosesMoreFdsThanOneDirectoryRead) {
   waitpid(pid, &status, 0);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(InitFdsTest, WriteAvailableTakesWhatThePipeTakesAndSaysWhenItIsBroken) {
+  signal(SIGPIPE, SIG_IGN);
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_NONBLOCK | O_CLOEXEC), 0);
+  ASSERT_EQ(fcntl(p[1], F_SETPIPE_SZ, 4096), 4096);
+  bool broken = true;
+  EXPECT_EQ(WriteAvailable(p[1], "", &broken), 0u);
+  EXPECT_FALSE(broken);
+  // More than the pipe holds: what fits is taken, the rest is left, and it is not an error.
+  const std::string data(10000, 'x');
+  EXPECT_EQ(WriteAvailable(p[1], data, &broken), 4096u);
+  EXPECT_FALSE(broken);
+  EXPECT_EQ(WriteAvailable(p[1], data, &broken), 0u);  // full: EAGAIN
+  EXPECT_FALSE(broken);
+  // Drained, it takes a pipe's worth again.
+  char buf[4096];
+  ASSERT_EQ(read(p[0], buf, sizeof(buf)), 4096);
+  EXPECT_EQ(WriteAvailable(p[1], data, &broken), 4096u);
+  EXPECT_FALSE(broken);
+  // The reader gone: broken, nothing taken.
+  close(p[0]);
+  EXPECT_EQ(WriteAvailable(p[1], data, &broken), 0u);
+  EXPECT_TRUE(broken);
+  close(p[1]);
+  // Not a writable fd at all: broken too.
+  EXPECT_EQ(WriteAvailable(-1, data, &broken), 0u);
+  EXPECT_TRUE(broken);
 }
 
 }  // namespace

@@ -819,24 +819,12 @@ void InitServer::FlushStdin(uint64_t id) {
     return;
   }
   Streams& st = it->second;
-  size_t written = 0;
-  while (written < st.stdin_pending.size()) {
-    ssize_t n = write(st.stdin_write.get(), st.stdin_pending.data() + written,
-                      st.stdin_pending.size() - written);
-    if (n > 0) {
-      written += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n < 0 && errno == EAGAIN) {
-      break;  // polled for POLLOUT
-    }
-    // EPIPE: the command closed its stdin; drop what it will never read.
+  // What the pipe does not take now waits for POLLOUT.
+  bool broken = false;
+  size_t written = WriteAvailable(st.stdin_write.get(), st.stdin_pending, &broken);
+  if (broken) {  // EPIPE: the command closed its stdin; drop what it will never read.
     written = st.stdin_pending.size();
     st.stdin_write.Reset();
-    break;
   }
   st.stdin_pending.erase(0, written);
   st.stdin_uncredited += written;

@@ -6,7 +6,7 @@ add_library(pbox_init_protocol STATIC init_protocol.cc)
 target_include_directories(pbox_init_protocol PUBLIC ${PROJECT_SOURCE_DIR}/src)
 
 add_library(pbox_init_client STATIC init_client.cc)
-target_link_libraries(pbox_init_client PUBLIC pbox_init_protocol bragg_common)
+target_link_libraries(pbox_init_client PUBLIC pbox_init_protocol pbox_init_fds bragg_common)
 
 # fd hygiene for pbox-init's processes: no dependencies, like the protocol.
 add_library(pbox_init_fds STATIC init_fds.cc)
