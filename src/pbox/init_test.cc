@@ -120,6 +120,44 @@ Status ReadFull(int fd, char* buf, size_t n) {
   return absl::OkStatus();
 }
 
+// The next length-prefixed frame on a stream-transport fd; nullopt at EOF or on a malformed
+// prefix, and (with a failure recorded) when nothing comes within `timeout_ms` (-1: wait).
+std::optional<proto::Frame> ReadStreamFrame(int fd, int timeout_ms = -1) {
+  if (timeout_ms >= 0) {
+    pollfd p = {fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) != 1) {
+      ADD_FAILURE() << "no frame within " << timeout_ms << " ms";
+      return std::nullopt;
+    }
+  }
+  std::string prefix(proto::kStreamPrefixBytes, '\0');
+  if (!ReadFull(fd, prefix.data(), prefix.size()).ok()) {
+    return std::nullopt;
+  }
+  size_t len = 0;
+  std::string error;
+  if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
+    return std::nullopt;
+  }
+  std::string body(len, '\0');
+  if (!ReadFull(fd, body.data(), len).ok()) {
+    return std::nullopt;
+  }
+  return proto::DecodeFrame(body, 0).frame;
+}
+
+// Encodes `frame` and writes it with its length prefix; false (with a failure recorded when
+// it cannot be encoded) otherwise.
+bool WriteStreamFrame(int fd, const proto::Frame& frame) {
+  std::string bytes;
+  std::string error;
+  if (!proto::EncodeFrame(frame, &bytes, &error)) {
+    ADD_FAILURE() << error;
+    return false;
+  }
+  return WriteAll(fd, proto::StreamPrefix(bytes.size()) + bytes).ok();
+}
+
 bool ProcessGone(pid_t pid) {
   std::string stat;
   auto s = ReadFileToString(fmt::format("/proc/{}/stat", pid));
@@ -1318,22 +1356,7 @@ TEST(StreamInitTest, SurvivesBadFramesAndStopsOnABrokenStream) {
   ChildProcess process = std::move(init->first.process);
   UniqueFd from_init = std::move(init->first.channel);
   UniqueFd to_init = std::move(init->second);
-  auto read_frame = [&]() -> std::optional<proto::Frame> {
-    std::string prefix(proto::kStreamPrefixBytes, '\0');
-    if (!ReadFull(from_init.get(), prefix.data(), prefix.size()).ok()) {
-      return std::nullopt;
-    }
-    size_t len = 0;
-    std::string error;
-    if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
-      return std::nullopt;
-    }
-    std::string body(len, '\0');
-    if (!ReadFull(from_init.get(), body.data(), len).ok()) {
-      return std::nullopt;
-    }
-    return proto::DecodeFrame(body, 0).frame;
-  };
+  auto read_frame = [&] { return ReadStreamFrame(from_init.get()); };
   auto ready = read_frame();
   ASSERT_TRUE(ready.has_value());
   EXPECT_TRUE(std::holds_alternative<proto::ReadyFrame>(*ready));
@@ -1351,19 +1374,18 @@ TEST(StreamInitTest, SurvivesBadFramesAndStopsOnABrokenStream) {
   EXPECT_EQ(e->id, 42u);
 
   // A Spawn without kStreamStdio asks for fds the stream cannot carry: refused.
-  std::string spawn;
-  ASSERT_TRUE(proto::EncodeFrame(proto::SpawnFrame{7, 0, "/", {"true"}, {}}, &spawn, &error));
-  ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(spawn.size()) + spawn).ok());
+  ASSERT_TRUE(WriteStreamFrame(to_init.get(), proto::SpawnFrame{7, 0, "/", {"true"}, {}}));
   answer = read_frame();
   ASSERT_TRUE(answer.has_value());
   ASSERT_TRUE(std::holds_alternative<proto::ErrorFrame>(*answer));
 
   // A streamed Spawn works, with its output relayed.
-  ASSERT_TRUE(proto::EncodeFrame(
-      proto::SpawnFrame{
-          8, proto::kStreamStdio | proto::kStdinNull | proto::kStderrNull, "/", {"echo", "hi"}, {}},
-      &spawn, &error));
-  ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(spawn.size()) + spawn).ok());
+  ASSERT_TRUE(WriteStreamFrame(
+      to_init.get(), proto::SpawnFrame{8,
+                                       proto::kStreamStdio | proto::kStdinNull | proto::kStderrNull,
+                                       "/",
+                                       {"echo", "hi"},
+                                       {}}));
   std::string out;
   bool exited = false;
   bool eof = false;
@@ -1397,34 +1419,9 @@ TEST(StreamInitTest, RefusesStdinPastTheWindow) {
   ChildProcess process = std::move(init->first.process);
   UniqueFd from_init = std::move(init->first.channel);
   UniqueFd to_init = std::move(init->second);
-  auto read_frame = [&]() -> std::optional<proto::Frame> {
-    // Bounded, so that an init that never answers fails the test instead of hanging it.
-    pollfd p = {from_init.get(), POLLIN, 0};
-    if (::poll(&p, 1, 20000) != 1) {
-      ADD_FAILURE() << "no frame from init within 20 s";
-      return std::nullopt;
-    }
-    std::string prefix(proto::kStreamPrefixBytes, '\0');
-    if (!ReadFull(from_init.get(), prefix.data(), prefix.size()).ok()) {
-      return std::nullopt;
-    }
-    size_t len = 0;
-    std::string error;
-    if (!proto::ParseStreamPrefix(prefix, &len, &error)) {
-      return std::nullopt;
-    }
-    std::string body(len, '\0');
-    if (!ReadFull(from_init.get(), body.data(), len).ok()) {
-      return std::nullopt;
-    }
-    return proto::DecodeFrame(body, 0).frame;
-  };
-  auto send = [&](const proto::Frame& f) {
-    std::string bytes;
-    std::string error;
-    ASSERT_TRUE(proto::EncodeFrame(f, &bytes, &error)) << error;
-    ASSERT_TRUE(WriteAll(to_init.get(), proto::StreamPrefix(bytes.size()) + bytes).ok());
-  };
+  // Bounded, so that an init that never answers fails the test instead of hanging it.
+  auto read_frame = [&] { return ReadStreamFrame(from_init.get(), 20000); };
+  auto send = [&](const proto::Frame& f) { ASSERT_TRUE(WriteStreamFrame(to_init.get(), f)); };
   auto ready = read_frame();
   ASSERT_TRUE(ready.has_value());
   ASSERT_TRUE(std::holds_alternative<proto::ReadyFrame>(*ready));
@@ -1481,12 +1478,7 @@ TEST(StreamClientTest, DropsOutputSentPastTheWindow) {
   ASSERT_TRUE(to_init.ok() && from_init.ok() && out.ok());
   auto client = InitClient::CreateStream(std::move(to_init->write), std::move(from_init->read));
   ASSERT_TRUE(client.ok()) << client.status();
-  auto send = [&](const proto::Frame& f) {
-    std::string bytes;
-    std::string error;
-    EXPECT_TRUE(proto::EncodeFrame(f, &bytes, &error)) << error;
-    return WriteAll(from_init->write.get(), proto::StreamPrefix(bytes.size()) + bytes).ok();
-  };
+  auto send = [&](const proto::Frame& f) { return WriteStreamFrame(from_init->write.get(), f); };
   ASSERT_TRUE(send(proto::ReadyFrame{}));
   ASSERT_TRUE((*client)->WaitReady(milliseconds(10000)).ok());
   SpawnRequest req;
@@ -1494,16 +1486,9 @@ TEST(StreamClientTest, DropsOutputSentPastTheWindow) {
   req.stdout_fd = out->write.get();
   auto spawned = std::async(std::launch::async, [&] { return (*client)->Spawn(req); });
   // The Spawn frame: id 1 (the client's first).
-  std::string prefix(proto::kStreamPrefixBytes, '\0');
-  ASSERT_TRUE(ReadFull(to_init->read.get(), prefix.data(), prefix.size()).ok());
-  size_t len = 0;
-  std::string error;
-  ASSERT_TRUE(proto::ParseStreamPrefix(prefix, &len, &error)) << error;
-  std::string body(len, '\0');
-  ASSERT_TRUE(ReadFull(to_init->read.get(), body.data(), len).ok());
-  auto spawn = proto::DecodeFrame(body, 0);
-  ASSERT_TRUE(spawn.frame.has_value());
-  const uint64_t id = std::get<proto::SpawnFrame>(*spawn.frame).id;
+  auto spawn = ReadStreamFrame(to_init->read.get());
+  ASSERT_TRUE(spawn.has_value());
+  const uint64_t id = std::get<proto::SpawnFrame>(*spawn).id;
   ASSERT_TRUE(send(proto::SpawnedFrame{id, 42}));
   auto handle = spawned.get();
   ASSERT_TRUE(handle.ok()) << handle.status();
