@@ -22,6 +22,7 @@
 #include "common/fs.h"
 #include "nlohmann/json.hpp"
 #include "pbox/seccomp_filter.h"
+#include "pbox/testing/null_cgroup.h"
 
 namespace bragg::pbox {
 namespace {
@@ -153,20 +154,10 @@ TEST(GvisorRuntimeTest, HostPidsBoundLeavesRoomForGvisorsOwnTasks) {
 }
 
 // A cgroup whose procs files cannot be written: the runsc launcher cannot join it.
-class UnjoinableCgroup : public Cgroup {
+class UnjoinableCgroup : public testing::NullCgroup {
  public:
-  const std::string& name() const override { return name_; }
-  Status AddProcess(pid_t) override { return absl::OkStatus(); }
-  Result<CgroupStats> Stats() const override { return CgroupStats{}; }
-  Status KillAll() override { return absl::OkStatus(); }
-  Status Destroy() override { return absl::OkStatus(); }
-  Status Freeze(bool) override { return absl::OkStatus(); }
-  int dir_fd() const override { return -1; }
+  UnjoinableCgroup() : NullCgroup("unjoinable") {}
   std::vector<std::string> ProcsFiles() const override { return {"/nonexistent/pbox/tasks"}; }
-  Result<uint64_t> OomKills() const override { return uint64_t{0}; }
-
- private:
-  std::string name_ = "unjoinable";
 };
 
 bool MountedUnder(const std::string& dir) {

@@ -10,17 +10,14 @@
 
 #include "gtest/gtest.h"
 #include "pbox/sandbox.h"
+#include "pbox/testing/null_cgroup.h"
 
 namespace bragg::pbox {
 namespace {
 
-class RecordingCgroup : public Cgroup {
+class RecordingCgroup : public testing::NullCgroup {
  public:
-  const std::string& name() const override { return name_; }
-  Status AddProcess(pid_t) override { return absl::OkStatus(); }
-  Result<CgroupStats> Stats() const override { return CgroupStats{}; }
-  Status KillAll() override { return absl::OkStatus(); }
-  Status Destroy() override { return absl::OkStatus(); }
+  RecordingCgroup() : NullCgroup("recording") {}
   Status Freeze(bool frozen) override {
     std::lock_guard<std::mutex> lock(mu);
     if (frozen && fail_next_freeze) {
@@ -31,17 +28,11 @@ class RecordingCgroup : public Cgroup {
     is_frozen = frozen;
     return absl::OkStatus();
   }
-  int dir_fd() const override { return -1; }
-  std::vector<std::string> ProcsFiles() const override { return {}; }
-  Result<uint64_t> OomKills() const override { return uint64_t{0}; }
 
   std::mutex mu;
   int freezes = 0, thaws = 0;
   bool is_frozen = false;
   bool fail_next_freeze = false;
-
- private:
-  std::string name_ = "recording";
 };
 
 struct Fixture {

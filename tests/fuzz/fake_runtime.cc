@@ -10,6 +10,7 @@
 
 #include "common/fs.h"
 #include "pbox/init_protocol.h"
+#include "pbox/testing/null_cgroup.h"
 
 namespace bragg::pbox::fuzz {
 namespace {
@@ -124,27 +125,18 @@ class FakeSandbox : public RuntimeSandbox {
   std::atomic<bool> stopped_{false};
 };
 
-class FakeCgroup : public Cgroup {
+class FakeCgroup : public testing::NullCgroup {
  public:
-  explicit FakeCgroup(std::string name) : name_(std::move(name)) { ++g_live_cgroups; }
+  explicit FakeCgroup(std::string name) : NullCgroup(std::move(name)) { ++g_live_cgroups; }
   ~FakeCgroup() override { (void)Destroy(); }
-  const std::string& name() const override { return name_; }
-  Status AddProcess(pid_t) override { return absl::OkStatus(); }
-  Result<CgroupStats> Stats() const override { return CgroupStats{}; }
-  Status KillAll() override { return absl::OkStatus(); }
-  Status Freeze(bool) override { return absl::OkStatus(); }
   Status Destroy() override {
     if (!destroyed_.exchange(true)) {
       --g_live_cgroups;
     }
     return absl::OkStatus();
   }
-  int dir_fd() const override { return -1; }
-  std::vector<std::string> ProcsFiles() const override { return {}; }
-  Result<uint64_t> OomKills() const override { return uint64_t{0}; }
 
  private:
-  std::string name_;
   std::atomic<bool> destroyed_{false};
 };
 
