@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -166,6 +168,27 @@ std::string DescribeExit(const ExitInfo& info) {
 std::string GetEnv(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr ? "" : v;
+}
+
+Result<ChildProcess> SpawnSharingMemory(int (*fn)(void*), void* arg, int flags, size_t stack_bytes,
+                                        const std::string& what) {
+  void* stack = ::mmap(nullptr, stack_bytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+  if (stack == MAP_FAILED) {
+    return ErrnoError("mmap", "the stack of " + what);
+  }
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  pid_t pid = ::clone(fn, static_cast<char*>(stack) + stack_bytes,
+                      CLONE_VM | CLONE_VFORK | SIGCHLD | flags, arg);
+  int clone_errno = errno;
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  ::munmap(stack, stack_bytes);  // the child has exec'd or exited (CLONE_VFORK)
+  if (pid < 0) {
+    return ErrnoError("clone", what, clone_errno);
+  }
+  return ChildProcess::Adopt(pid);
 }
 
 }  // namespace bragg

@@ -52,6 +52,15 @@ class ChildProcess {
   UniqueFd pidfd_;
 };
 
+// Starts `fn(arg)` in a child that shares this process's memory until it execs or exits
+// (CLONE_VM | CLONE_VFORK, like posix_spawn: no copy of our page tables; the calling thread
+// waits until then), on a stack of its own. Every signal is blocked around the clone so that
+// no handler of ours runs in the child on our memory; the child unblocks what it needs before
+// its exec. `flags`: more clone flags (namespaces). `fn` may make system calls only: it runs
+// on our memory, beside our other threads. Errors name `what`.
+Result<ChildProcess> SpawnSharingMemory(int (*fn)(void*), void* arg, int flags, size_t stack_bytes,
+                                        const std::string& what);
+
 struct SpawnOptions {
   std::vector<std::string> env;  // empty: inherit
   std::string cwd;

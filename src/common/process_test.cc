@@ -1,7 +1,9 @@
 #include "common/process.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include "common/fs.h"
 
@@ -50,6 +52,31 @@ TEST(ProcessTest, DestructorKillsAndReaps) {
 TEST(ProcessTest, MissingProgramIsAnError) {
   auto child = Spawn({"/nonexistent/bragg-no-such-program"});
   EXPECT_FALSE(child.ok());
+}
+
+TEST(ProcessTest, SpawnSharingMemoryRunsOnOurMemoryAndReturnsOnceTheChildIsDone) {
+  // The child writes into our memory and exits; CLONE_VFORK returns only after that, so the
+  // write is there to read at once.
+  static int seen = 0;
+  seen = 0;
+  auto child = SpawnSharingMemory(
+      [](void* arg) -> int {
+        *static_cast<int*>(arg) = 42;
+        _exit(7);
+      },
+      &seen, 0, 64 << 10, "the test child");
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(seen, 42);
+  auto info = child->Wait();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->exit_code, 7);
+  // Flags the kernel refuses: an error that names the child, and no child.
+  auto bad = SpawnSharingMemory([](void*) -> int { _exit(0); }, nullptr,
+                                CLONE_THREAD /* without CLONE_SIGHAND: EINVAL */, 64 << 10,
+                                "the refused child");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(std::string(bad.status().message()).find("the refused child"), std::string::npos)
+      << bad.status();
 }
 
 }  // namespace

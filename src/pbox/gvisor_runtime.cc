@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/sendfile.h>
 #include <sys/stat.h>
@@ -312,26 +311,8 @@ constexpr char kLaunchEnvPath[] =
 // Starts LaunchMain in a child that shares our memory and returns once it has exec'd runsc
 // or died (CLONE_VFORK); whether it exec'd is on plan.report.
 Result<ChildProcess> SpawnLauncher(LaunchPlan& plan) {
-  constexpr size_t kStackBytes = 64 << 10;
-  void* stack = ::mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-  if (stack == MAP_FAILED) {
-    return ErrnoError("mmap", "the runsc launcher's stack");
-  }
-  // No signal handler may run in the child on our memory; it unblocks them before its exec.
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  pid_t pid =
-      ::clone([](void* arg) -> int { LaunchMain(*static_cast<LaunchPlan*>(arg)); },
-              static_cast<char*>(stack) + kStackBytes, CLONE_VM | CLONE_VFORK | SIGCHLD, &plan);
-  int clone_errno = errno;
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  ::munmap(stack, kStackBytes);
-  if (pid < 0) {
-    return ErrnoError("clone", "the runsc launcher", clone_errno);
-  }
-  return ChildProcess::Adopt(pid);
+  return SpawnSharingMemory([](void* arg) -> int { LaunchMain(*static_cast<LaunchPlan*>(arg)); },
+                            &plan, 0, 64 << 10, "the runsc launcher");
 }
 
 // A copy of the executable `path` on a tmpfs of huge pages (huge=always: every 2 MiB of the

@@ -8,7 +8,6 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/ioctl.h>
-#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -525,28 +524,16 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
 
   // The child shares the agent's memory until it execs (like posix_spawn): no copy of the
   // agent's page tables, which with a large agent costs more than the rest of the setup.
-  constexpr size_t kStackBytes = 256 << 10;
-  void* stack = ::mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-  if (stack == MAP_FAILED) {
-    return ErrnoError("mmap", "sandbox setup stack");
+  Result<ChildProcess> spawned = SpawnSharingMemory(
+      [](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); }, &plan,
+      CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, 256 << 10, spec.id);
+  if (absl::IsPermissionDenied(spawned.status())) {
+    return Annotate(spawned.status(), "cannot create sandbox namespaces: pboxd must run as root");
   }
-  // No signal handler may run in the child on the shared memory.
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int flags = CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC |
-              CLONE_NEWUTS | SIGCHLD;
-  pid_t pid = ::clone([](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); },
-                      static_cast<char*>(stack) + kStackBytes, flags, &plan);
-  int clone_errno = errno;
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  ::munmap(stack, kStackBytes);
-  if (pid < 0) {
-    return Annotate(ErrnoError("clone", spec.id, clone_errno),
-                    "cannot create sandbox namespaces: pboxd must run as root");
+  if (!spawned.ok()) {
+    return spawned.status();
   }
-  BRAGG_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Adopt(pid));
+  ChildProcess child = std::move(*spawned);
   child_end.Reset();
   layer_child_end.Reset();
   err.write.Reset();
@@ -562,10 +549,10 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
     return absl::InternalError(fmt::format("sandbox {} setup failed at {}", spec.id, why));
   }
   // PID 1 is spared by the OOM killer; pbox-init resets its commands' score to 0.
-  (void)WriteControlFile(fmt::format("/proc/{}/oom_score_adj", pid), "-999");
+  (void)WriteControlFile(fmt::format("/proc/{}/oom_score_adj", child.pid()), "-999");
   BRAGG_ASSIGN_OR_RETURN(UniqueFd writable_layer,
                          ReceiveWritableLayer(layer_agent_end.get(), spec.id));
-  BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(fmt::format("/proc/{}/root", pid)));
+  BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(fmt::format("/proc/{}/root", child.pid())));
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<InitClient> init,
                          InitClient::Create(std::move(agent_end)));
   return std::unique_ptr<RuntimeSandbox>(new NativeSandbox(
