@@ -314,6 +314,34 @@ Status MoveToLeaf(CgroupFs& fs, const std::string& own) {
       own, leaf));
 }
 
+// The cgroup an agent started in `own` should use. When `own` is the leaf "agent" that an
+// earlier agent made and moved its parent shell into (a restart from the same job script or
+// shell), that is the cgroup above it, which the earlier agent left with no processes of its
+// own and the controllers enabled: using it again keeps the sandbox parent where the earlier
+// agent had it, and where `pboxd --reap` run from that shell looks, instead of nesting
+// "<own>/agent/agent" one level deeper with every restart.
+std::string DelegatedCgroup(CgroupFs& fs, const std::string& own, const std::string& root) {
+  size_t slash = own.rfind('/');
+  if (own == root || slash == std::string::npos || own.substr(slash + 1) != kAgentLeaf) {
+    return own;
+  }
+  std::string up = own.substr(0, slash);
+  if (up.size() < root.size()) {
+    return own;
+  }
+  Result<std::vector<pid_t>> procs = ReadProcs(fs, up + "/cgroup.procs");
+  Result<std::string> enabled = fs.Read(up + "/cgroup.subtree_control");
+  if (!procs.ok() || !procs->empty() || !enabled.ok()) {
+    return own;
+  }
+  // The kernel lists "memory pids"; a file that only echoes writes holds "+memory +pids".
+  std::replace(enabled->begin(), enabled->end(), '+', ' ');
+  if (!HasWord(*enabled, "memory") || !HasWord(*enabled, "pids")) {
+    return own;
+  }
+  return up;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<CgroupManager>> CreateCgroupV2Manager(const CgroupManagerOptions& options,
@@ -365,6 +393,7 @@ Result<std::unique_ptr<CgroupManager>> CreateCgroupV2Manager(const CgroupManager
     return std::unique_ptr<CgroupManager>(
         new CgroupV2Manager(std::move(fs), std::move(parent), {}));
   }
+  own = DelegatedCgroup(*fs, own, options.root);
   BRAGG_ASSIGN_OR_RETURN(std::string available, fs->Read(own + "/cgroup.controllers"));
   for (const char* required : {"memory", "pids"}) {
     if (!HasWord(available, required)) {

@@ -270,6 +270,30 @@ TEST_F(CgroupV2Test, CreateMovesAgentToLeafAndEnablesControllers) {
   ASSERT_TRUE(again.ok()) << again.status();
 }
 
+// An agent restarted from the shell an earlier agent moved into its leaf uses the delegated
+// cgroup above the leaf, as the earlier one did, instead of nesting one level deeper.
+TEST_F(CgroupV2Test, AgentRestartedFromTheLeafUsesTheDelegatedCgroup) {
+  Put(own_ + "/cgroup.procs", fmt::format("{}\n", getpid()));
+  auto first = MakeManager();
+  ASSERT_NE(first, nullptr);
+  ASSERT_EQ(Slurp(own_ + "/agent/cgroup.procs"), fmt::format("{}\n", getpid()));
+  options_.self_cgroup = "0::/job.slice/pboxd.service/agent\n";
+  auto second = MakeManager();
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(second->parent_path(), own_ + "/pbox");
+  EXPECT_FALSE(stdfs::exists(own_ + "/agent/agent"));
+  EXPECT_EQ(Slurp(own_ + "/agent/cgroup.procs"), fmt::format("{}\n", getpid()));
+
+  // A leaf called "agent" whose parent holds processes is no earlier agent's: used as it is.
+  auto other = Spawn({"sleep", "100"});
+  ASSERT_TRUE(other.ok());
+  Put(own_ + "/cgroup.procs", fmt::format("{}\n", other->pid()));
+  auto nested = MakeManager();
+  ASSERT_NE(nested, nullptr);
+  EXPECT_EQ(nested->parent_path(), own_ + "/agent/pbox");
+  EXPECT_TRUE(stdfs::exists(own_ + "/agent/agent"));
+}
+
 TEST_F(CgroupV2Test, EnablesOnlyAvailableControllers) {
   Put(own_ + "/cgroup.controllers", "io memory pids\n");
   auto m = MakeManager();

@@ -163,12 +163,18 @@ class Agent:
         return subprocess.run(self.reap_args(), capture_output=True, text=True, timeout=timeout)
 
     def cgroup_parents(self) -> List[Path]:
-        """The agent's parent cgroup directories that exist now (it runs in this process's
-        cgroups: it is our child)."""
+        """The agent's parent cgroup directories that exist now. It started in this process's
+        cgroups (it is our child). On cgroup v2 it moved every process of its cgroup, this one
+        too, into the leaf "agent" and keeps its parent beside that leaf."""
         name = cgroup_parent_name(str(self.state_dir))
         if "--cgroup-parent" in self.extra:
             name = self.extra[self.extra.index("--cgroup-parent") + 1]
-        return [d / name for d in own_cgroup_dirs() if (d / name).is_dir()]
+        found = []
+        for d in own_cgroup_dirs():
+            for base in ([d, d.parent] if d.name == "agent" else [d]):
+                if (base / name).is_dir() and base / name not in found:
+                    found.append(base / name)
+        return found
 
 
 def cgroup_parent_name(state_dir: str) -> str:
