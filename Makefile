@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 PY := /usr/bin/python3
 
-.PHONY: all deps build test demo bench soak fuzz chaos fmt clean
+.PHONY: all deps build test test-vm demo bench soak fuzz chaos fmt clean
 
 all: build
 
@@ -18,6 +18,11 @@ build: deps $(BUILD)/build.ninja
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# pbox's cgroup v2 path on a real cgroup v2 kernel: Debian's kernel booted under qemu (KVM when
+# /dev/kvm works) on a root made with mmdebstrap, the checkout shared over 9p (tests/vm/run-vm).
+test-vm: build
+	tests/vm/run-vm --build $(BUILD)
 
 demo: build
 	$(PY) scripts/demo.py --build $(BUILD)

@@ -11,3 +11,5 @@ bragg_test(pbox_cgroup_v2_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cgroup_v2_tes
            LIBS pbox_cgroup)
 bragg_test(pbox_cgroup_v1_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cgroup_v1_test.cc
            LIBS pbox_cgroup LABELS root TIMEOUT 300)
+bragg_test(pbox_cgroup_v2_kernel_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cgroup_v2_kernel_test.cc
+           LIBS pbox_cgroup LABELS root TIMEOUT 120)
