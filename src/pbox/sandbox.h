@@ -15,10 +15,10 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "pbox/cgroup.h"
-#include "pbox/cpuset.h"
-#include "pbox/frozen_layer.h"
-#include "pbox/runtime.h"
+#include "pbox/cgroup/cgroup.h"
+#include "pbox/cgroup/cpuset.h"
+#include "pbox/image/frozen_layer.h"
+#include "pbox/runtime/runtime.h"
 
 namespace bragg::pbox {
 

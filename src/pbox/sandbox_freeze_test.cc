@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "pbox/cgroup/testing/null_cgroup.h"
 #include "pbox/sandbox.h"
-#include "pbox/testing/null_cgroup.h"
 
 namespace bragg::pbox {
 namespace {

@@ -14,11 +14,11 @@
 #include <vector>
 
 #include "common/status.h"
-#include "pbox/cgroup.h"
-#include "pbox/cpuset.h"
-#include "pbox/frozen_layer.h"
-#include "pbox/image_store.h"
-#include "pbox/runtime.h"
+#include "pbox/cgroup/cgroup.h"
+#include "pbox/cgroup/cpuset.h"
+#include "pbox/image/frozen_layer.h"
+#include "pbox/image/image_store.h"
+#include "pbox/runtime/runtime.h"
 #include "pbox/sandbox.h"
 
 namespace bragg::pbox {
