@@ -37,6 +37,11 @@ struct SandboxSettings {
   std::map<std::string, std::string> labels;
 };
 
+// The one rule of unset sandbox settings: a zero number or an empty string is unset. Returns
+// `request` with each of its unset fields (image, runtime, cpus, cpu_quota, memory_bytes, pids,
+// disk_bytes, workdir, idle_ttl_seconds) taken from `base`; env and labels are `request`'s.
+SandboxSettings FillUnset(const SandboxSettings& request, const SandboxSettings& base);
+
 struct CommandSpec {
   std::vector<std::string> argv;
   std::map<std::string, std::string> env;  // merged over the sandbox's

@@ -174,31 +174,18 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
     }
   } creating_guard{options.admitted ? nullptr : this};
 
-  SandboxSettings s = requested;
-  if (s.image.empty()) {
-    s.image = "host";
-  }
-  if (s.runtime.empty()) {
-    s.runtime = default_runtime_;
-  }
-  if (s.cpus == 0) {
-    s.cpus = 1;
-  }
-  if (s.memory_bytes == 0) {
-    s.memory_bytes = defaults_.memory_bytes;
-  }
-  if (s.disk_bytes == 0) {
-    s.disk_bytes = defaults_.disk_bytes;
-  }
-  if (s.pids == 0) {
-    s.pids = defaults_.pids;
-  }
-  if (s.workdir.empty()) {
-    s.workdir = "/";
-  }
-  if (session_id.empty() && s.idle_ttl_seconds == 0) {
-    s.idle_ttl_seconds = defaults_.detached_ttl_seconds;
-  }
+  SandboxSettings base;
+  base.image = "host";
+  base.runtime = default_runtime_;
+  base.cpus = 1;
+  base.cpu_quota = 0;
+  base.memory_bytes = defaults_.memory_bytes;
+  base.disk_bytes = defaults_.disk_bytes;
+  base.pids = defaults_.pids;
+  base.workdir = "/";
+  // Only a sandbox outside any session has an idle TTL by default.
+  base.idle_ttl_seconds = session_id.empty() ? defaults_.detached_ttl_seconds : 0;
+  SandboxSettings s = FillUnset(requested, base);
   BRAGG_RETURN_IF_ERROR(Validate(s));
   auto rt = runtimes_.find(s.runtime);
   if (rt == runtimes_.end()) {

@@ -12,9 +12,9 @@
 namespace bragg::pbox {
 namespace {
 
-// The source's settings with the request's non-zero fields over them.
+// The source's settings with the request's set fields over them (FillUnset), env and labels
+// merged key by key.
 Result<SandboxSettings> MergeOverrides(const SandboxSettings& source, const SandboxSettings& o) {
-  SandboxSettings s = source;
   if (!o.image.empty() && o.image != source.image) {
     return absl::InvalidArgumentError(fmt::format(
         "a clone has its source's image \"{}\"; it cannot be \"{}\"", source.image, o.image));
@@ -23,27 +23,9 @@ Result<SandboxSettings> MergeOverrides(const SandboxSettings& source, const Sand
     return absl::InvalidArgumentError(fmt::format(
         "a clone has its source's runtime \"{}\"; it cannot be \"{}\"", source.runtime, o.runtime));
   }
-  if (o.cpus != 0) {
-    s.cpus = o.cpus;
-  }
-  if (o.cpu_quota != 0) {
-    s.cpu_quota = o.cpu_quota;
-  }
-  if (o.memory_bytes != 0) {
-    s.memory_bytes = o.memory_bytes;
-  }
-  if (o.pids != 0) {
-    s.pids = o.pids;
-  }
-  if (o.disk_bytes != 0) {
-    s.disk_bytes = o.disk_bytes;
-  }
-  if (!o.workdir.empty()) {
-    s.workdir = o.workdir;
-  }
-  if (o.idle_ttl_seconds != 0) {
-    s.idle_ttl_seconds = o.idle_ttl_seconds;
-  }
+  SandboxSettings s = FillUnset(o, source);
+  s.env = source.env;
+  s.labels = source.labels;
   for (const auto& [k, v] : o.env) {
     s.env[k] = v;
   }
