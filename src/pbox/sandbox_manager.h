@@ -99,6 +99,8 @@ class SandboxManager {
   void TtlLoop();
   void DestroyMany(std::vector<std::shared_ptr<Sandbox>> victims);
   Status Validate(const SandboxSettings& s) const;
+  // Ends `n` creations that admission counted in creating_ (none for n == 0). Takes mu_.
+  void EndCreating(size_t n);
 
   const std::map<std::string, Runtime*> runtimes_;
   const std::string default_runtime_;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "fmt/format.h"
 #include "pbox/sandbox_manager.h"
 #include "spdlog/spdlog.h"
@@ -89,14 +90,7 @@ Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
     }
     creating_ += count;
   }
-  struct CreatingGuard {
-    SandboxManager* m;
-    size_t n;
-    ~CreatingGuard() {
-      std::lock_guard<std::mutex> lock(m->mu_);
-      m->creating_ -= n;
-    }
-  } creating_guard{this, count};
+  absl::Cleanup creating_done = [this, count] { EndCreating(count); };
 
   // The snapshot: the source stops (cgroup freezer) so that no process writes while its
   // layer is copied, and resumes right after. File calls of the agent itself on the source

@@ -10,6 +10,7 @@
 #include <regex>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "common/fs.h"
 #include "common/process.h"
 #include "fmt/format.h"
@@ -454,14 +455,10 @@ Result<ImageInfo> ImageStore::Import(const std::string& name, const std::string&
     std::lock_guard<std::mutex> lock(mu_);
     PinLocked(shas);
   }
-  struct Unpin {
-    ImageStore* store;
-    const std::vector<std::string>* shas;
-    ~Unpin() {
-      std::lock_guard<std::mutex> lock(store->mu_);
-      store->UnpinLocked(*shas);
-    }
-  } unpin{this, &shas};
+  absl::Cleanup unpin = [this, &shas] {
+    std::lock_guard<std::mutex> lock(mu_);
+    UnpinLocked(shas);
+  };
   Imported meta;
   meta.format = split.format;
   meta.created_unix_ms = NowUnixMs();

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "fmt/format.h"
 #include "pbox/init/init_fds.h"
 #include "pbox/init/init_protocol.h"
@@ -411,16 +412,11 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
 }
 
 void InitClient::StdinPump(uint64_t id, UniqueFd stdin_fd, StdinPumpThread* self) {
-  struct Finished {
-    InitClient* client;
-    StdinPumpThread* self;
-    uint64_t id;
-    ~Finished() {
-      std::lock_guard<std::mutex> lock(client->mu_);
-      self->finished = true;
-      client->stdin_windows_.erase(id);
-    }
-  } finished{this, self, id};
+  absl::Cleanup finished = [this, self, id] {
+    std::lock_guard<std::mutex> lock(mu_);
+    self->finished = true;
+    stdin_windows_.erase(id);
+  };
   int wake_fd = -1;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "common/fs.h"
 #include "common/process.h"
 #include "fmt/format.h"
@@ -336,10 +337,7 @@ Result<UniqueFd> CopyToHugePages(const std::string& path, const std::string& dir
   constexpr uint64_t kHuge = 2ull << 20;  // room for whole huge pages, and one more
   const uint64_t size = (static_cast<uint64_t>(st.st_size) + 2 * kHuge - 1) / kHuge * kHuge;
   BRAGG_RETURN_IF_ERROR(MakeDirs(dir, 0700));
-  struct RemoveDir {
-    const std::string& dir;
-    ~RemoveDir() { ::rmdir(dir.c_str()); }
-  } remove_dir{dir};
+  absl::Cleanup remove_dir = [&dir] { ::rmdir(dir.c_str()); };
   BRAGG_ASSIGN_OR_RETURN(ScopedMount mount,
                          ScopedMount::Mount("pbox-runsc", dir, "tmpfs", MS_NOSUID | MS_NODEV,
                                             fmt::format("size={},mode=0700,huge=always", size)));
@@ -575,15 +573,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   const std::string log_path = bundle + "/runsc.log";
   BRAGG_RETURN_IF_ERROR(MakeDirs(bundle, 0700));
   // Everything made from here on goes with the bundle if a later step fails.
-  struct BundleGuard {
-    std::string dir;
-    bool armed = true;
-    ~BundleGuard() {
-      if (armed) {
-        (void)GvisorRuntime::RemoveStale(dir);
-      }
-    }
-  } guard{bundle};
+  absl::Cleanup remove_bundle = [bundle] { (void)GvisorRuntime::RemoveStale(bundle); };
 
   // The bundle first: the sandbox's writable layer, its overlay root and the image's binds,
   // then config.json.
@@ -712,7 +702,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   auto sandbox =
       std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root), std::move(inner),
                                       spec.cgroup, std::move(upper_fd));
-  guard.armed = false;  // the sandbox owns the bundle now; its Stop() removes it
+  std::move(remove_bundle).Cancel();  // the sandbox owns the bundle now; its Stop() removes it
   sandbox->runsc_pid_ = launcher.pid();
   sandbox->runsc_ = std::move(launcher);
   BRAGG_ASSIGN_OR_RETURN(sandbox->init_, InitClient::CreateStream(std::move(to_init.write),
