@@ -272,16 +272,15 @@ Status CopyDir(int src, int dst, const std::string& rel, int depth, CopyContext&
   // Read the whole listing first and close the stream: only two fds stay open per level.
   std::vector<std::string> names;
   {
-    int fd = ::openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
+    UniqueFd fd(::openat(src, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!fd.valid()) {
       return ErrnoError("open", "/" + rel);
     }
-    DIR* d = ::fdopendir(fd);
+    DIR* d = ::fdopendir(fd.get());
     if (d == nullptr) {
-      Status s = ErrnoError("fdopendir", "/" + rel);
-      ::close(fd);
-      return s;
+      return ErrnoError("fdopendir", "/" + rel);
     }
+    (void)fd.Release();  // the stream owns it now; closedir closes it
     errno = 0;
     while (struct dirent* e = ::readdir(d)) {
       std::string_view n = e->d_name;

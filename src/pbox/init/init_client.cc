@@ -163,11 +163,10 @@ Result<std::unique_ptr<InitClient>> InitClient::CreateStream(UniqueFd to_init, U
       return absl::InvalidArgumentError("the pbox-init stream must be pipes or sockets");
     }
   }
-  int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (efd < 0) {
+  UniqueFd stop_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!stop_fd.valid()) {
     return ErrnoError("eventfd", "stream stop");
   }
-  UniqueFd stop_fd(efd);
   UniqueFd wake_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd.valid()) {
     return ErrnoError("eventfd", "output writer");
@@ -326,20 +325,19 @@ Result<std::shared_ptr<ProcessHandle>> InitClient::Spawn(const SpawnRequest& req
   if (stream_) {
     frame.flags |= proto::kStreamStdio;
   }
-  int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (efd < 0) {
+  UniqueFd done_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!done_fd.valid()) {
     return ErrnoError("eventfd", "");
   }
   UniqueFd stdin_wake;
   if (relay[0].valid()) {
     stdin_wake.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!stdin_wake.valid()) {
-      ::close(efd);
       return ErrnoError("eventfd", "stdin relay");
     }
   }
   PendingSpawn pending;
-  pending.done_fd.Reset(efd);
+  pending.done_fd = std::move(done_fd);
   pending.program = request.argv[0];
   {
     std::lock_guard<std::mutex> lock(mu_);

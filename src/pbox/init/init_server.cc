@@ -141,11 +141,10 @@ ExecPlan MakePlan(proto::SpawnFrame& frame, const std::string& default_path) {
   // pbox-init protects itself from the OOM killer (-999); commands must stay killable, and
   // raising one's own score needs no privilege.
   {
-    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      ssize_t unused = write(fd, "0", 1);
+    UniqueFd fd(open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC));
+    if (fd.valid()) {
+      ssize_t unused = write(fd.get(), "0", 1);
       (void)unused;
-      close(fd);
     }
   }
 
@@ -257,9 +256,10 @@ UniqueFd InitServer::PrepareProcess(std::string* error) {
   // Received fds take the lowest free numbers; keep 0-2 occupied so they never land there.
   for (int fd = 0; fd < 3; ++fd) {
     if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
-      int null_fd = open("/dev/null", O_RDWR);
-      if (null_fd >= 0 && null_fd != fd) {
-        close(null_fd);
+      // Landed on `fd`: kept open for good, which is the point.
+      UniqueFd null_fd(open("/dev/null", O_RDWR));
+      if (null_fd.get() == fd) {
+        (void)null_fd.Release();
       }
     }
   }

@@ -290,11 +290,10 @@ constexpr char kLaunchEnvPath[] =
   }
   ::syscall(SYS_close_range, moved[4] >= 0 ? kExec + 1 : kExec, ~0U, 0);
   for (const char* p : plan.procs) {
-    int fd = ::open(p, O_WRONLY | O_CLOEXEC);
-    if (fd < 0 || ::write(fd, "0", 1) != 1) {
+    UniqueFd fd(::open(p, O_WRONLY | O_CLOEXEC));
+    if (!fd.valid() || ::write(fd.get(), "0", 1) != 1) {
       LaunchFailed(kReport, "joining the sandbox's cgroup");
     }
-    ::close(fd);
   }
   sigset_t none;
   sigemptyset(&none);

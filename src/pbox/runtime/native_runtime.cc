@@ -162,8 +162,8 @@ int BindReadOnly(const char* path) {
 // directory over a socket before the pivot; the agent keeps it (it pins the tmpfs only while
 // the sandbox lives, see NativeSandbox::Stop) and reads the layer through it to clone.
 void SendWritableLayer(const ChildPlan& plan) {
-  int fd = ::open(plan.upper.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) {
+  UniqueFd fd(::open(plan.upper.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) {
     Fail(plan, kStepLayerFd);
   }
   char byte = 'L';
@@ -180,11 +180,11 @@ void SendWritableLayer(const ChildPlan& plan) {
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  const int raw_fd = fd.get();
+  std::memcpy(CMSG_DATA(c), &raw_fd, sizeof(int));
   if (::sendmsg(plan.layer_sock, &msg, MSG_NOSIGNAL) != 1) {
     Fail(plan, kStepLayerFd);
   }
-  ::close(fd);
 }
 
 // The agent's end of SendWritableLayer, read once the child has exec'd.
@@ -223,11 +223,10 @@ Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
   // Into the sandbox's cgroups before anything else runs ("0" is the writing process), then
   // a cgroup namespace rooted there.
   for (const std::string& procs : plan.cgroup_procs) {
-    int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0 || ::write(fd, "0", 1) != 1) {
+    UniqueFd fd(::open(procs.c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd.valid() || ::write(fd.get(), "0", 1) != 1) {
       Fail(plan, kStepSync);
     }
-    ::close(fd);
   }
   if (::unshare(CLONE_NEWCGROUP) != 0) {
     Fail(plan, kStepCgroupNs);
@@ -303,18 +302,17 @@ Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
     }
   }
   {
-    int s = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    UniqueFd s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
     struct ifreq ifr;
     std::memset(&ifr, 0, sizeof(ifr));
     std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
-    if (s < 0 || ::ioctl(s, SIOCGIFFLAGS, &ifr) != 0) {
+    if (!s.valid() || ::ioctl(s.get(), SIOCGIFFLAGS, &ifr) != 0) {
       Fail(plan, kStepLoopback);
     }
     ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
-    if (::ioctl(s, SIOCSIFFLAGS, &ifr) != 0) {
+    if (::ioctl(s.get(), SIOCSIFFLAGS, &ifr) != 0) {
       Fail(plan, kStepLoopback);
     }
-    ::close(s);
   }
   if (::sethostname(plan.hostname.data(), plan.hostname.size()) != 0) {
     Fail(plan, kStepHostname);
