@@ -14,13 +14,13 @@
 
 #include "common/fs.h"
 #include "fmt/format.h"
-#include "pbox/cgroup.h"
-#include "pbox/cpuset.h"
+#include "pbox/cgroup/cgroup.h"
+#include "pbox/cgroup/cpuset.h"
 #include "pbox/data_server.h"
-#include "pbox/gvisor_runtime.h"
-#include "pbox/image_store.h"
+#include "pbox/image/image_store.h"
 #include "pbox/metrics.h"
-#include "pbox/native_runtime.h"
+#include "pbox/runtime/gvisor_runtime.h"
+#include "pbox/runtime/native_runtime.h"
 #include "pbox/service.h"
 #include "spdlog/spdlog.h"
 

@@ -1,6 +1,6 @@
 // The data channel's wire format and its tickets, without an agent.
 
-#include "pbox/data_protocol.h"
+#include "pbox/wire/data_protocol.h"
 
 #include <gtest/gtest.h>
 

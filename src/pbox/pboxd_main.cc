@@ -9,7 +9,7 @@
 #include "common/memory.h"
 #include "common/units.h"
 #include "pbox/agent.h"
-#include "pbox/image_store.h"
+#include "pbox/image/image_store.h"
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {

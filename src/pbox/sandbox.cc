@@ -21,6 +21,38 @@ constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/
 
 }  // namespace
 
+SandboxSettings FillUnset(const SandboxSettings& request, const SandboxSettings& base) {
+  SandboxSettings s = request;
+  if (s.image.empty()) {
+    s.image = base.image;
+  }
+  if (s.runtime.empty()) {
+    s.runtime = base.runtime;
+  }
+  if (s.cpus == 0) {
+    s.cpus = base.cpus;
+  }
+  if (s.cpu_quota == 0) {
+    s.cpu_quota = base.cpu_quota;
+  }
+  if (s.memory_bytes == 0) {
+    s.memory_bytes = base.memory_bytes;
+  }
+  if (s.pids == 0) {
+    s.pids = base.pids;
+  }
+  if (s.disk_bytes == 0) {
+    s.disk_bytes = base.disk_bytes;
+  }
+  if (s.workdir.empty()) {
+    s.workdir = base.workdir;
+  }
+  if (s.idle_ttl_seconds == 0) {
+    s.idle_ttl_seconds = base.idle_ttl_seconds;
+  }
+  return s;
+}
+
 int64_t UnixMillisNow() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())

@@ -15,10 +15,10 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "pbox/cgroup.h"
-#include "pbox/cpuset.h"
-#include "pbox/frozen_layer.h"
-#include "pbox/runtime.h"
+#include "pbox/cgroup/cgroup.h"
+#include "pbox/cgroup/cpuset.h"
+#include "pbox/image/frozen_layer.h"
+#include "pbox/runtime/runtime.h"
 
 namespace bragg::pbox {
 
@@ -36,6 +36,11 @@ struct SandboxSettings {
   uint32_t idle_ttl_seconds = 0;
   std::map<std::string, std::string> labels;
 };
+
+// The one rule of unset sandbox settings: a zero number or an empty string is unset. Returns
+// `request` with each of its unset fields (image, runtime, cpus, cpu_quota, memory_bytes, pids,
+// disk_bytes, workdir, idle_ttl_seconds) taken from `base`; env and labels are `request`'s.
+SandboxSettings FillUnset(const SandboxSettings& request, const SandboxSettings& base);
 
 struct CommandSpec {
   std::vector<std::string> argv;

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "pbox/cgroup/testing/null_cgroup.h"
 #include "pbox/sandbox.h"
-#include "pbox/testing/null_cgroup.h"
 
 namespace bragg::pbox {
 namespace {
@@ -97,6 +97,60 @@ TEST(SandboxFreezeTest, ConcurrentHoldersNeverSeeItRunning) {
   EXPECT_EQ(saw_running.load(), 0);
   EXPECT_FALSE(f.cgroup->is_frozen);
   EXPECT_EQ(f.cgroup->freezes, f.cgroup->thaws);
+}
+
+// FillUnset, the rule both Create and Clone apply: zero and empty fields are unset.
+TEST(SandboxSettingsTest, FillUnsetTakesOnlyUnsetFieldsFromBase) {
+  SandboxSettings base;
+  base.image = "base-image";
+  base.runtime = "native";
+  base.cpus = 4;
+  base.cpu_quota = 1.5;
+  base.memory_bytes = 1 << 30;
+  base.pids = 512;
+  base.disk_bytes = 2 << 20;
+  base.workdir = "/base";
+  base.idle_ttl_seconds = 60;
+  base.env = {{"FROM", "base"}};
+  base.labels = {{"from", "base"}};
+
+  SandboxSettings unset;
+  unset.image = "";
+  unset.cpus = 0;
+  unset.workdir = "";
+  SandboxSettings filled = FillUnset(unset, base);
+  EXPECT_EQ(filled.image, "base-image");
+  EXPECT_EQ(filled.runtime, "native");
+  EXPECT_EQ(filled.cpus, 4u);
+  EXPECT_EQ(filled.cpu_quota, 1.5);
+  EXPECT_EQ(filled.memory_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(filled.pids, 512u);
+  EXPECT_EQ(filled.disk_bytes, uint64_t{2} << 20);
+  EXPECT_EQ(filled.workdir, "/base");
+  EXPECT_EQ(filled.idle_ttl_seconds, 60u);
+  EXPECT_TRUE(filled.env.empty());
+  EXPECT_TRUE(filled.labels.empty());
+
+  SandboxSettings set;
+  set.image = "mine";
+  set.runtime = "gvisor";
+  set.cpus = 2;
+  set.cpu_quota = 0.5;
+  set.memory_bytes = 7;
+  set.pids = 8;
+  set.disk_bytes = 9;
+  set.workdir = "/mine";
+  set.idle_ttl_seconds = 10;
+  SandboxSettings kept = FillUnset(set, base);
+  EXPECT_EQ(kept.image, "mine");
+  EXPECT_EQ(kept.runtime, "gvisor");
+  EXPECT_EQ(kept.cpus, 2u);
+  EXPECT_EQ(kept.cpu_quota, 0.5);
+  EXPECT_EQ(kept.memory_bytes, 7u);
+  EXPECT_EQ(kept.pids, 8u);
+  EXPECT_EQ(kept.disk_bytes, 9u);
+  EXPECT_EQ(kept.workdir, "/mine");
+  EXPECT_EQ(kept.idle_ttl_seconds, 10u);
 }
 
 }  // namespace

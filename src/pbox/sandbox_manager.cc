@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "fmt/format.h"
 #include "spdlog/spdlog.h"
 
@@ -164,41 +165,20 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
     }
     ++creating_;
   }
-  struct CreatingGuard {
-    SandboxManager* m;
-    ~CreatingGuard() {
-      if (m != nullptr) {
-        std::lock_guard<std::mutex> lock(m->mu_);
-        --m->creating_;
-      }
-    }
-  } creating_guard{options.admitted ? nullptr : this};
+  absl::Cleanup creating_done = [this, n = options.admitted ? 0 : 1] { EndCreating(n); };
 
-  SandboxSettings s = requested;
-  if (s.image.empty()) {
-    s.image = "host";
-  }
-  if (s.runtime.empty()) {
-    s.runtime = default_runtime_;
-  }
-  if (s.cpus == 0) {
-    s.cpus = 1;
-  }
-  if (s.memory_bytes == 0) {
-    s.memory_bytes = defaults_.memory_bytes;
-  }
-  if (s.disk_bytes == 0) {
-    s.disk_bytes = defaults_.disk_bytes;
-  }
-  if (s.pids == 0) {
-    s.pids = defaults_.pids;
-  }
-  if (s.workdir.empty()) {
-    s.workdir = "/";
-  }
-  if (session_id.empty() && s.idle_ttl_seconds == 0) {
-    s.idle_ttl_seconds = defaults_.detached_ttl_seconds;
-  }
+  SandboxSettings base;
+  base.image = "host";
+  base.runtime = default_runtime_;
+  base.cpus = 1;
+  base.cpu_quota = 0;
+  base.memory_bytes = defaults_.memory_bytes;
+  base.disk_bytes = defaults_.disk_bytes;
+  base.pids = defaults_.pids;
+  base.workdir = "/";
+  // Only a sandbox outside any session has an idle TTL by default.
+  base.idle_ttl_seconds = session_id.empty() ? defaults_.detached_ttl_seconds : 0;
+  SandboxSettings s = FillUnset(requested, base);
   BRAGG_RETURN_IF_ERROR(Validate(s));
   auto rt = runtimes_.find(s.runtime);
   if (rt == runtimes_.end()) {
@@ -221,16 +201,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   }
   BRAGG_ASSIGN_OR_RETURN(CpuSet cpus,
                          cpus_->Allocate(s.cpus, session_cpus.empty() ? nullptr : &session_cpus));
-  struct CpuGuard {
-    CpuAllocator* a;
-    CpuSet cpus;
-    bool armed = true;
-    ~CpuGuard() {
-      if (armed) {
-        a->Release(cpus);
-      }
-    }
-  } cpu_guard{cpus_, cpus};
+  absl::Cleanup cpus_release = [allocator = cpus_, cpus] { allocator->Release(cpus); };
 
   CgroupLimits limits;
   limits.memory_bytes = s.memory_bytes;
@@ -287,7 +258,7 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
     return absl::FailedPreconditionError(
         fmt::format("session {} ended while the sandbox was being created", session_id));
   }
-  cpu_guard.armed = false;
+  std::move(cpus_release).Cancel();
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (hooks_.on_create) {
     hooks_.on_create(seconds);
@@ -295,6 +266,14 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   spdlog::debug("sandbox {} created in {:.2f} ms (cgroup {:.2f} ms, session {}, cpus {})", id,
                 seconds * 1e3, cgroup_ms, session_id.empty() ? "-" : session_id, cpus.ToString());
   return sandbox;
+}
+
+void SandboxManager::EndCreating(size_t n) {
+  if (n == 0) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  creating_ -= n;
 }
 
 Result<std::shared_ptr<Sandbox>> SandboxManager::Get(const std::string& id) {

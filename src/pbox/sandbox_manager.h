@@ -14,11 +14,11 @@
 #include <vector>
 
 #include "common/status.h"
-#include "pbox/cgroup.h"
-#include "pbox/cpuset.h"
-#include "pbox/frozen_layer.h"
-#include "pbox/image_store.h"
-#include "pbox/runtime.h"
+#include "pbox/cgroup/cgroup.h"
+#include "pbox/cgroup/cpuset.h"
+#include "pbox/image/frozen_layer.h"
+#include "pbox/image/image_store.h"
+#include "pbox/runtime/runtime.h"
 #include "pbox/sandbox.h"
 
 namespace bragg::pbox {
@@ -99,6 +99,8 @@ class SandboxManager {
   void TtlLoop();
   void DestroyMany(std::vector<std::shared_ptr<Sandbox>> victims);
   Status Validate(const SandboxSettings& s) const;
+  // Ends `n` creations that admission counted in creating_ (none for n == 0). Takes mu_.
+  void EndCreating(size_t n);
 
   const std::map<std::string, Runtime*> runtimes_;
   const std::string default_runtime_;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "fmt/format.h"
 #include "pbox/sandbox_manager.h"
 #include "spdlog/spdlog.h"
@@ -12,9 +13,9 @@
 namespace bragg::pbox {
 namespace {
 
-// The source's settings with the request's non-zero fields over them.
+// The source's settings with the request's set fields over them (FillUnset), env and labels
+// merged key by key.
 Result<SandboxSettings> MergeOverrides(const SandboxSettings& source, const SandboxSettings& o) {
-  SandboxSettings s = source;
   if (!o.image.empty() && o.image != source.image) {
     return absl::InvalidArgumentError(fmt::format(
         "a clone has its source's image \"{}\"; it cannot be \"{}\"", source.image, o.image));
@@ -23,27 +24,9 @@ Result<SandboxSettings> MergeOverrides(const SandboxSettings& source, const Sand
     return absl::InvalidArgumentError(fmt::format(
         "a clone has its source's runtime \"{}\"; it cannot be \"{}\"", source.runtime, o.runtime));
   }
-  if (o.cpus != 0) {
-    s.cpus = o.cpus;
-  }
-  if (o.cpu_quota != 0) {
-    s.cpu_quota = o.cpu_quota;
-  }
-  if (o.memory_bytes != 0) {
-    s.memory_bytes = o.memory_bytes;
-  }
-  if (o.pids != 0) {
-    s.pids = o.pids;
-  }
-  if (o.disk_bytes != 0) {
-    s.disk_bytes = o.disk_bytes;
-  }
-  if (!o.workdir.empty()) {
-    s.workdir = o.workdir;
-  }
-  if (o.idle_ttl_seconds != 0) {
-    s.idle_ttl_seconds = o.idle_ttl_seconds;
-  }
+  SandboxSettings s = FillUnset(o, source);
+  s.env = source.env;
+  s.labels = source.labels;
   for (const auto& [k, v] : o.env) {
     s.env[k] = v;
   }
@@ -107,14 +90,7 @@ Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
     }
     creating_ += count;
   }
-  struct CreatingGuard {
-    SandboxManager* m;
-    size_t n;
-    ~CreatingGuard() {
-      std::lock_guard<std::mutex> lock(m->mu_);
-      m->creating_ -= n;
-    }
-  } creating_guard{this, count};
+  absl::Cleanup creating_done = [this, count] { EndCreating(count); };
 
   // The snapshot: the source stops (cgroup freezer) so that no process writes while its
   // layer is copied, and resumes right after. File calls of the agent itself on the source

@@ -19,8 +19,8 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "pbox/client_limiter.h"
-#include "pbox/data_protocol.h"
-#include "pbox/sandbox_fs.h"
+#include "pbox/runtime/sandbox_fs.h"
+#include "pbox/wire/data_protocol.h"
 
 namespace bragg::pbox {
 

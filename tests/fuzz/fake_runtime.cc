@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "common/fs.h"
-#include "pbox/init_protocol.h"
-#include "pbox/testing/null_cgroup.h"
+#include "pbox/cgroup/testing/null_cgroup.h"
+#include "pbox/init/init_protocol.h"
 
 namespace bragg::pbox::fuzz {
 namespace {

@@ -11,8 +11,8 @@
 #include <memory>
 #include <string>
 
-#include "pbox/cgroup.h"
-#include "pbox/runtime.h"
+#include "pbox/cgroup/cgroup.h"
+#include "pbox/runtime/runtime.h"
 
 namespace bragg::pbox::fuzz {
 

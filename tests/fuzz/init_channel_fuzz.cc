@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "common/fs.h"
-#include "pbox/init_client.h"
-#include "pbox/init_protocol.h"
+#include "pbox/init/init_client.h"
+#include "pbox/init/init_protocol.h"
 #include "spdlog/spdlog.h"
 
 namespace pb = bragg::pbox;

@@ -12,7 +12,7 @@
 #include <iostream>
 #include <string_view>
 
-#include "pbox/init_protocol.h"
+#include "pbox/init/init_protocol.h"
 
 namespace proto = bragg::pbox::init_protocol;
 

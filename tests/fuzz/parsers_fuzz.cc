@@ -16,10 +16,10 @@
 #include "common/fs.h"
 #include "common/units.h"
 #include "pbox/agent.h"
-#include "pbox/cpuset.h"
-#include "pbox/data_protocol.h"
-#include "pbox/image_archive.h"
-#include "pbox/image_store.h"
+#include "pbox/cgroup/cpuset.h"
+#include "pbox/image/image_archive.h"
+#include "pbox/image/image_store.h"
+#include "pbox/wire/data_protocol.h"
 
 namespace pb = bragg::pbox;
 

@@ -3,7 +3,7 @@
 // (device nodes, trees too deep), that it never follows a link out of the tree, and that a
 // layer leaves the disk with its last reference.
 
-#include "pbox/frozen_layer.h"
+#include "pbox/image/frozen_layer.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

@@ -21,7 +21,7 @@
 #include "agent_fixture.h"
 #include "common/fs.h"
 #include "fmt/format.h"
-#include "pbox/data_protocol.h"
+#include "pbox/wire/data_protocol.h"
 
 namespace bragg::pbox::testing {
 namespace {

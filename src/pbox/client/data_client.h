@@ -1,7 +1,7 @@
 #pragma once
 
 // The client side of the agent's data channel (docs/pbox.md "Data channel";
-// src/pbox/data_protocol.h): pooled connections to the data socket and the transfer of one
+// src/pbox/wire/data_protocol.h): pooled connections to the data socket and the transfer of one
 // ticket's bytes over one of them.
 
 #include <sys/types.h>
@@ -15,7 +15,7 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
-#include "pbox/data_protocol.h"
+#include "pbox/wire/data_protocol.h"
 
 namespace bragg::pbox::client {
 

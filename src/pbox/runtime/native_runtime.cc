@@ -1,0 +1,560 @@
+#include "pbox/runtime/native_runtime.h"
+
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/seccomp.h>
+#include <linux/securebits.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "common/fs.h"
+#include "common/process.h"
+#include "fmt/format.h"
+#include "pbox/runtime/read_only_tree.h"
+#include "spdlog/spdlog.h"
+
+namespace bragg::pbox {
+namespace {
+
+// Steps of the child's setup, reported to the parent with errno when one fails.
+enum Step : int {
+  kStepSync = 1,
+  kStepCgroupNs,
+  kStepPrivate,
+  kStepTmpfs,
+  kStepLayerDirs,
+  kStepOverlay,
+  kStepBind,
+  kStepBindRo,
+  kStepDev,
+  kStepDevNodes,
+  kStepShm,
+  kStepProc,
+  kStepProcRo,
+  kStepLoopback,
+  kStepHostname,
+  kStepPivot,
+  kStepCaps,
+  kStepNoNewPrivs,
+  kStepSeccomp,
+  kStepFds,
+  kStepExec,
+  kStepLayerFd,
+};
+
+const char* StepName(int step) {
+  switch (step) {
+    case kStepSync:
+      return "waiting for the agent";
+    case kStepCgroupNs:
+      return "unshare(CLONE_NEWCGROUP)";
+    case kStepPrivate:
+      return "making mounts private";
+    case kStepTmpfs:
+      return "mounting the writable layer's tmpfs";
+    case kStepLayerDirs:
+      return "creating the writable layer";
+    case kStepOverlay:
+      return "mounting the overlay root";
+    case kStepBind:
+      return "bind-mounting an image directory";
+    case kStepBindRo:
+      return "making a bind mount read-only";
+    case kStepDev:
+      return "mounting /dev";
+    case kStepDevNodes:
+      return "creating /dev nodes";
+    case kStepShm:
+      return "mounting /dev/shm";
+    case kStepProc:
+      return "mounting /proc";
+    case kStepProcRo:
+      return "protecting /proc";
+    case kStepLoopback:
+      return "bringing up loopback";
+    case kStepHostname:
+      return "setting the hostname";
+    case kStepPivot:
+      return "pivot_root";
+    case kStepCaps:
+      return "dropping capabilities";
+    case kStepNoNewPrivs:
+      return "setting no_new_privs";
+    case kStepSeccomp:
+      return "loading the seccomp filter";
+    case kStepFds:
+      return "arranging file descriptors";
+    case kStepExec:
+      return "executing pbox-init";
+    case kStepLayerFd:
+      return "passing the writable layer to the agent";
+  }
+  return "unknown step";
+}
+
+struct ChildError {
+  int step;
+  int err;
+};
+
+struct DevNode {
+  const char* name;
+  unsigned major;
+  unsigned minor;
+};
+constexpr DevNode kDevNodes[] = {{"null", 1, 3},   {"zero", 1, 5},    {"full", 1, 7},
+                                 {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0}};
+
+// /proc entries made read-only or hidden inside sandboxes (what runc does by default).
+constexpr const char* kProcReadOnly[] = {"sys", "sysrq-trigger", "irq", "bus", "fs"};
+constexpr const char* kProcMasked[] = {"kcore", "keys", "timer_list", "sched_debug",
+                                       "latency_stats"};
+
+// Everything the child needs, computed before clone: after clone in a multithreaded agent the
+// child may only make system calls (no allocation, no locks).
+struct ChildPlan {
+  int err_write = -1;
+  int channel = -1;
+  int init_exe = -1;
+  int layer_sock = -1;  // the writable layer's fd goes back to the agent here (SCM_RIGHTS)
+  std::vector<std::string> cgroup_procs;  // the child moves itself into each
+  const struct sock_fprog* seccomp = nullptr;
+  struct rlimit nofile = {};  // the sandbox's limit on open files (the agent's own is raised)
+  std::string mount_point, tmpfs_opts, upper, work, root, overlay_opts;
+  std::vector<std::pair<std::string, std::string>> binds;  // host source, path under root
+  std::string dev, shm, shm_opts, proc, hostname;
+  std::vector<std::string> dev_nodes, dev_links_from, dev_links_to;
+  std::vector<std::string> proc_ro, proc_masked;
+};
+
+[[noreturn]] void Fail(const ChildPlan& plan, int step) {
+  ChildError e{step, errno};
+  ssize_t unused = ::write(plan.err_write, &e, sizeof(e));
+  (void)unused;
+  ::_exit(127);
+}
+
+int BindReadOnly(const char* path) {
+  if (::mount(path, path, nullptr, MS_BIND | MS_REC, nullptr) != 0) {
+    return -1;
+  }
+  return ::mount(nullptr, path, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                 nullptr);
+}
+
+// The writable layer's tmpfs is mounted only in the sandbox's mount namespace and, after
+// pivot_root detaches the old root, under no path at all: nothing in /proc/<pid>/root or
+// /proc/<pid>/mountinfo leads to it. So the child hands the agent an O_PATH fd of the upper
+// directory over a socket before the pivot; the agent keeps it (it pins the tmpfs only while
+// the sandbox lives, see NativeSandbox::Stop) and reads the layer through it to clone.
+void SendWritableLayer(const ChildPlan& plan) {
+  UniqueFd fd(::open(plan.upper.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) {
+    Fail(plan, kStepLayerFd);
+  }
+  char byte = 'L';
+  struct iovec iov = {&byte, 1};
+  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  std::memset(control, 0, sizeof(control));
+  struct msghdr msg;
+  std::memset(&msg, 0, sizeof(msg));
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  const int raw_fd = fd.get();
+  std::memcpy(CMSG_DATA(c), &raw_fd, sizeof(int));
+  if (::sendmsg(plan.layer_sock, &msg, MSG_NOSIGNAL) != 1) {
+    Fail(plan, kStepLayerFd);
+  }
+}
+
+// The agent's end of SendWritableLayer, read once the child has exec'd.
+Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
+  char byte = 0;
+  struct iovec iov = {&byte, 1};
+  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  struct msghdr msg;
+  std::memset(&msg, 0, sizeof(msg));
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    return ErrnoError("recvmsg", fmt::format("writable layer of sandbox {}", id));
+  }
+  struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  if (n != 1 || c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS ||
+      c->cmsg_len != CMSG_LEN(sizeof(int))) {
+    return absl::InternalError(
+        fmt::format("sandbox {}: setup sent no writable layer descriptor", id));
+  }
+  int fd;
+  std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  return UniqueFd(fd);
+}
+
+// Runs on its own stack in the agent's address space (CLONE_VM | CLONE_VFORK) while the
+// calling agent thread waits for its exec: system calls only, no allocation, no locks.
+[[noreturn]] void ChildMain(ChildPlan& plan) {
+  ::umask(0);
+  // Into the sandbox's cgroups before anything else runs ("0" is the writing process), then
+  // a cgroup namespace rooted there.
+  for (const std::string& procs : plan.cgroup_procs) {
+    UniqueFd fd(::open(procs.c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd.valid() || ::write(fd.get(), "0", 1) != 1) {
+      Fail(plan, kStepSync);
+    }
+  }
+  if (::unshare(CLONE_NEWCGROUP) != 0) {
+    Fail(plan, kStepCgroupNs);
+  }
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    Fail(plan, kStepPrivate);
+  }
+  if (::mount("pbox", plan.mount_point.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+              plan.tmpfs_opts.c_str()) != 0) {
+    Fail(plan, kStepTmpfs);
+  }
+  for (const std::string* d : {&plan.upper, &plan.work, &plan.root}) {
+    if (::mkdir(d->c_str(), 0755) != 0) {
+      Fail(plan, kStepLayerDirs);
+    }
+  }
+  SendWritableLayer(plan);
+  if (::mount("overlay", plan.root.c_str(), "overlay", MS_NOSUID | MS_NODEV,
+              plan.overlay_opts.c_str()) != 0) {
+    Fail(plan, kStepOverlay);
+  }
+  for (const auto& [source, target] : plan.binds) {
+    if (::mount(source.c_str(), target.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) {
+      Fail(plan, kStepBind);
+    }
+    if (int err = SetTreeReadOnly(target.c_str()); err == ENOSYS) {
+      // An older kernel: a plain bind, without the mounts beneath the source, which a
+      // remount would leave writable.
+      if (::umount2(target.c_str(), MNT_DETACH) != 0 ||
+          ::mount(source.c_str(), target.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+        Fail(plan, kStepBind);
+      }
+      if (::mount(nullptr, target.c_str(), nullptr,
+                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, nullptr) != 0) {
+        Fail(plan, kStepBindRo);
+      }
+    } else if (err != 0) {
+      errno = err;
+      Fail(plan, kStepBindRo);
+    }
+  }
+  if (::mount("pbox-dev", plan.dev.c_str(), "tmpfs", MS_NOSUID | MS_NOEXEC,
+              "mode=0755,size=64k,nr_inodes=64") != 0) {
+    Fail(plan, kStepDev);
+  }
+  for (size_t i = 0; i < plan.dev_nodes.size(); ++i) {
+    const DevNode& n = kDevNodes[i];
+    if (::mknod(plan.dev_nodes[i].c_str(), S_IFCHR | 0666, makedev(n.major, n.minor)) != 0) {
+      Fail(plan, kStepDevNodes);
+    }
+  }
+  for (size_t i = 0; i < plan.dev_links_from.size(); ++i) {
+    if (::symlink(plan.dev_links_to[i].c_str(), plan.dev_links_from[i].c_str()) != 0) {
+      Fail(plan, kStepDevNodes);
+    }
+  }
+  if (::mkdir(plan.shm.c_str(), 01777) != 0 ||
+      ::mount("pbox-shm", plan.shm.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+              plan.shm_opts.c_str()) != 0) {
+    Fail(plan, kStepShm);
+  }
+  if (::mount("proc", plan.proc.c_str(), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
+    Fail(plan, kStepProc);
+  }
+  for (const std::string& p : plan.proc_ro) {
+    if (BindReadOnly(p.c_str()) != 0 && errno != ENOENT) {
+      Fail(plan, kStepProcRo);
+    }
+  }
+  for (const std::string& p : plan.proc_masked) {
+    if (::mount("/dev/null", p.c_str(), nullptr, MS_BIND, nullptr) != 0 && errno != ENOENT) {
+      Fail(plan, kStepProcRo);
+    }
+  }
+  {
+    UniqueFd s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    struct ifreq ifr;
+    std::memset(&ifr, 0, sizeof(ifr));
+    std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+    if (!s.valid() || ::ioctl(s.get(), SIOCGIFFLAGS, &ifr) != 0) {
+      Fail(plan, kStepLoopback);
+    }
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (::ioctl(s.get(), SIOCSIFFLAGS, &ifr) != 0) {
+      Fail(plan, kStepLoopback);
+    }
+  }
+  if (::sethostname(plan.hostname.data(), plan.hostname.size()) != 0) {
+    Fail(plan, kStepHostname);
+  }
+  // pivot_root(".", ".") stacks the old root on the new one; detaching "." then drops it.
+  if (::chdir(plan.root.c_str()) != 0 || ::syscall(SYS_pivot_root, ".", ".") != 0 ||
+      ::umount2(".", MNT_DETACH) != 0 || ::chdir("/") != 0) {
+    Fail(plan, kStepPivot);
+  }
+  // Capabilities: lock root out of regaining them on exec, then empty every set.
+  if (::prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP |
+                                     SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED) !=
+      0) {
+    Fail(plan, kStepCaps);
+  }
+  for (int cap = 0; cap <= 63; ++cap) {
+    if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) {
+      Fail(plan, kStepCaps);
+    }
+  }
+  if (::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0) {
+    Fail(plan, kStepCaps);
+  }
+  {
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    std::memset(data, 0, sizeof(data));
+    if (::syscall(SYS_capset, &header, data) != 0) {
+      Fail(plan, kStepCaps);
+    }
+  }
+  if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+    Fail(plan, kStepNoNewPrivs);
+  }
+  if (::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, plan.seccomp) != 0) {
+    Fail(plan, kStepSeccomp);
+  }
+  // fds: the channel becomes 3; stdin and stdout /dev/null; stderr stays the agent's log.
+  // Everything still needed moves above 10 first so that dup2 cannot close it.
+  plan.err_write = ::fcntl(plan.err_write, F_DUPFD_CLOEXEC, 10);
+  int exe = ::fcntl(plan.init_exe, F_DUPFD_CLOEXEC, 10);
+  int channel = ::fcntl(plan.channel, F_DUPFD_CLOEXEC, 10);
+  int null_fd = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (exe < 0 || channel < 0 || null_fd < 0 || ::dup2(null_fd, 0) != 0 || ::dup2(null_fd, 1) != 1 ||
+      ::dup2(channel, 3) != 3) {
+    Fail(plan, kStepFds);
+  }
+  // Everything above 3 closes on exec, the error pipe included: EOF there means success.
+  if (::syscall(SYS_close_range, 4, ~0U, CLOSE_RANGE_CLOEXEC) != 0) {
+    Fail(plan, kStepFds);
+  }
+  // Last: until exec closes them, the agent's fds (maybe above the sandbox's limit) are here.
+  if (::setrlimit(RLIMIT_NOFILE, &plan.nofile) != 0) {
+    Fail(plan, kStepFds);
+  }
+  const char* argv[] = {"pbox-init", "--channel-fd=3", nullptr};
+  const char* envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin", nullptr};
+  ::syscall(SYS_execveat, exe, "", argv, envp, AT_EMPTY_PATH);
+  Fail(plan, kStepExec);
+}
+
+class NativeSandbox : public RuntimeSandbox {
+ public:
+  NativeSandbox(ChildProcess init_process, std::unique_ptr<InitClient> init, SandboxFs fs,
+                Cgroup* cgroup, UniqueFd writable_layer)
+      : init_process_(std::move(init_process)),
+        init_(std::move(init)),
+        fs_(std::move(fs)),
+        cgroup_(cgroup),
+        init_pid_(init_process_.pid()),
+        writable_layer_(std::move(writable_layer)) {}
+
+  ~NativeSandbox() override { (void)Stop(); }
+
+  InitClient* init() override { return init_.get(); }
+  const SandboxFs& fs() const override { return fs_; }
+  pid_t init_pid() const override { return init_pid_; }
+
+  Result<UniqueFd> OpenWritableLayer() override {
+    std::lock_guard<std::mutex> lock(layer_mu_);
+    return ReopenLayer(writable_layer_);
+  }
+
+  Status Stop() override {
+    if (stopped_) {
+      return absl::OkStatus();
+    }
+    stopped_ = true;
+    {
+      // The fd pins the writable layer's tmpfs (and its memory): let it go with the sandbox.
+      // A clone still copying holds its own fd from OpenWritableLayer and finishes.
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      writable_layer_.Reset();
+    }
+    Status status = cgroup_->KillAll();
+    // Killing the cgroup killed PID 1 too, which takes the namespace (and its mounts) along.
+    (void)init_process_.Signal(SIGKILL);
+    auto exit = init_process_.Wait(std::chrono::milliseconds(5000));
+    if (!exit.ok()) {
+      status.Update(Annotate(exit.status(), "waiting for sandbox init"));
+    }
+    // init_ stays: commands still holding it get Unavailable from the dead channel.
+    return status;
+  }
+
+ private:
+  ChildProcess init_process_;
+  std::unique_ptr<InitClient> init_;
+  SandboxFs fs_;
+  Cgroup* cgroup_;
+  pid_t init_pid_;
+  bool stopped_ = false;
+  std::mutex layer_mu_;
+  UniqueFd writable_layer_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<NativeRuntime>> NativeRuntime::Create(const NativeRuntimeOptions& options) {
+  int fd = ::open(options.init_path.c_str(), O_PATH | O_CLOEXEC);
+  if (fd < 0) {
+    return Annotate(ErrnoError("open", options.init_path),
+                    "pbox-init not found: pass --init-path or install it beside pboxd");
+  }
+  UniqueFd exe(fd);
+  BRAGG_ASSIGN_OR_RETURN(SeccompProgram seccomp, SeccompProgram::BuildDefault());
+  std::unique_ptr<NativeRuntime> rt(new NativeRuntime(options, std::move(exe), std::move(seccomp)));
+  rt->mount_point_ = options.state_dir + "/mnt";
+  BRAGG_RETURN_IF_ERROR(MakeDirs(rt->mount_point_, 0700));
+  if (::getrlimit(RLIMIT_NOFILE, &rt->sandbox_nofile_) != 0) {
+    return ErrnoError("getrlimit", "RLIMIT_NOFILE");
+  }
+  if (rt->sandbox_nofile_.rlim_cur < rt->sandbox_nofile_.rlim_max) {
+    struct rlimit raised = {rt->sandbox_nofile_.rlim_max, rt->sandbox_nofile_.rlim_max};
+    if (::setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+      return ErrnoError("setrlimit", "RLIMIT_NOFILE");
+    }
+    spdlog::info("open files limit raised from {} to {} (sandboxes keep {})",
+                 rt->sandbox_nofile_.rlim_cur, raised.rlim_cur, rt->sandbox_nofile_.rlim_cur);
+  }
+  return rt;
+}
+
+Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& spec) {
+  if (spec.image == nullptr || spec.cgroup == nullptr) {
+    return absl::InvalidArgumentError("NativeRuntime::Start: image and cgroup are required");
+  }
+  ChildPlan plan;
+  plan.mount_point = mount_point_;
+  plan.tmpfs_opts = fmt::format("size={},mode=0755", spec.disk_bytes);
+  plan.upper = mount_point_ + "/upper";
+  plan.work = mount_point_ + "/work";
+  plan.root = mount_point_ + "/root";
+  std::string lower;
+  for (const std::string& dir : spec.frozen_lower_dirs) {
+    lower += (lower.empty() ? "" : ":") + dir;
+  }
+  for (const std::string& dir : spec.image->lower_dirs) {
+    lower += (lower.empty() ? "" : ":") + dir;
+  }
+  plan.overlay_opts =
+      fmt::format("lowerdir={},upperdir={},workdir={}", lower, plan.upper, plan.work);
+  for (const BindMount& b : spec.image->binds) {
+    plan.binds.emplace_back(b.source, plan.root + b.target);
+  }
+  plan.dev = plan.root + "/dev";
+  for (const DevNode& n : kDevNodes) {
+    plan.dev_nodes.push_back(fmt::format("{}/{}", plan.dev, n.name));
+  }
+  for (auto [from, to] : {std::pair{"fd", "/proc/self/fd"},
+                          {"stdin", "/proc/self/fd/0"},
+                          {"stdout", "/proc/self/fd/1"},
+                          {"stderr", "/proc/self/fd/2"}}) {
+    plan.dev_links_from.push_back(fmt::format("{}/{}", plan.dev, from));
+    plan.dev_links_to.push_back(to);
+  }
+  plan.shm = plan.dev + "/shm";
+  plan.shm_opts = fmt::format("size={},mode=1777", spec.shm_bytes);
+  plan.proc = plan.root + "/proc";
+  for (const char* p : kProcReadOnly) {
+    plan.proc_ro.push_back(fmt::format("{}/{}", plan.proc, p));
+  }
+  for (const char* p : kProcMasked) {
+    plan.proc_masked.push_back(fmt::format("{}/{}", plan.proc, p));
+  }
+  plan.hostname = spec.hostname.empty() ? "pbox" : spec.hostname;
+  plan.seccomp = seccomp_.prog();
+  plan.init_exe = init_exe_.get();
+  plan.nofile = sandbox_nofile_;
+
+  plan.cgroup_procs = spec.cgroup->ProcsFiles();
+
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    return ErrnoError("socketpair", "init channel");
+  }
+  UniqueFd agent_end(sv[0]), child_end(sv[1]);
+  int lv[2];
+  if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, lv) != 0) {
+    return ErrnoError("socketpair", "writable layer channel");
+  }
+  UniqueFd layer_agent_end(lv[0]), layer_child_end(lv[1]);
+  plan.layer_sock = layer_child_end.get();
+  BRAGG_ASSIGN_OR_RETURN(Pipe err, MakePipe());
+  plan.err_write = err.write.get();
+  plan.channel = child_end.get();
+
+  // The child shares the agent's memory until it execs (like posix_spawn): no copy of the
+  // agent's page tables, which with a large agent costs more than the rest of the setup.
+  Result<ChildProcess> spawned = SpawnSharingMemory(
+      [](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); }, &plan,
+      CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, 256 << 10, spec.id);
+  if (absl::IsPermissionDenied(spawned.status())) {
+    return Annotate(spawned.status(), "cannot create sandbox namespaces: pboxd must run as root");
+  }
+  if (!spawned.ok()) {
+    return spawned.status();
+  }
+  ChildProcess child = std::move(*spawned);
+  child_end.Reset();
+  layer_child_end.Reset();
+  err.write.Reset();
+  ChildError child_error{0, 0};
+  ssize_t n;
+  do {
+    n = ::read(err.read.get(), &child_error, sizeof(child_error));
+  } while (n < 0 && errno == EINTR);
+  if (n != 0) {
+    std::string why = n == sizeof(child_error) ? fmt::format("{}: {}", StepName(child_error.step),
+                                                             strerror(child_error.err))
+                                               : "setup died without a report";
+    return absl::InternalError(fmt::format("sandbox {} setup failed at {}", spec.id, why));
+  }
+  // PID 1 is spared by the OOM killer; pbox-init resets its commands' score to 0.
+  (void)WriteControlFile(fmt::format("/proc/{}/oom_score_adj", child.pid()), "-999");
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd writable_layer,
+                         ReceiveWritableLayer(layer_agent_end.get(), spec.id));
+  BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(fmt::format("/proc/{}/root", child.pid())));
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<InitClient> init,
+                         InitClient::Create(std::move(agent_end)));
+  return std::unique_ptr<RuntimeSandbox>(new NativeSandbox(
+      std::move(child), std::move(init), std::move(fs), spec.cgroup, std::move(writable_layer)));
+}
+
+}  // namespace bragg::pbox
