@@ -11,6 +11,7 @@
 
 #include "common/logging.h"
 #include "common/prometheus.h"
+#include "gateway/request.h"
 
 namespace bragg::gateway {
 
@@ -447,17 +448,9 @@ struct Gateway::PdPrefill {
   std::optional<HostPort> decode_target;
 };
 
-struct Gateway::Generate {
-  json body;
-  std::string key;
-  std::vector<int32_t> tokens;
-  std::string client_salt;
-  std::string path;      // upstream path
-  std::string raw_body;  // OpenAI: passed through byte for byte (but for an added rid)
-  // The request id the workers know the request by (SGLang's `rid`), for /abort_request.
-  json rid;
-  bool openai = false;
-  bool stream = false;
+// A routed request: the parsed request and where it went.
+struct Gateway::Generate : Request {
+  explicit Generate(Request r) : Request(std::move(r)) {}
   size_t attempts = 0;
   size_t max_attempts = 1;
   std::shared_ptr<PdPrefill> prefill;  // set for a prefill/decode pair
@@ -468,114 +461,14 @@ std::string Gateway::NewRid() {
 }
 
 Action Gateway::HandleGenerate(HttpRequest& req) {
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) {
-    return Action::Respond(ErrorResponse(400, "request body must be a JSON object"));
+  Result<Request> r =
+      ParseRequest(Endpoint::kGenerate, req, options_.dp_size, [this] { return NewRid(); });
+  if (!r.ok()) {
+    return Action::Respond(ErrorResponse(400, std::string(r.status().message())));
   }
-  std::vector<int32_t> tokens;
-  // A batch (input_ids a list of lists, text a list of strings), as SGLang takes it, is routed
-  // by its first element.
-  size_t batch = 0;
-  if (body.contains("input_ids")) {
-    const json& ids = body["input_ids"];
-    if (!ids.is_array() || ids.empty()) {
-      return Action::Respond(
-          ErrorResponse(400, "input_ids must be a non-empty array of token ids"));
-    }
-    bool nested = ids[0].is_array();
-    auto read = [&](const json& one, std::vector<int32_t>* out) {
-      if (!one.is_array() || one.empty()) {
-        return false;
-      }
-      for (const json& t : one) {
-        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX) {
-          return false;
-        }
-        if (out != nullptr) {
-          out->push_back(static_cast<int32_t>(t.get<int64_t>()));
-        }
-      }
-      return true;
-    };
-    bool ok = true;
-    if (nested) {
-      batch = ids.size();
-      tokens.reserve(ids[0].size());
-      for (size_t i = 0; i < ids.size() && ok; ++i) {
-        ok = read(ids[i], i == 0 ? &tokens : nullptr);
-      }
-    } else {
-      tokens.reserve(ids.size());
-      ok = read(ids, &tokens);
-    }
-    if (!ok) {
-      return Action::Respond(ErrorResponse(
-          400,
-          "input_ids must hold non-negative 32-bit token ids (a list, or a non-empty list "
-          "of non-empty lists for a batch)"));
-    }
-  } else if (body.contains("text") && body["text"].is_string()) {
-    for (unsigned char c : body["text"].get<std::string>()) {
-      tokens.push_back(c);
-    }
-  } else if (body.contains("text") && body["text"].is_array() && !body["text"].empty()) {
-    for (const json& t : body["text"]) {
-      if (!t.is_string()) {
-        return Action::Respond(ErrorResponse(400, "text must be a string or a list of strings"));
-      }
-    }
-    batch = body["text"].size();
-    for (unsigned char c : body["text"][0].get_ref<const std::string&>()) {
-      tokens.push_back(c);
-    }
-  } else {
-    return Action::Respond(ErrorResponse(400, "request needs input_ids or text"));
-  }
-  std::string key;
-  for (const char* field : {"routing_key", "rollout_id"}) {
-    if (body.contains(field)) {
-      if (!body[field].is_string()) {
-        return Action::Respond(ErrorResponse(400, fmt::format("{} must be a string", field)));
-      }
-      key = body[field].get<std::string>();
-      body.erase(field);
-    }
-  }
-  if (key.empty()) {
-    key = req.Header("X-Session-Id");
-  }
-  std::string client_salt;
-  if (body.contains("extra_key") && body["extra_key"].is_string()) {
-    client_salt = body["extra_key"].get<std::string>();
-  }
-  if (!body.contains("rid")) {
-    // As SGLang's router: every request gets an id, so that a hang-up can abort it by id; a
-    // batch one per element.
-    if (batch > 0) {
-      json rids = json::array();
-      for (size_t i = 0; i < batch; ++i) {
-        rids.push_back(NewRid());
-      }
-      body["rid"] = std::move(rids);
-    } else {
-      body["rid"] = NewRid();
-    }
-  }
-  if (options_.dp_size > 1 && !key.empty() && !body.contains("routed_dp_rank")) {
-    // A rollout's KV lives on one DP rank: pin it there, spread rollouts by a stable hash.
-    body["routed_dp_rank"] =
-        static_cast<uint32_t>(static_cast<uint32_t>(-SaltToken(key)) % options_.dp_size);
-  }
-  auto g = std::make_shared<Generate>();
-  g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
-  g->rid = body["rid"];
-  g->body = std::move(body);
-  g->key = std::move(key);
-  g->tokens = std::move(tokens);
-  g->client_salt = std::move(client_salt);
-  g->path = "/generate";
+  auto g = std::make_shared<Generate>(std::move(*r));
   if (!options_.prefill_workers.empty()) {
-    if (batch > 0) {
+    if (g->batch > 0) {
       // Each element would need its own bootstrap_room on both halves.
       return Action::Respond(ErrorResponse(
           400,
@@ -623,15 +516,13 @@ Action Gateway::StartPd(std::shared_ptr<Generate> g) {
     std::lock_guard<std::mutex> lock(rng_mu_);
     room = rng_() & ((uint64_t{1} << 63) - 1);
   }
-  if (!d->salt.empty()) {
-    g->body["extra_key"] = d->salt;
-  }
   g->body["bootstrap_host"] = pre->target.host;
   g->body["bootstrap_port"] = options_.bootstrap_port;
   g->body["bootstrap_room"] = room;
   g->prefill = pre;
   // Both halves at once: the decode worker waits for the KV the prefill worker computes.
-  server_->Call(pre->target, "/generate", g->body.dump(), [this, g](CallResult& r) {
+  server_->Call(pre->target, "/generate", BodyWithExtraKey(g.get(), d->salt),
+                [this, g](CallResult& r) {
     PdPrefill& pre = *g->prefill;
     uint64_t prompt = 0;
     uint64_t cached = 0;
@@ -696,29 +587,11 @@ void Gateway::AbortUpstream(const Generate& g, const HostPort& target) {
 Action Gateway::ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d) {
   Pool& pool = g->prefill ? *decode_ : *main_;
   Forward f;
-  if (g->openai) {
-    if (d.salt.empty()) {
-      f.body = g->raw_body;
-    } else if (!g->body.contains("extra_key")) {
-      // Spliced in after the opening brace, as the rid: the rest passes through byte for byte.
-      f.body = g->raw_body;
-      f.body.insert(f.body.find('{') + 1, "\"extra_key\":" + json(d.salt).dump() + ",");
-    } else {
-      // The client's own extra_key is replaced by the combined one.
-      json b = g->body;
-      b["extra_key"] = d.salt;
-      f.body = b.dump();
-    }
-  } else {
-    if (!d.salt.empty()) {
-      g->body["extra_key"] = d.salt;
-    }
-    f.body = g->body.dump();
-  }
+  f.body = BodyWithExtraKey(g.get(), d.salt);
   f.upstream = Client(pool, d.worker)->target();
   f.path = g->path;
   f.stream = g->stream;
-  if (!g->openai) {
+  if (g->endpoint == Endpoint::kGenerate) {
     f.response_headers.emplace_back("X-Bragg-Worker",
                                     fmt::format("{}:{}", f.upstream.host, f.upstream.port));
   }
@@ -813,52 +686,12 @@ Action Gateway::ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d) {
 }
 
 Action Gateway::HandleOpenAi(HttpRequest& req) {
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) {
-    return Action::Respond(ErrorResponse(400, "request body must be a JSON object"));
+  Result<Request> r =
+      ParseRequest(Endpoint::kOpenAi, req, options_.dp_size, [this] { return NewRid(); });
+  if (!r.ok()) {
+    return Action::Respond(ErrorResponse(400, std::string(r.status().message())));
   }
-  auto g = std::make_shared<Generate>();
-  g->key = req.Header("X-Session-Id");
-  if (g->key.empty() && body.contains("user") && body["user"].is_string()) {
-    g->key = body["user"].get<std::string>();
-  }
-  // Route by the prompt bytes: the approximate tree only needs a stable prefix.
-  std::string prompt =
-      body.contains("messages") ? body["messages"].dump() : body.value("prompt", json()).dump();
-  for (unsigned char c : prompt) {
-    g->tokens.push_back(c);
-  }
-  g->openai = true;
-  g->stream = body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
-  g->path = req.path;
-  g->raw_body = std::move(req.body);
-  if (body.contains("extra_key") && body["extra_key"].is_string()) {
-    g->client_salt = body["extra_key"].get<std::string>();
-  }
-  // SGLang's OpenAI requests take rid, routed_dp_rank and extra_key as /generate does. Fields
-  // the gateway adds are spliced in after the opening brace, so the rest of the client's body
-  // goes through byte for byte.
-  std::string fields;
-  bool client_empty = body.empty();
-  if (body.contains("rid")) {
-    g->rid = body["rid"];
-  } else {
-    g->rid = NewRid();
-    body["rid"] = g->rid;
-    fields += "\"rid\":" + g->rid.dump() + ",";
-  }
-  if (options_.dp_size > 1 && !g->key.empty() && !body.contains("routed_dp_rank")) {
-    uint32_t rank = static_cast<uint32_t>(-SaltToken(g->key)) % options_.dp_size;
-    body["routed_dp_rank"] = rank;
-    fields += fmt::format("\"routed_dp_rank\":{},", rank);
-  }
-  if (!fields.empty()) {
-    if (client_empty) {
-      fields.pop_back();  // no member of the client's follows: no comma before its '}'
-    }
-    g->raw_body.insert(g->raw_body.find('{') + 1, fields);
-  }
-  g->body = std::move(body);
+  auto g = std::make_shared<Generate>(std::move(*r));
   g->max_attempts = std::max<size_t>(1, main_->router.num_workers());
   return RouteAndForward(std::move(g));
 }
