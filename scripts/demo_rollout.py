@@ -109,8 +109,7 @@ def run_rollout_step(build: Path, pbox, endpoint: str, root: Path) -> bool:
     import numpy as np
 
     sys.path.insert(0, str(build / "python"))
-    sys.path.insert(0, str(ROOT / "src/gateway/python"))
-    import bragg_gateway_client as bgc
+    import bragg_gateway as bgc
     import bragg_pack as bp
 
     errors: List[str] = []
