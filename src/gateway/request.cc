@@ -108,8 +108,7 @@ Status ParseGenerate(json body, const HttpRequest& http, int dp_size,
 
 Status ParseOpenAi(json body, HttpRequest& http, int dp_size,
                    const std::function<std::string()>& new_rid, Request* r) {
-  BRAGG_ASSIGN_OR_RETURN(r->key,
-                         RoutingKey(Endpoint::kOpenAi, &body, http.Header("X-Session-Id")));
+  BRAGG_ASSIGN_OR_RETURN(r->key, RoutingKey(Endpoint::kOpenAi, &body, http.Header("X-Session-Id")));
   // Route by the prompt bytes: the approximate tree only needs a stable prefix.
   std::string prompt =
       body.contains("messages") ? body["messages"].dump() : body.value("prompt", json()).dump();

@@ -146,10 +146,9 @@ TEST(DpRankTest, AddedOnlyWithSizeKeyAndNoClientRank) {
 }
 
 TEST(DpRankTest, SameRankOnEveryEndpoint) {
-  Result<Request> g = Parse(Endpoint::kGenerate, "/generate",
-                            R"({"input_ids":[1,2],"routing_key":"k"})", "", 8);
-  Result<Request> o =
-      Parse(Endpoint::kOpenAi, "/v1/completions", R"({"prompt":"x"})", "k", 8);
+  Result<Request> g =
+      Parse(Endpoint::kGenerate, "/generate", R"({"input_ids":[1,2],"routing_key":"k"})", "", 8);
+  Result<Request> o = Parse(Endpoint::kOpenAi, "/v1/completions", R"({"prompt":"x"})", "k", 8);
   ASSERT_TRUE(g.ok());
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(g->body["routed_dp_rank"], DpRank("k", 8));
@@ -252,8 +251,7 @@ TEST(ParseRequestTest, OpenAiSplicesRidAndKeepsTheRestByteForByte) {
   EXPECT_EQ(r->path, "/v1/chat/completions");
   EXPECT_EQ(r->key, "u");
   EXPECT_EQ(r->rid, "r0");
-  std::string fields =
-      "\"rid\":\"r0\",\"routed_dp_rank\":" + std::to_string(DpRank("u", 4)) + ",";
+  std::string fields = "\"rid\":\"r0\",\"routed_dp_rank\":" + std::to_string(DpRank("u", 4)) + ",";
   EXPECT_EQ(r->raw_body, "{" + fields + client.substr(1));
   std::string prompt = json::parse(client)["messages"].dump();
   EXPECT_EQ(r->tokens, std::vector<int32_t>(prompt.begin(), prompt.end()));
