@@ -82,18 +82,9 @@ void Gateway::Stop() {
   server_->Stop();
 }
 
-Action Gateway::HandleGenerate(HttpRequest& req) {
+Action Gateway::Handle(Endpoint endpoint, HttpRequest& req) {
   Result<Request> r =
-      ParseRequest(Endpoint::kGenerate, req, options_.dp_size, [this] { return proxy_.NewRid(); });
-  if (!r.ok()) {
-    return Action::Respond(ErrorResponse(400, std::string(r.status().message())));
-  }
-  return proxy_.Serve(std::move(*r));
-}
-
-Action Gateway::HandleOpenAi(HttpRequest& req) {
-  Result<Request> r =
-      ParseRequest(Endpoint::kOpenAi, req, options_.dp_size, [this] { return proxy_.NewRid(); });
+      ParseRequest(endpoint, req, options_.dp_size, [this] { return proxy_.NewRid(); });
   if (!r.ok()) {
     return Action::Respond(ErrorResponse(400, std::string(r.status().message())));
   }
@@ -107,9 +98,11 @@ WeightUpdateReport Gateway::UpdateWeights(const std::string& model_path,
 
 void Gateway::Register() {
   AsyncHttpServer& s = *server_;
-  s.Route("POST", "/generate", [this](HttpRequest& req) { return HandleGenerate(req); });
-  s.Route("POST", "/v1/chat/completions", [this](HttpRequest& req) { return HandleOpenAi(req); });
-  s.Route("POST", "/v1/completions", [this](HttpRequest& req) { return HandleOpenAi(req); });
+  s.Route("POST", "/generate",
+          [this](HttpRequest& req) { return Handle(Endpoint::kGenerate, req); });
+  for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
+    s.Route("POST", path, [this](HttpRequest& req) { return Handle(Endpoint::kOpenAi, req); });
+  }
   s.Route("GET", "/health", [](HttpRequest&) {
     HttpResponse r;
     r.content_type = "text/plain";

@@ -13,6 +13,7 @@
 #include "gateway/fleet.h"
 #include "gateway/health.h"
 #include "gateway/proxy.h"
+#include "gateway/request.h"
 #include "gateway/router.h"
 #include "gateway/weights.h"
 
@@ -71,8 +72,8 @@ class Gateway {
   WeightUpdateReport UpdateWeights(const std::string& model_path, const std::string& version);
 
  private:
-  Action HandleGenerate(HttpRequest& req);
-  Action HandleOpenAi(HttpRequest& req);
+  // /generate and the OpenAI endpoints: parsed (400 when malformed), then routed and forwarded.
+  Action Handle(Endpoint endpoint, HttpRequest& req);
   void Register();
 
   GatewayOptions options_;
