@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <stdexcept>
+
 namespace bragg::gateway {
 
 namespace {
@@ -17,32 +19,38 @@ RouterOptions Sticky(RouterOptions options) {
 Pool::Pool(std::string name, RouterOptions options)
     : name_(std::move(name)), router_(std::move(options)) {}
 
+Worker& Pool::Record(int worker) const {
+  if (worker < 0 || static_cast<size_t>(worker) >= size_) {
+    throw std::out_of_range(fmt::format("pool {} has no worker {}", name_, worker));
+  }
+  return *router_.record(worker);
+}
+
 Status Pool::AddWorker(const std::string& url, bool healthy) {
   BRAGG_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(url));
   std::string canonical = fmt::format("http://{}:{}", hp.host, hp.port);
   std::lock_guard<std::mutex> lock(mu_);
   int index = router_.AddWorker(canonical, healthy);
-  if (static_cast<size_t>(index) == workers_.size()) {
-    Worker& w = workers_.emplace_back();
-    w.url = canonical;
-    w.client = std::make_unique<ClientPool>(hp);
+  if (static_cast<size_t>(index) == size_) {
+    router_.record(index)->client = std::make_unique<ClientPool>(hp);
+    ++size_;
   }
   return absl::OkStatus();
 }
 
 size_t Pool::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return workers_.size();
+  return size_;
 }
 
 ClientPool* Pool::Client(int worker) {
   std::lock_guard<std::mutex> lock(mu_);
-  return workers_.at(worker).client.get();
+  return Record(worker).client.get();
 }
 
 std::string Pool::url(int worker) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return workers_.at(worker).url;
+  return Record(worker).url;
 }
 
 void Pool::MarkDown(int worker, std::string_view why) {
@@ -53,7 +61,7 @@ void Pool::MarkDown(int worker, std::string_view why) {
 void Pool::Quarantine(int worker, std::string_view why, bool needs_continue) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Worker& w = workers_.at(worker);
+    Worker& w = Record(worker);
     w.quarantined = true;
     w.needs_continue = w.needs_continue || needs_continue;
   }
@@ -62,34 +70,34 @@ void Pool::Quarantine(int worker, std::string_view why, bool needs_continue) {
 
 int Pool::RecordHealthCheck(int worker, bool ok) {
   std::lock_guard<std::mutex> lock(mu_);
-  Worker& w = workers_.at(worker);
+  Worker& w = Record(worker);
   w.health_failures = ok ? 0 : w.health_failures + 1;
   return w.health_failures;
 }
 
 bool Pool::quarantined(int worker) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return workers_.at(worker).quarantined;
+  return Record(worker).quarantined;
 }
 
 bool Pool::needs_continue(int worker) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return workers_.at(worker).needs_continue;
+  return Record(worker).needs_continue;
 }
 
 void Pool::SetNeedsContinue(int worker, bool needs_continue) {
   std::lock_guard<std::mutex> lock(mu_);
-  workers_.at(worker).needs_continue = needs_continue;
+  Record(worker).needs_continue = needs_continue;
 }
 
 void Pool::SetVersion(int worker, std::string version) {
   std::lock_guard<std::mutex> lock(mu_);
-  workers_.at(worker).version = std::move(version);
+  Record(worker).version = std::move(version);
 }
 
 void Pool::Admitted(int worker, std::string version) {
   std::lock_guard<std::mutex> lock(mu_);
-  Worker& w = workers_.at(worker);
+  Worker& w = Record(worker);
   w.version = std::move(version);
   w.quarantined = false;
 }
@@ -97,9 +105,9 @@ void Pool::Admitted(int worker, std::string version) {
 std::vector<std::string> Pool::Versions() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> out;
-  out.reserve(workers_.size());
-  for (const Worker& w : workers_) {
-    out.push_back(w.version);
+  out.reserve(size_);
+  for (size_t i = 0; i < size_; ++i) {
+    out.push_back(Record(static_cast<int>(i)).version);
   }
   return out;
 }

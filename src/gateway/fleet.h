@@ -3,17 +3,20 @@
 // The gateway's workers: one Worker record per worker, grouped in pools (main, prefill, decode),
 // each pool with the Router that picks its workers, and the fleet's weight version.
 //
-// Locking: each Pool has one mutex guarding its Worker records, held only while a record is
-// read or written, never across I/O. The Router (router.h) keeps its own mutex over its own
-// per-worker table (health, load, cache tree), indexed like the records; the only nesting is
-// Pool::AddWorker, which holds the pool's mutex around Router::AddWorker so that indices agree
-// (never the reverse order). A worker is in the Router a moment before its record exists, so
-// code walking the Router's workers stops at Pool::size(). Records are never removed: a
-// ClientPool* from Pool::Client stays valid for the pool's lifetime. The fleet's version has its
-// own mutex, never held with another.
+// One record per worker (Worker), owned by its pool's Router, in two parts with one lock each:
+// - the routing part (url, healthy, stats, tree) under the Router's mutex, used by router.cc
+//   alone (url is never changed once the worker is added, so anyone may read it);
+// - the fleet's part (client, version, health_failures, quarantined, needs_continue) under its
+//   Pool's mutex, used through Pool's methods alone, held only while a field is read or
+//   written, never across I/O.
+// Lock order: a Pool's mutex may be held while the Router's is taken (Pool::AddWorker, so that
+// a worker's index and its record's fleet part are set up together), never the reverse. A
+// worker is in the Router a moment before its fleet part is set up, so code walking the
+// Router's workers stops at Pool::size(). Records are never removed: a ClientPool* from
+// Pool::Client stays valid for the pool's lifetime. The fleet's version has its own mutex, never
+// held with another.
 
 #include <array>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,13 +25,23 @@
 
 #include "common/status.h"
 #include "gateway/http_util.h"
+#include "gateway/radix_cache.h"
 #include "gateway/router.h"
 
 namespace bragg::gateway {
 
-// What the gateway keeps about one worker beside the Router's table. Guarded by its Pool's mutex.
+// Everything the gateway keeps about one worker. Locking: see the top of this file.
 struct Worker {
-  std::string url;                     // canonical "http://HOST:PORT"
+  Worker(std::string url, size_t tree_capacity_tokens)
+      : url(std::move(url)), tree(tree_capacity_tokens) {}
+
+  // Routing part: the Router's, under its mutex.
+  const std::string url;  // canonical "http://HOST:PORT"
+  bool healthy = true;
+  WorkerSnapshot stats;
+  RadixCache tree;  // approximate prefix tree of what the gateway sent it
+
+  // Fleet part: under the Pool's mutex.
   std::unique_ptr<ClientPool> client;  // keep-alive connections for blocking control calls
   std::string version;                 // last known weight version, "" when unknown
   int health_failures = 0;             // consecutive failed health checks
@@ -76,10 +89,14 @@ class Pool {
   std::vector<std::string> Versions() const;
 
  private:
+  // The record of `worker` whose fleet part is set up; std::out_of_range otherwise (a
+  // programmer error).
+  Worker& Record(int worker) const;
+
   const std::string name_;
-  Router router_;
+  mutable Router router_;  // owns the records; thread-safe
   mutable std::mutex mu_;
-  std::deque<Worker> workers_;  // by index; guarded by mu_
+  size_t size_ = 0;  // records whose fleet part is set up; guarded by mu_
 };
 
 // One worker of one pool.

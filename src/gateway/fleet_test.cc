@@ -22,6 +22,20 @@ TEST(PoolTest, AddWorkerCanonicalUrlOneRecordPerUrl) {
   EXPECT_EQ(pool.Versions(), (std::vector<std::string>{"", ""}));
 }
 
+TEST(PoolTest, OneRecordHoldsTheRoutingAndTheFleetPart) {
+  Pool pool("main", RouterOptions{});
+  ASSERT_TRUE(pool.AddWorker("127.0.0.1:9001", true).ok());
+  Worker* w = pool.router().record(0);
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(pool.router().record(1), nullptr);
+  EXPECT_EQ(w->url, "http://127.0.0.1:9001");
+  EXPECT_EQ(w->client.get(), pool.Client(0));
+  pool.SetVersion(0, "v7");
+  EXPECT_EQ(w->version, "v7");
+  pool.router().SetHealthy(0, false);
+  EXPECT_FALSE(w->healthy);
+}
+
 TEST(PoolTest, BadUrlsAreRefused) {
   Pool pool("main", RouterOptions{});
   for (const char* url : {"", "no-port", "http://h:notaport", "ftp://h:1"}) {
