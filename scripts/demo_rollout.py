@@ -109,8 +109,7 @@ def run_rollout_step(build: Path, pbox, endpoint: str, root: Path) -> bool:
     import numpy as np
 
     sys.path.insert(0, str(build / "python"))
-    sys.path.insert(0, str(ROOT / "src/gateway/python"))
-    import bragg_gateway_client as bgc
+    import bragg_gateway as bgc
     import bragg_pack as bp
 
     errors: List[str] = []
@@ -119,10 +118,10 @@ def run_rollout_step(build: Path, pbox, endpoint: str, root: Path) -> bool:
     try:
         urls = []
         for i in range(WORKERS):
-            p, url = start([str(build / "src/gateway/bragg-sim-worker"), "--listen", "127.0.0.1:0",
-                            "--seed", "7", "--moe-layers", str(MOE_LAYERS), "--moe-topk",
-                            str(MOE_TOPK), "--num-experts", "16", "--decode-us", "3000",
-                            "--prefill-us", "2"], log)
+            p, url = start([str(build / "src/gateway/sim/bragg-sim-worker"), "--listen",
+                            "127.0.0.1:0", "--seed", "7", "--moe-layers", str(MOE_LAYERS),
+                            "--moe-topk", str(MOE_TOPK), "--num-experts", "16", "--decode-us",
+                            "3000", "--prefill-us", "2"], log)
             procs.append(p)
             urls.append(url)
         argv = [str(build / "src/gateway/bragg-gateway"), "--listen", "127.0.0.1:0",

@@ -27,7 +27,7 @@
 #include "gateway/radix_cache.h"
 #include "gateway/routed_experts.h"
 #include "gateway/router.h"
-#include "gateway/sim_worker.h"
+#include "gateway/sim/sim_worker.h"
 
 namespace bragg::gateway {
 namespace {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "gateway/fleet.h"
+
 namespace bragg::gateway {
 
 Result<Policy> ParsePolicy(std::string_view name) {
@@ -54,6 +56,16 @@ int32_t SaltToken(std::string_view salt) {
 }
 
 Router::Router(RouterOptions options) : options_(std::move(options)) {}
+
+Router::~Router() = default;
+
+Worker* Router::record(int worker) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (worker < 0 || static_cast<size_t>(worker) >= workers_.size()) {
+    return nullptr;
+  }
+  return workers_[worker].get();
+}
 
 int Router::AddWorker(std::string url, bool healthy) {
   std::lock_guard<std::mutex> lock(mu_);

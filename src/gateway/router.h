@@ -70,11 +70,17 @@ struct WorkerSnapshot {
   uint64_t moved_out = 0;  // sticky rollouts moved off this worker because it went down
 };
 
+struct Worker;  // fleet.h: the one record per worker
+
 // Thread-safe (one internal mutex). Workers are numbered in the order they are added and never
-// removed; an unhealthy worker gets no requests.
+// removed; an unhealthy worker gets no requests. The Router owns each worker's record (fleet.h)
+// and guards its routing part (url, healthy, stats, tree) with its mutex.
 class Router {
  public:
   explicit Router(RouterOptions options);
+  ~Router();
+  Router(const Router&) = delete;
+  Router& operator=(const Router&) = delete;
 
   // Adds a worker and returns its index; an existing url returns its index (its health
   // unchanged). A worker added unhealthy gets no request until SetHealthy(true).
@@ -95,18 +101,16 @@ class Router {
   // Forgets rollout `key` (it finished).
   void Forget(std::string_view key);
 
+  // The record of `worker`, nullptr when there is none; it lives as long as the Router. Only its
+  // owner's part (fleet.h: client, version, health and quarantine fields, under the Pool's
+  // mutex) and its url (never changed once added) may be used outside the Router.
+  Worker* record(int worker);
+
   std::vector<WorkerSnapshot> Snapshot() const;
   std::map<std::string, uint64_t> DecisionCounts() const;
   size_t num_workers() const;
 
  private:
-  struct Worker {
-    explicit Worker(std::string u, size_t cap) : url(std::move(u)), tree(cap) {}
-    std::string url;
-    bool healthy = true;
-    WorkerSnapshot stats;
-    RadixCache tree;
-  };
   struct Rollout {
     int worker = -1;
     std::string salt;

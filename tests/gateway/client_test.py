@@ -7,12 +7,10 @@ import os
 import struct
 import subprocess
 import threading
-import sys
 import time
 import unittest
 
-sys.path.insert(0, os.environ["BRAGG_GATEWAY_PYTHON"])
-import bragg_gateway_client as bgc  # noqa: E402
+import bragg_gateway as bgc  # on PYTHONPATH=<build>/python
 
 
 def start(argv):

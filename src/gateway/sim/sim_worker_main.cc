@@ -8,7 +8,7 @@
 
 #include "common/logging.h"
 #include "gateway/http_util.h"
-#include "gateway/sim_worker.h"
+#include "gateway/sim/sim_worker.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Simulated SGLang worker for the Bragg gateway"};

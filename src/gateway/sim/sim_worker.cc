@@ -1,4 +1,4 @@
-#include "gateway/sim_worker.h"
+#include "gateway/sim/sim_worker.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
