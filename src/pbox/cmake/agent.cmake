@@ -48,6 +48,11 @@ add_library(pbox_client STATIC ${CMAKE_CURRENT_SOURCE_DIR}/client/client.cc)
 target_link_libraries(pbox_client PUBLIC pbox_proto bragg_common absl::synchronization)
 
 add_executable(pbox ${CMAKE_CURRENT_SOURCE_DIR}/client/pbox_main.cc
+                    ${CMAKE_CURRENT_SOURCE_DIR}/client/cli_common.cc
+                    ${CMAKE_CURRENT_SOURCE_DIR}/client/sandbox_cli.cc
+                    ${CMAKE_CURRENT_SOURCE_DIR}/client/exec_cli.cc
+                    ${CMAKE_CURRENT_SOURCE_DIR}/client/files_cli.cc
+                    ${CMAKE_CURRENT_SOURCE_DIR}/client/info_cli.cc
                     ${CMAKE_CURRENT_SOURCE_DIR}/client/image_cli.cc
                     ${CMAKE_CURRENT_SOURCE_DIR}/client/oci_dir_tar.cc)
 target_link_libraries(pbox PRIVATE pbox_client CLI11::CLI11)
