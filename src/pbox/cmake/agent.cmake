@@ -22,6 +22,7 @@ target_compile_options(pbox_proto PRIVATE -w)
 
 add_library(pbox_agent STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/agent.cc
+  ${CMAKE_CURRENT_SOURCE_DIR}/agent_config.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/image_service.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/frozen_layer.cc
   ${CMAKE_CURRENT_SOURCE_DIR}/image_store.cc
@@ -38,6 +39,8 @@ target_link_libraries(pbox_agent PUBLIC
 
 bragg_test(pbox_sandbox_freeze_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/sandbox_freeze_test.cc
            LIBS pbox_agent)
+bragg_test(pbox_agent_config_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/agent_config_test.cc
+           LIBS pbox_agent TIMEOUT 60)
 
 add_executable(pboxd ${CMAKE_CURRENT_SOURCE_DIR}/pboxd_main.cc)
 target_link_libraries(pboxd PRIVATE pbox_agent CLI11::CLI11)
