@@ -1,6 +1,7 @@
 # Thin wrappers: everything real lives in CMake, ctest and scripts/.
 BUILD ?= build
 JOBS ?= $(shell nproc)
+# The same interpreter as CMake's BRAGG_PYTHON (root CMakeLists.txt); keep the two in step.
 PY := /usr/bin/python3
 
 .PHONY: all deps build test demo bench soak fuzz chaos fmt clean
