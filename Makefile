@@ -1,6 +1,7 @@
 # Thin wrappers: everything real lives in CMake, ctest and scripts/.
 BUILD ?= build
 JOBS ?= $(shell nproc)
+# The same interpreter as CMake's BRAGG_PYTHON (root CMakeLists.txt); keep the two in step.
 PY := /usr/bin/python3
 
 .PHONY: all deps build test test-vm demo bench soak fuzz chaos fmt clean
@@ -44,11 +45,13 @@ soak: build
 	    $(PY) -m pytest -q -s -p no:cacheprovider tests/pbox/python/test_leaks.py; \
 	else echo "runsc not installed: gVisor soak skipped"; fi
 
-# libFuzzer + ASan/UBSan build of the fuzz targets (tests/fuzz) with Debian's clang, then each
-# target runs FUZZ_SECONDS (make test runs the same targets for seconds, without clang).
+# libFuzzer + ASan/UBSan build of the fuzz targets (every bragg_fuzz target: tests/fuzz,
+# src/reshard) with Debian's clang, then each target runs FUZZ_SECONDS (make test runs the same
+# targets for seconds, without clang).
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
-FUZZ_TARGETS := pbox_init_protocol_fuzz pbox_init_channel_fuzz pbox_parsers_fuzz pbox_service_fuzz
+FUZZ_TARGETS := pbox_init_protocol_fuzz pbox_init_channel_fuzz pbox_parsers_fuzz pbox_service_fuzz \
+                reshard_fuzz_pickle reshard_fuzz_zip
 
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DBRAGG_LIBFUZZER=ON \

@@ -13,3 +13,39 @@ function(bragg_test name)
     set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}")
   endif()
 endfunction()
+
+# bragg_fuzz(NAME SOURCES a.cc... LIBS lib... CORPUS dir [DICT file] [SECONDS s])
+# One fuzz target (a LLVMFuzzerTestOneInput function) per call, built one of two ways:
+#   - -DBRAGG_LIBFUZZER=ON (clang, `make fuzz`): linked with libFuzzer; the build tree's
+#     fuzz-targets/NAME names its binary, seed corpus and dictionary for scripts/run-fuzzers;
+#   - otherwise (the normal gcc build): linked with tests/fuzz/fuzz_driver.cc, which replays
+#     every file of CORPUS and then mutates inputs for SECONDS (default 5); registered with
+#     ctest as NAME (label fuzz), so `make test` runs every target without a clang build.
+# CORPUS and DICT are relative to the calling CMakeLists.txt's directory.
+option(BRAGG_LIBFUZZER "Build the fuzz targets with libFuzzer (needs clang)" OFF)
+function(bragg_fuzz name)
+  cmake_parse_arguments(F "" "CORPUS;DICT;SECONDS" "SOURCES;LIBS" ${ARGN})
+  if(NOT F_CORPUS)
+    message(FATAL_ERROR "bragg_fuzz(${name}): CORPUS is required")
+  endif()
+  get_filename_component(F_CORPUS ${F_CORPUS} ABSOLUTE BASE_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+  if(F_DICT)
+    get_filename_component(F_DICT ${F_DICT} ABSOLUTE BASE_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+  endif()
+  if(NOT F_SECONDS)
+    set(F_SECONDS 5)
+  endif()
+  add_executable(${name} ${F_SOURCES})
+  target_link_libraries(${name} PRIVATE ${F_LIBS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR})
+  if(BRAGG_LIBFUZZER)
+    target_compile_options(${name} PRIVATE -fsanitize=fuzzer)
+    target_link_options(${name} PRIVATE -fsanitize=fuzzer)
+    file(GENERATE OUTPUT ${CMAKE_BINARY_DIR}/fuzz-targets/${name}
+         CONTENT "bin=$<TARGET_FILE:${name}>\ncorpus=${F_CORPUS}\ndict=${F_DICT}\n")
+  else()
+    target_sources(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests/fuzz/fuzz_driver.cc)
+    add_test(NAME ${name} COMMAND ${name} --seconds ${F_SECONDS} --max-len 8192 ${F_CORPUS})
+    set_tests_properties(${name} PROPERTIES LABELS fuzz TIMEOUT 120)
+  endif()
+endfunction()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -18,17 +19,39 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 Size = Union[int, str, None]
 Argv = Union[str, Sequence[str]]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+# The agent's size grammar (src/common/units.cc ParseSize), which this must follow exactly:
+# ASCII digits and dots forming one decimal number, then an optional unit, case-insensitive, no
+# spaces; binary multiples; rounded half away from zero; below 9.2e18 bytes. Both are checked
+# against tests/data/sizes.json.
+_SIZE_RE = re.compile(r"([0-9.]+)([A-Za-z]*)")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+    "p": 1 << 50, "pb": 1 << 50, "pib": 1 << 50,
+}
+_MAX_SIZE = 9.2e18
+
+
+def _round_bytes(number: float) -> Optional[int]:
+    """``number`` bytes rounded half away from zero (C's llround); None past the limit."""
+    if not math.isfinite(number) or number < 0 or number >= _MAX_SIZE:
+        return None
+    whole = math.floor(number)
+    return int(whole) + (1 if number - whole >= 0.5 else 0)
 
 
 def parse_size(value: Size, what: str = "size") -> int:
     """Bytes from an int or a string like ``"512M"``, ``"1G"``, ``"1.5GiB"``, ``"4096"``.
 
-    Units are powers of 1024. ``None`` means 0 (the agent's default).
+    Units are powers of 1024 (K, M, G, T, P, each also as KB or KiB, any case); fractions are
+    rounded to the nearest byte. ``None`` means 0 (the agent's default).
 
     Raises:
-        ValueError: the value is negative, not a number, or has an unknown unit.
+        ValueError: the value is negative, not a number, has an unknown unit, or is 9.2e18
+            bytes or more.
     """
     if value is None:
         return 0
@@ -39,18 +62,24 @@ def parse_size(value: Size, what: str = "size") -> int:
             raise ValueError(f"{what}: size must not be negative, got {value}")
         return value
     if isinstance(value, float):
-        if value < 0 or value != value:
+        rounded = _round_bytes(value)
+        if rounded is None:
             raise ValueError(f"{what}: size must be a non-negative number, got {value}")
-        return int(value)
+        return rounded
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m:
-            number, unit, suffix = m.groups()
-            if suffix.lower() in ("", "b", "ib") and not (suffix.lower() == "ib" and not unit):
-                return int(float(number) * _UNITS[unit.lower()])
+        m = _SIZE_RE.fullmatch(value)
+        if m and m.group(2).lower() in _UNITS:
+            try:
+                number = float(m.group(1))
+            except ValueError:
+                number = None
+            if number is not None:
+                rounded = _round_bytes(number * _UNITS[m.group(2).lower()])
+                if rounded is not None:
+                    return rounded
         raise ValueError(
             f"{what}: cannot parse size {value!r}: use bytes (an int) or a number with a unit "
-            f"K, M, G or T (powers of 1024), e.g. '512M' or '1G'"
+            f"K, M, G, T or P (powers of 1024), e.g. '512M' or '1G'"
         )
     raise ValueError(f"{what}: expected an int or a string like '1G', got {type(value).__name__}")
 

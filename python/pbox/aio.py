@@ -29,17 +29,17 @@ import grpc.aio
 
 from . import _common as c
 from . import _data
+from . import _shared
 from ._proto import pbox_pb2 as pb
 from ._proto import pbox_pb2_grpc as pb_grpc
 from .client import Data
-from .errors import (Internal, NotFound, PboxError, SessionClosed, Unavailable, error_from_rpc,
-                     with_method)
-from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
+from .errors import Internal, PboxError, SessionClosed, Unavailable, error_from_rpc, with_method
+from .types import FileInfo, RunResult, SandboxInfo
 
 __all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
 
 
-class Client:
+class Client(_shared.asynchronous(_shared.ClientMethods, __name__, "Client")):
     """An asyncio connection to one pboxd; arguments as :class:`pbox.Client`.
 
     File bytes move on the agent's data channel as in :class:`pbox.Client`, on non-blocking
@@ -145,40 +145,6 @@ class Client:
         self._data.succeeded()
         return got
 
-    async def info(self) -> AgentInfo:
-        return c.agent_info(await self._unary("Info", pb.InfoRequest()))
-
-    async def health(self) -> Health:
-        return c.health(await self._unary("Health", pb.HealthRequest()))
-
-    async def list(self, session_id: Optional[str] = None) -> List[SandboxInfo]:
-        resp = await self._unary("ListSandboxes",
-                                 pb.ListSandboxesRequest(session_id=session_id or ""))
-        return [c.sandbox_info(s) for s in resp.sandboxes]
-
-    async def get(self, sandbox_id: str) -> "Sandbox":
-        resp = await self._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=sandbox_id))
-        return Sandbox(self, c.sandbox_info(resp))
-
-    async def create(self, image: str = "host", cpus: int = 1, memory: c.Size = None,
-                     disk: c.Size = None, pids: Optional[int] = None,
-                     env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
-                     idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
-                     runtime: Optional[str] = None,
-                     cpu_quota: Optional[float] = None) -> "Sandbox":
-        """A detached sandbox (see :meth:`pbox.Client.create`)."""
-        spec = c.build_spec(image, cpus, memory, disk, pids, env, workdir, idle_ttl, labels,
-                            runtime, cpu_quota)
-        return await self._create("", spec)
-
-    async def _create(self, session_id: str, spec: pb.SandboxSpec) -> "Sandbox":
-        resp = await self._unary("CreateSandbox",
-                                 pb.CreateSandboxRequest(session_id=session_id, spec=spec))
-        return Sandbox(self, c.sandbox_info(resp))
-
-    async def destroy(self, sandbox_id: str) -> None:
-        await self._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=sandbox_id))
-
     def session(self, client_name: str = "", job_id: str = "",
                 ping_interval: Optional[float] = None, open_timeout: float = 30.0,
                 cpuset: Union[str, Sequence[int]] = "") -> "Session":
@@ -212,7 +178,7 @@ class Client:
         await self.close()
 
 
-class Session:
+class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session")):
     """An asyncio session (lease); see :class:`pbox.Session`."""
 
     def __init__(self, client: Client, client_name: str, job_id: str,
@@ -328,21 +294,6 @@ class Session:
         await asyncio.wait_for(fut, timeout)
         return loop.time() - t0
 
-    async def create(self, image: str = "host", cpus: int = 1, memory: c.Size = None,
-                     disk: c.Size = None, pids: Optional[int] = None,
-                     env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
-                     idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
-                     runtime: Optional[str] = None,
-                     cpu_quota: Optional[float] = None) -> "Sandbox":
-        """A sandbox owned by this session; arguments as :meth:`pbox.Session.create`."""
-        self._check_open()
-        spec = c.build_spec(image, cpus, memory, disk, pids, env, workdir, idle_ttl, labels,
-                            runtime, cpu_quota)
-        return await self._client._create(self._id, spec)
-
-    async def list(self) -> List[SandboxInfo]:
-        return await self._client.list(self._id)
-
     async def close(self, timeout: float = 30.0) -> None:
         """Half-closes the stream and waits until the agent has destroyed the sandboxes."""
         if self._call is None or self._closing:
@@ -372,7 +323,7 @@ class Session:
         await self.close()
 
 
-class Sandbox:
+class Sandbox(_shared.asynchronous(_shared.SandboxMethods, __name__, "Sandbox")):
     """An asyncio handle on one sandbox; see :class:`pbox.Sandbox`."""
 
     def __init__(self, client: Client, info: SandboxInfo) -> None:
@@ -389,18 +340,6 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"<pbox.aio.Sandbox {self.id}>"
-
-    async def refresh(self) -> SandboxInfo:
-        self.info = (await self._client.get(self.id)).info
-        return self.info
-
-    async def run(self, argv: c.Argv, *, env: Optional[Mapping[str, str]] = None,
-                  cwd: Optional[str] = None, timeout: Optional[float] = None,
-                  stdin: Union[bytes, str, None] = None, max_output: c.Size = None) -> RunResult:
-        """Runs a command to completion; see :meth:`pbox.Sandbox.run`."""
-        req, args = c.run_request(self.id, argv, env, cwd, timeout, stdin, max_output)
-        resp = await self._client._unary("Run", req, deadline=False)
-        return c.run_result(resp.result, resp.stdout, resp.stderr, args)
 
     async def exec(self, argv: c.Argv, *, env: Optional[Mapping[str, str]] = None,
                    cwd: Optional[str] = None, timeout: Optional[float] = None,
@@ -493,53 +432,6 @@ class Sandbox:
                 pass
             raise
         return n
-
-    async def listdir(self, path: str = "/") -> List[FileInfo]:
-        resp = await self._client._unary("ListDir", pb.ListDirRequest(sandbox_id=self.id, path=path))
-        return [c.file_info(e) for e in resp.entries]
-
-    async def stat(self, path: str) -> FileInfo:
-        return c.file_info(
-            await self._client._unary("Stat", pb.StatRequest(sandbox_id=self.id, path=path)))
-
-    async def exists(self, path: str) -> bool:
-        try:
-            await self.stat(path)
-            return True
-        except NotFound:
-            return False
-
-    async def mkdir(self, path: str, mode: int = 0o755, parents: bool = True) -> FileInfo:
-        c.check_mode(mode)
-        return c.file_info(await self._client._unary(
-            "MakeDir", pb.MakeDirRequest(sandbox_id=self.id, path=path, mode=mode, parents=parents)))
-
-    async def remove(self, path: str, recursive: bool = False) -> None:
-        await self._client._unary(
-            "Remove", pb.RemoveRequest(sandbox_id=self.id, path=path, recursive=recursive))
-
-    async def move(self, src: str, dst: str, no_replace: bool = False) -> FileInfo:
-        return c.file_info(await self._client._unary(
-            "Move", pb.MoveRequest(sandbox_id=self.id, src=src, dst=dst, no_replace=no_replace)))
-
-    async def clone(self, n: int = 1, *, cpus: Optional[int] = None, memory: c.Size = None,
-                    disk: c.Size = None, pids: Optional[int] = None,
-                    env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
-                    idle_ttl: Optional[float] = None,
-                    labels: Optional[Mapping[str, str]] = None,
-                    cpu_quota: Optional[float] = None) -> List["Sandbox"]:
-        """Clones this sandbox ``n`` times; see :meth:`pbox.Sandbox.clone`."""
-        req = c.clone_request(self.id, n, cpus, memory, disk, pids, env, workdir, idle_ttl,
-                              labels, cpu_quota)
-        resp = await self._client._unary("CloneSandbox", req, deadline=False)
-        return [Sandbox(self._client, c.sandbox_info(s)) for s in resp.sandboxes]
-
-    async def destroy(self, missing_ok: bool = False) -> None:
-        try:
-            await self._client.destroy(self.id)
-        except NotFound:
-            if not missing_ok:
-                raise
 
     async def __aenter__(self) -> "Sandbox":
         return self
@@ -676,3 +568,7 @@ class ExecProcess:
             except PboxError:
                 pass
         await self._end_writes()
+
+
+# The Sandbox class the shared methods (pbox._shared) make for this client.
+Client._Sandbox = Sandbox

@@ -19,19 +19,18 @@ import grpc
 
 from . import _common as c
 from . import _data
+from . import _shared
 from ._proto import pbox_pb2 as pb
 from ._proto import pbox_pb2_grpc as pb_grpc
-from .errors import (Internal, PboxError, SessionClosed, error_from_rpc, NotFound, Unavailable,
-                     with_method)
-from .types import AgentInfo, FileInfo, Health, RunResult, SandboxInfo
-from . import images as im
+from .errors import Internal, PboxError, SessionClosed, error_from_rpc, Unavailable, with_method
+from .types import FileInfo, RunResult, SandboxInfo
 
 __all__ = ["Client", "Session", "Sandbox", "ExecProcess"]
 
 Data = Union[bytes, bytearray, memoryview, str, IO[bytes]]
 
 
-class Client:
+class Client(_shared.blocking(_shared.ClientMethods, __name__, "Client")):
     """A connection to one pboxd.
 
     Args:
@@ -150,79 +149,7 @@ class Client:
         self._data.succeeded()
         return got
 
-    # ---- agent ----
-
-    def info(self) -> AgentInfo:
-        """The agent's version, CPU set, limits and defaults."""
-        return c.agent_info(self._unary("Info", pb.InfoRequest()))
-
-    def health(self) -> Health:
-        """Whether the agent serves, and how many sandboxes it holds."""
-        return c.health(self._unary("Health", pb.HealthRequest()))
-
-    # ---- images ----
-
-    def import_image(self, name: str, path: Union[str, os.PathLike, IO[bytes]],
-                     ref: str = "") -> im.ImageInfo:
-        """Imports a root filesystem tarball (plain, gzip or zstd), a ``docker save`` /
-        ``podman save`` archive or an OCI image layout (``podman save --format oci-archive``,
-        or a layout directory), read from a local path or a binary file object, as image
-        ``name`` (replacing an imported image of that name). ``ref`` picks one image of an
-        archive holding several (a tag such as ``name:tag``, or an OCI manifest digest
-        ``sha256:...``); without it such an archive is refused with the list of its images.
-        Layers the agent's node already has are reused. Raises InvalidArgument for a hostile
-        or malformed archive (the message names the entry), ResourceExhausted past the
-        agent's ``--max-image-bytes``."""
-        try:
-            return im.image_info(self._stub.ImportImage(im.import_requests(name, path, ref),
-                                                        metadata=self._md))
-        except grpc.RpcError as e:
-            raise self._error(e, "ImportImage") from None
-
-    def list_images(self) -> List[im.ImageInfo]:
-        """Every image of the agent: "host", its ``--image`` directories, imported ones."""
-        return [im.image_info(i) for i in self._unary("ListImages", pb.ListImagesRequest()).images]
-
-    def remove_image(self, name: str) -> None:
-        """Removes an imported image (its layers stay until :meth:`prune_images`). Raises
-        NotFound, or FailedPrecondition while a sandbox uses it."""
-        self._unary("RemoveImage", pb.RemoveImageRequest(name=name))
-
-    def prune_images(self) -> im.PruneResult:
-        """Deletes the layers that no image and no live sandbox uses."""
-        return im.prune_result(self._unary("PruneImages", pb.PruneImagesRequest(), deadline=False))
-
-    # ---- sandboxes ----
-
-    def list(self, session_id: Optional[str] = None) -> List[SandboxInfo]:
-        """Every sandbox of the agent, or only those of ``session_id``."""
-        resp = self._unary("ListSandboxes", pb.ListSandboxesRequest(session_id=session_id or ""))
-        return [c.sandbox_info(s) for s in resp.sandboxes]
-
-    def get(self, sandbox_id: str) -> "Sandbox":
-        """A handle on an existing sandbox. Raises NotFound if there is none with that id."""
-        info = c.sandbox_info(self._unary("GetSandbox", pb.GetSandboxRequest(sandbox_id=sandbox_id)))
-        return Sandbox(self, info)
-
-    def create(self, image: str = "host", cpus: int = 1, memory: c.Size = None,
-               disk: c.Size = None, pids: Optional[int] = None,
-               env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
-               idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
-               runtime: Optional[str] = None, cpu_quota: Optional[float] = None) -> "Sandbox":
-        """Creates a detached sandbox: it lives until ``destroy()`` or ``idle_ttl`` seconds
-        without a call (default: the agent's ``--detached-ttl``). Arguments as in
-        :meth:`Session.create`."""
-        spec = c.build_spec(image, cpus, memory, disk, pids, env, workdir, idle_ttl, labels,
-                            runtime, cpu_quota)
-        return self._create("", spec)
-
-    def _create(self, session_id: str, spec: pb.SandboxSpec) -> "Sandbox":
-        resp = self._unary("CreateSandbox", pb.CreateSandboxRequest(session_id=session_id, spec=spec))
-        return Sandbox(self, c.sandbox_info(resp))
-
-    def destroy(self, sandbox_id: str) -> None:
-        """Destroys a sandbox and everything running in it. Raises NotFound if it is gone."""
-        self._unary("DestroySandbox", pb.DestroySandboxRequest(sandbox_id=sandbox_id))
+    # ---- info, health, images, sandboxes: _shared.ClientMethods ----
 
     def session(self, client_name: str = "", job_id: str = "",
                 ping_interval: Optional[float] = None, open_timeout: float = 30.0,
@@ -263,7 +190,7 @@ class Client:
         self.close()
 
 
-class Session:
+class Session(_shared.blocking(_shared.SessionMethods, __name__, "Session")):
     """A lease held open on a background thread; made by :meth:`Client.session`.
 
     The stream is opened at construction (``id`` is known at once). Leaving the ``with`` block
@@ -368,42 +295,6 @@ class Session:
         self._check_open()
         return time.monotonic() - t0
 
-    def create(self, image: str = "host", cpus: int = 1, memory: c.Size = None,
-               disk: c.Size = None, pids: Optional[int] = None,
-               env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
-               idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
-               runtime: Optional[str] = None, cpu_quota: Optional[float] = None) -> "Sandbox":
-        """Creates a sandbox owned by this session.
-
-        Args:
-            image: image name; "host" is a read-only view of the host's /usr.
-            cpus: CPUs of the agent's sandbox CPU set to pin to.
-            memory: memory limit (processes and writable layer), int bytes or "512M"/"1G";
-                None: the agent's default.
-            disk: size of the writable layer, as ``memory``.
-            pids: process/thread limit; None: the agent's default.
-            env: default environment of every command.
-            workdir: default cwd of every command (created if missing); default "/".
-            idle_ttl: destroy after this many seconds without a call; None: never.
-            labels: free-form labels, shown by ``list()``.
-            runtime: runtime name; None: the agent's default.
-            cpu_quota: CPU bandwidth limit in CPUs (e.g. 0.5); None: no quota.
-
-        Raises:
-            ValueError: a bad size or argument (before anything is sent).
-            ResourceExhausted: the agent is at its sandbox limit.
-            InvalidArgument: the agent refused the spec (unknown image, too much memory...).
-            SessionClosed: the session has ended.
-        """
-        self._check_open()
-        spec = c.build_spec(image, cpus, memory, disk, pids, env, workdir, idle_ttl, labels,
-                            runtime, cpu_quota)
-        return self._client._create(self._id, spec)
-
-    def list(self) -> List[SandboxInfo]:
-        """The live sandboxes of this session."""
-        return self._client.list(self._id)
-
     def close(self, timeout: float = 30.0) -> None:
         """Ends the lease: the agent destroys the session's sandboxes before this returns
         (or ``timeout`` passes, after which the call is cancelled, which has the same effect)."""
@@ -428,7 +319,7 @@ class Session:
         return f"<pbox.Session {self._id}{' closed' if self.closed else ''}>"
 
 
-class Sandbox:
+class Sandbox(_shared.blocking(_shared.SandboxMethods, __name__, "Sandbox")):
     """One sandbox. Made by :meth:`Session.create`, :meth:`Client.create` or
     :meth:`Client.get`; as a context manager it destroys the sandbox on exit.
 
@@ -452,34 +343,7 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"<pbox.Sandbox {self.id}>"
 
-    def refresh(self) -> SandboxInfo:
-        """Fetches the sandbox's current state (``info`` is updated)."""
-        self.info = self._client.get(self.id).info
-        return self.info
-
-    # ---- commands ----
-
-    def run(self, argv: c.Argv, *, env: Optional[Mapping[str, str]] = None,
-            cwd: Optional[str] = None, timeout: Optional[float] = None,
-            stdin: Union[bytes, str, None] = None, max_output: c.Size = None) -> RunResult:
-        """Runs a command to completion and returns its buffered output and result.
-
-        Args:
-            argv: a list of arguments (argv[0] looked up in PATH), or a str run by ``sh -c``.
-            env: merged over the sandbox's environment.
-            cwd: working directory; default the sandbox's workdir.
-            timeout: seconds; at expiry the whole process tree is killed (``timed_out``).
-            stdin: bytes or str fed to the command (at most ~15 MiB; use :meth:`exec` for
-                more); None: /dev/null.
-            max_output: per-stream cap (default 1 MiB, at most 4 MiB); longer output keeps
-                its head and tail and sets ``stdout_truncated``/``stderr_truncated``.
-
-        A command that fails is not an exception: check ``result.ok`` or call
-        ``result.check()``. Raises NotFound if the sandbox is gone.
-        """
-        req, args = c.run_request(self.id, argv, env, cwd, timeout, stdin, max_output)
-        resp = self._client._unary("Run", req, deadline=False)
-        return c.run_result(resp.result, resp.stdout, resp.stderr, args)
+    # ---- commands (run: _shared.SandboxMethods) ----
 
     def exec(self, argv: c.Argv, *, env: Optional[Mapping[str, str]] = None,
              cwd: Optional[str] = None, timeout: Optional[float] = None,
@@ -498,7 +362,7 @@ class Sandbox:
             proc._feed_in_background(feed)
         return proc
 
-    # ---- files ----
+    # ---- files (read_text, listdir, stat, exists, mkdir, remove, move: _shared) ----
 
     def write_file(self, path: str, data: Data, mode: int = 0o644, make_parents: bool = True,
                    append: bool = False) -> FileInfo:
@@ -550,9 +414,6 @@ class Sandbox:
             return got
         return b"".join(self.iter_read(path, offset, length))
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return self.read_file(path).decode(encoding)
-
     def upload(self, local_path: Union[str, os.PathLike], remote_path: str,
                mode: Optional[int] = None, make_parents: bool = True) -> FileInfo:
         """Copies a local file into the sandbox, streaming; ``mode`` defaults to the local
@@ -587,64 +448,7 @@ class Sandbox:
             raise
         return n
 
-    def listdir(self, path: str = "/") -> List[FileInfo]:
-        """Entries of a directory, sorted by name (``path`` of each is the entry name)."""
-        resp = self._client._unary("ListDir", pb.ListDirRequest(sandbox_id=self.id, path=path))
-        return [c.file_info(e) for e in resp.entries]
-
-    def stat(self, path: str) -> FileInfo:
-        """Info about ``path`` (symlinks are not followed). Raises NotFound."""
-        return c.file_info(
-            self._client._unary("Stat", pb.StatRequest(sandbox_id=self.id, path=path)))
-
-    def exists(self, path: str) -> bool:
-        try:
-            self.stat(path)
-            return True
-        except NotFound:
-            return False
-
-    def mkdir(self, path: str, mode: int = 0o755, parents: bool = True) -> FileInfo:
-        """Creates a directory (with its parents unless ``parents=False``)."""
-        c.check_mode(mode)
-        return c.file_info(self._client._unary(
-            "MakeDir", pb.MakeDirRequest(sandbox_id=self.id, path=path, mode=mode, parents=parents)))
-
-    def remove(self, path: str, recursive: bool = False) -> None:
-        """Removes a file, or a directory (its contents too when ``recursive``)."""
-        self._client._unary("Remove",
-                            pb.RemoveRequest(sandbox_id=self.id, path=path, recursive=recursive))
-
-    def move(self, src: str, dst: str, no_replace: bool = False) -> FileInfo:
-        """Renames ``src`` to ``dst``; with ``no_replace`` raises AlreadyExists if dst exists."""
-        return c.file_info(self._client._unary(
-            "Move", pb.MoveRequest(sandbox_id=self.id, src=src, dst=dst, no_replace=no_replace)))
-
-    # ---- lifetime ----
-
-    def clone(self, n: int = 1, *, cpus: Optional[int] = None, memory: c.Size = None,
-              disk: c.Size = None, pids: Optional[int] = None,
-              env: Optional[Mapping[str, str]] = None, workdir: Optional[str] = None,
-              idle_ttl: Optional[float] = None, labels: Optional[Mapping[str, str]] = None,
-              cpu_quota: Optional[float] = None) -> List["Sandbox"]:
-        """Starts ``n`` new sandboxes over a frozen copy of this sandbox's files (its
-        writable layer, stacked read-only above its image): files written or deleted here so
-        far are there, processes are not. Each clone has its own writable layer; this
-        sandbox runs on unchanged. The clones have this sandbox's spec where an argument is
-        ``None`` and join its session (or are detached like it). All or nothing: raises
-        ResourceExhausted, creating none, if ``n`` more sandboxes do not fit the agent."""
-        req = c.clone_request(self.id, n, cpus, memory, disk, pids, env, workdir, idle_ttl,
-                              labels, cpu_quota)
-        resp = self._client._unary("CloneSandbox", req, deadline=False)
-        return [Sandbox(self._client, c.sandbox_info(s)) for s in resp.sandboxes]
-
-    def destroy(self, missing_ok: bool = False) -> None:
-        """Destroys the sandbox; raises NotFound if it is already gone unless ``missing_ok``."""
-        try:
-            self._client.destroy(self.id)
-        except NotFound:
-            if not missing_ok:
-                raise
+    # ---- lifetime (clone, destroy: _shared.SandboxMethods) ----
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -816,3 +620,7 @@ class ExecProcess:
             except PboxError:
                 pass
         self._end_requests()
+
+
+# The Sandbox class the shared methods (pbox._shared) make for this client.
+Client._Sandbox = Sandbox

@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include "common/fs.h"
+
 namespace bragg {
 namespace {
 
@@ -20,6 +24,27 @@ TEST(UnitsTest, RejectsHostileInput) {
     EXPECT_FALSE(ParseSize(bad).ok()) << bad;
   }
   EXPECT_NE(std::string(ParseSize("1X").status().message()).find("1X"), std::string::npos);
+}
+
+// The vectors pbox.parse_size (python/pbox/_common.py) is checked against too.
+TEST(UnitsTest, SharedVectors) {
+  auto text = ReadFileToString(BRAGG_SIZES_JSON);
+  ASSERT_TRUE(text.ok()) << text.status();
+  nlohmann::json vectors = nlohmann::json::parse(*text).at("vectors");
+  ASSERT_GT(vectors.size(), 50u);
+  for (const auto& [input, expected] : vectors.items()) {
+    auto parsed = ParseSize(input);
+    if (expected.is_string()) {
+      ASSERT_EQ(expected.get<std::string>(), "error") << input;
+      EXPECT_FALSE(parsed.ok()) << "\"" << input << "\" -> " << *parsed;
+      if (!parsed.ok()) {
+        EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << input;
+      }
+    } else {
+      ASSERT_TRUE(parsed.ok()) << "\"" << input << "\": " << parsed.status();
+      EXPECT_EQ(*parsed, expected.get<uint64_t>()) << input;
+    }
+  }
 }
 
 TEST(UnitsTest, Formats) {

@@ -1,28 +1,50 @@
-// pboxd: the pbox agent. Parses flags, runs the agent, maps the outcome to an exit code.
+// pboxd: the pbox agent. Parses flags -> AgentConfig (agent_config.h) -> runs the agent (or
+// --reap) -> maps the outcome to an exit code.
 
 #include <CLI/CLI.hpp>
-#include <cmath>
 #include <iostream>
 
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/memory.h"
-#include "common/units.h"
 #include "pbox/agent.h"
-#include "pbox/image/image_store.h"
+#include "pbox/agent_config.h"
 #include "spdlog/spdlog.h"
+
+namespace {
+
+using bragg::Status;
+
+// `pboxd --reap`: reaps what an agent on config.state_dir left and prints what it removed.
+Status Reap(const bragg::pbox::AgentConfig& config) {
+  BRAGG_ASSIGN_OR_RETURN(bragg::pbox::ReapReport report, bragg::pbox::ReapAgentState(config));
+  for (const std::string& name : report.sandboxes) {
+    std::cout << "reaped sandbox " << name << "\n";
+  }
+  for (const std::string& path : report.paths) {
+    std::cout << "removed " << path << "\n";
+  }
+  for (const std::string& path : report.parents) {
+    std::cout << "removed cgroup " << path << "\n";
+  }
+  if (report.sandboxes.empty() && report.paths.empty() && report.parents.empty()) {
+    std::cout << "nothing to reap for state dir " << config.state_dir << "\n";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // Debian's Abseil runs Mutex deadlock detection (a cycle graph on every lock) unless told
   // not to; gRPC locks on every call.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   bragg::TuneAllocatorForBulkData();
-  bragg::pbox::AgentConfig config;
+  bragg::pbox::AgentFlags flags;
+  bragg::pbox::AgentConfig& config = flags.config;
   std::string log_level = "info";
-  std::string memory = "1G", disk = "1G", max_memory = "0", max_image = "4G";
-  std::vector<std::string> images, listen;
   CLI::App app{"pboxd: the pbox sandbox agent (one per node)"};
-  app.add_option("--listen", listen,
+  app.add_option("--listen", flags.listen,
                  "unix:///path.sock (default unix:///run/pbox/pbox.sock) and/or tcp://HOST:PORT "
                  "(needs --token-file); repeatable");
   app.add_option("--token-file", config.token_file, "file holding the bearer token for TCP");
@@ -48,11 +70,12 @@ int main(int argc, char** argv) {
                  "longest a client's refusal is held when it is over its refusal budget")
       ->capture_default_str()
       ->check(CLI::Range(0u, 60000u));
-  app.add_option("--default-memory", memory, "memory per sandbox unless asked")
+  app.add_option("--default-memory", flags.default_memory, "memory per sandbox unless asked")
       ->capture_default_str();
-  app.add_option("--max-memory", max_memory, "largest memory a sandbox may ask for (0: any)")
+  app.add_option("--max-memory", flags.max_memory, "largest memory a sandbox may ask for (0: any)")
       ->capture_default_str();
-  app.add_option("--default-disk", disk, "writable layer size unless asked")->capture_default_str();
+  app.add_option("--default-disk", flags.default_disk, "writable layer size unless asked")
+      ->capture_default_str();
   app.add_option("--default-pids", config.defaults.pids, "pids limit unless asked")
       ->capture_default_str();
   app.add_option("--detached-ttl", config.defaults.detached_ttl_seconds,
@@ -71,8 +94,8 @@ int main(int argc, char** argv) {
                "nothing stays mounted), so that each gVisor sandbox's runsc processes start "
                "with fewer page faults; without huge pages for tmpfs, runsc runs where it is")
       ->capture_default_str();
-  app.add_option("--image", images, "NAME=DIR: a directory image; repeatable");
-  app.add_option("--max-image-bytes", max_image,
+  app.add_option("--image", flags.images, "NAME=DIR: a directory image; repeatable");
+  app.add_option("--max-image-bytes", flags.max_image_bytes,
                  "largest image `pbox image import` accepts (the archive, and its unpacked files)")
       ->capture_default_str();
   app.add_option("--init-path", config.init_path, "pbox-init binary (default: beside pboxd)");
@@ -114,59 +137,23 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  for (auto [text, dest] : {std::pair{&memory, &config.defaults.memory_bytes},
-                            {&disk, &config.defaults.disk_bytes},
-                            {&max_memory, &config.defaults.max_memory_bytes},
-                            {&max_image, &config.max_image_bytes}}) {
-    auto size = bragg::ParseSize(*text);
-    if (!size.ok()) {
-      std::cerr << "pboxd: " << size.status().message() << "\n";
-      return 2;
-    }
-    *dest = *size;
-  }
-  if (!std::isfinite(config.client_limits.refusals_per_second)) {
-    std::cerr << "pboxd: --client-refusals-per-second must be a finite number\n";
+  auto built = bragg::pbox::MakeAgentConfig(std::move(flags));
+  if (!built.ok()) {
+    std::cerr << "pboxd: " << built.status().message() << "\n";
     return 2;
-  }
-  if (!listen.empty()) {
-    config.listen = listen;
-  }
-  for (const std::string& flag : images) {
-    auto parsed = bragg::pbox::ParseImageFlag(flag);
-    if (!parsed.ok()) {
-      std::cerr << "pboxd: " << parsed.status().message() << "\n";
-      return 2;
-    }
-    config.images[parsed->first] = parsed->second;
   }
   if (auto s = bragg::InitLogging("pboxd", log_level); !s.ok()) {
     std::cerr << "pboxd: " << s.message() << "\n";
     return 2;
   }
-  if (reap) {
-    auto report = bragg::pbox::ReapAgentState(config);
-    if (!report.ok()) {
-      std::cerr << "pboxd --reap: " << report.status().message() << "\n";
-      return 1;
-    }
-    for (const std::string& name : report->sandboxes) {
-      std::cout << "reaped sandbox " << name << "\n";
-    }
-    for (const std::string& path : report->paths) {
-      std::cout << "removed " << path << "\n";
-    }
-    for (const std::string& path : report->parents) {
-      std::cout << "removed cgroup " << path << "\n";
-    }
-    if (report->sandboxes.empty() && report->paths.empty() && report->parents.empty()) {
-      std::cout << "nothing to reap for state dir " << config.state_dir << "\n";
-    }
-    return 0;
-  }
-  bragg::Status s = bragg::pbox::RunAgent(config);
+  Status s = reap ? Reap(*built) : bragg::pbox::RunAgent(*built);
   if (!s.ok()) {
-    spdlog::critical("{}", std::string(s.message()));
+    // RunAgent logs its error; Reap's is the command's answer.
+    if (reap) {
+      std::cerr << "pboxd --reap: " << s.message() << "\n";
+    } else {
+      spdlog::critical("{}", std::string(s.message()));
+    }
     return 1;
   }
   return 0;

@@ -1,0 +1,48 @@
+#include "pbox/client/info_cli.h"
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <utility>
+#include <vector>
+
+#include "common/units.h"
+#include "fmt/format.h"
+
+namespace bragg::pbox::client {
+
+void InfoCli::Register(CLI::App& app) {
+  command_ = app.add_subcommand("info", "show the agent's version, CPU set and capacity");
+}
+
+Result<int> InfoCli::Run(const Agents& agents) {
+  std::vector<std::pair<std::string, Client*>> clients;
+  if (ClusterClient* cluster = agents.cluster(); cluster != nullptr) {
+    for (const auto& n : cluster->nodes()) {
+      clients.emplace_back(n, *cluster->client(n));
+    }
+  } else {
+    clients.emplace_back("", agents.single());
+  }
+  int rc = 0;
+  for (const auto& [n, c] : clients) {
+    if (!n.empty()) {
+      std::cout << fmt::format("node:           {} ({})\n", n, c->endpoint());
+    }
+    auto i = c->Info();
+    if (!i.ok()) {
+      rc = Fail(n.empty() ? i.status() : Annotate(i.status(), "node " + n));
+      continue;
+    }
+    std::cout << fmt::format(
+        "version:        {}\nhostname:       {}\nruntime:        {} (available: {})\n"
+        "sandbox cpus:   {}\ncgroup:         {}\nsandboxes:      {} live, {} max\n"
+        "images:         {}\ndefaults:       memory {}, disk {}, pids {}\n",
+        i->version(), i->hostname(), i->default_runtime(), fmt::join(i->runtimes(), ", "),
+        i->cpuset(), i->cgroup_version(), i->live_sandboxes(), i->max_sandboxes(),
+        fmt::join(i->images(), ", "), FormatSize(i->default_memory_bytes()),
+        FormatSize(i->default_disk_bytes()), i->default_pids());
+  }
+  return rc;
+}
+
+}  // namespace bragg::pbox::client
