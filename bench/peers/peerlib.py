@@ -104,7 +104,7 @@ def write_result(out_path, runtime, sandboxes, metrics, throughput_gbps, tools, 
     print(text)
 
 
-# Host /etc entries copied into a skeleton root (the list of src/pbox/image_store.cc).
+# Host /etc entries copied into a skeleton root (the list of src/pbox/image/image_store.cc).
 ETC_COPIES = ["ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "python3",
               "python3.11", "localtime", "os-release", "debian_version", "ssl",
               "ca-certificates.conf", "profile", "mime.types", "protocols", "services",

@@ -9,7 +9,7 @@ cgroups (so no memory limit), no image store.
 Each sandbox is a bundle whose rootfs is an OverlayFS of a skeleton root (the one podman's peer
 imports: peerlib.make_skeleton) over a private tmpfs, with the host's /usr bound read-only and
 pbox-init --stream as PID 1; this script speaks pbox-init's stream protocol
-(src/pbox/init_protocol.h) over runsc's stdin and stdout itself, which is the least any
+(src/pbox/init/init_protocol.h) over runsc's stdin and stdout itself, which is the least any
 program driving runsc must do to run commands in a live sandbox.
 
 With --pin each sandbox's runsc (and so its gofer and sentry) is pinned to one CPU, in turn,

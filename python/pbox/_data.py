@@ -1,6 +1,6 @@
 """The client side of the agent's data channel (not public API).
 
-docs/pbox.md "Data channel" and src/pbox/data_protocol.h describe it: the ``OpenTransfer`` RPC
+docs/pbox.md "Data channel" and src/pbox/wire/data_protocol.h describe it: the ``OpenTransfer`` RPC
 gives a ticket and a data endpoint (``unix:///…/pbox.sock.data`` or ``tcp://:PORT``); on that
 socket the client sends a 48-byte request and, for an upload, exactly ``size`` bytes and the
 trailer ``PBXE``; the agent answers with a status frame, for a download followed by the bytes.

@@ -31,7 +31,7 @@ def write(target: str, name: str, data: bytes) -> None:
         f.write(data)
 
 
-# ---- pbox-init wire format (src/pbox/init_protocol.h) ----
+# ---- pbox-init wire format (src/pbox/init/init_protocol.h) ----
 
 def header(ftype: int, fid: int) -> bytes:
     return b"PBI" + struct.pack("<BHHQ", 1, ftype, 0, fid)

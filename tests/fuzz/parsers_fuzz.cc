@@ -1,7 +1,7 @@
 // Fuzzes the small parsers that read operator- or client-supplied text: sizes ("1.5GiB"),
 // CPU lists ("0-3,8"), --image NAME=DIR flags and --listen addresses, the image archive
 // reader (docker/podman save, OCI layouts: manifests, indexes, digests, links), and the
-// binary request and status headers of the data channel (pbox/data_protocol.h), which
+// binary request and status headers of the data channel (pbox/wire/data_protocol.h), which
 // anyone who can reach the data socket may send. Each must accept or refuse with a
 // message, never crash, and what it accepts must round-trip (an archive: every layer it
 // returns is a file it copied into the scratch directory).
