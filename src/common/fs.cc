@@ -114,27 +114,26 @@ Status RemoveTreeAt(int parent_fd, const char* name, const std::string& display,
     return absl::FailedPreconditionError(
         fmt::format("refusing to remove {}: it is a mount point", display));
   }
-  int fd = ::openat(parent_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) {
+  UniqueFd fd(::openat(parent_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) {
     return ErrnoError("openat", display);
   }
-  DIR* dir = ::fdopendir(fd);
+  UniqueDir dir(::fdopendir(fd.get()));
   if (dir == nullptr) {
-    int err = errno;
-    ::close(fd);
-    return ErrnoError("fdopendir", display, err);
+    return ErrnoError("fdopendir", display);
   }
+  (void)fd.Release();  // the stream owns it now
   std::vector<std::string> names;
-  while (struct dirent* e = ::readdir(dir)) {
+  while (struct dirent* e = ::readdir(dir.get())) {
     if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
       names.emplace_back(e->d_name);
     }
   }
   Status status;
   for (const std::string& child : names) {
-    status.Update(RemoveTreeAt(::dirfd(dir), child.c_str(), display + "/" + child, dev));
+    status.Update(RemoveTreeAt(::dirfd(dir.get()), child.c_str(), display + "/" + child, dev));
   }
-  ::closedir(dir);
+  dir.reset();
   if (!status.ok()) {
     return status;
   }

@@ -1,7 +1,9 @@
 #pragma once
 
+#include <dirent.h>
 #include <unistd.h>
 
+#include <memory>
 #include <utility>
 
 namespace bragg {
@@ -42,6 +44,17 @@ class UniqueFd {
  private:
   int fd_ = -1;
 };
+
+// Owns an open directory stream (opendir/fdopendir); closedir on destruction. A stream made by
+// fdopendir owns its fd from then on: release the UniqueFd it came from only once it succeeded.
+struct DirCloser {
+  void operator()(DIR* dir) const {
+    if (dir != nullptr) {
+      ::closedir(dir);
+    }
+  }
+};
+using UniqueDir = std::unique_ptr<DIR, DirCloser>;
 
 // A pipe's two ends, both O_CLOEXEC.
 struct Pipe {

@@ -589,12 +589,12 @@ void PrefetchTask(const Task& t, CopyShared* sh) {
 }
 
 Status CopyConfigFiles(const std::string& from, const std::string& to) {
-  DIR* d = ::opendir(from.c_str());
+  UniqueDir d(::opendir(from.c_str()));
   if (d == nullptr) {
     return ErrnoError("opendir", from);
   }
   std::vector<std::string> names;
-  while (dirent* e = ::readdir(d)) {
+  while (dirent* e = ::readdir(d.get())) {
     std::string n = e->d_name;
     if (n == "." || n == ".." || n.find(".safetensors") != std::string::npos ||
         n.find(".bin") != std::string::npos || n.find(".tmp") != std::string::npos) {
@@ -602,7 +602,6 @@ Status CopyConfigFiles(const std::string& from, const std::string& to) {
     }
     names.push_back(n);
   }
-  ::closedir(d);
   for (const std::string& n : names) {
     struct stat st;
     if (::stat((from + "/" + n).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -666,15 +665,14 @@ Result<bool> WriteIndexIfComplete(const Plan& plan, const std::string& dst, int 
 
 // Counts this process's open file descriptors (/proc/self/fd); 0 when that cannot be read.
 uint64_t CountOpenFds() {
-  DIR* d = ::opendir("/proc/self/fd");
+  UniqueDir d(::opendir("/proc/self/fd"));
   if (d == nullptr) {
     return 0;
   }
   uint64_t n = 0;
-  while (dirent* e = ::readdir(d)) {
+  while (dirent* e = ::readdir(d.get())) {
     n += e->d_name[0] != '.';
   }
-  ::closedir(d);
   return n > 0 ? n - 1 : 0;  // the directory's own descriptor
 }
 

@@ -43,12 +43,12 @@ bool ParseIndex(std::string_view digits, int64_t* out) {
 
 std::vector<RankDir> ListRankDirs(const std::string& dir) {
   std::vector<RankDir> out;
-  DIR* d = ::opendir(dir.c_str());
+  UniqueDir d(::opendir(dir.c_str()));
   if (d == nullptr) {
     return out;
   }
   static const std::regex kRe(R"(mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?)");
-  while (dirent* e = ::readdir(d)) {
+  while (dirent* e = ::readdir(d.get())) {
     std::cmatch m;
     if (std::regex_match(e->d_name, m, kRe)) {
       RankDir r;
@@ -67,7 +67,6 @@ std::vector<RankDir> ListRankDirs(const std::string& dir) {
       out.push_back(r);
     }
   }
-  ::closedir(d);
   return out;
 }
 

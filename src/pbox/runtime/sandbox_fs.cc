@@ -39,15 +39,6 @@ constexpr int kMaxRemoveDepth = 256;
 // How much of a hostile path goes into an error message.
 constexpr size_t kMaxDisplay = 256;
 
-struct DirCloser {
-  void operator()(DIR* dir) const {
-    if (dir != nullptr) {
-      ::closedir(dir);
-    }
-  }
-};
-using UniqueDir = std::unique_ptr<DIR, DirCloser>;
-
 // The user's path, made printable: NUL bytes shown as "\0", long paths cut.
 std::string Display(std::string_view path) {
   std::string out;
