@@ -1,9 +1,10 @@
 # bragg_test(NAME SOURCES a.cc b.cc LIBS lib... [LABELS l...] [TIMEOUT s])
-# One gtest binary per call, registered with ctest (LevelDB's leveldb_test()).
+# One gtest binary per call, registered with ctest (LevelDB's leveldb_test()). Its main() is
+# tests/support/gtest_main.cc: a binary whose every test skipped reports a skip to ctest.
 function(bragg_test name)
   cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${name} ${T_SOURCES})
-  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gmock bragg_gtest_main)
   add_test(NAME ${name} COMMAND ${name})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
@@ -12,6 +13,36 @@ function(bragg_test name)
   if(T_LABELS)
     set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}")
   endif()
+endfunction()
+
+# Every ctest entry reports its skips. add_test is wrapped (once, here, before any part adds a
+# test) so that no entry can be registered without this:
+#   - exit code 77 is ctest's skip (SKIP_RETURN_CODE), so a test that cannot run here shows as
+#     "Skipped", never as "Passed";
+#   - $BRAGG_SKIP_FILE (<build>/skips/NAME.txt) collects each skipped case with its reason,
+#     written by the gtest main (tests/support/gtest_main.cc), the pytest plugin
+#     tests/support/bragg_pytest_skips.py (loaded through PYTEST_PLUGINS, importable through
+#     PYTHONPATH) and the shell and Python tests that skip; `make test` lists them and, under
+#     CI=true, fails on any skip tests/allowed-skips.txt does not name (scripts/test-summary).
+# Arguments are passed on as given, semicolons included; an empty argument is dropped.
+function(add_test)
+  set(args "")
+  math(EXPR last "${ARGC} - 1")
+  foreach(i RANGE 0 ${last})
+    string(REPLACE ";" "\\;" arg "${ARGV${i}}")
+    list(APPEND args "${arg}")
+  endforeach()
+  _add_test(${args})
+  if(ARGV0 STREQUAL "NAME")
+    set(name ${ARGV1})
+  else()
+    set(name ${ARGV0})
+  endif()
+  set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
+  set_property(TEST ${name} APPEND PROPERTY ENVIRONMENT_MODIFICATION
+    "BRAGG_SKIP_FILE=set:${CMAKE_BINARY_DIR}/skips/${name}.txt"
+    "PYTEST_PLUGINS=set:bragg_pytest_skips"
+    "PYTHONPATH=path_list_append:${PROJECT_SOURCE_DIR}/tests/support")
 endfunction()
 
 # bragg_fuzz(NAME SOURCES a.cc... LIBS lib... CORPUS dir [DICT file] [SECONDS s])
