@@ -1,9 +1,10 @@
 // bragg-gateway --listen 127.0.0.1:PORT --worker http://127.0.0.1:P1 ... [--policy P]
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
-#include <csignal>
+#include <optional>
 
 #include "common/logging.h"
 #include "gateway/gateway.h"
@@ -54,26 +55,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.router.policy = *p;
-  auto hp = bragg::gateway::ParseHostPort(listen);
-  if (!hp.ok()) {
-    spdlog::error("--listen: {}", std::string(hp.status().message()));
-    return 2;
-  }
-  o.host = hp->host;
-  o.port = hp->port;
-  if (auto fds = bragg::gateway::RaiseFileLimit(); !fds.ok()) {
-    spdlog::warn("{}", std::string(fds.status().message()));
-  }
-  sigset_t set = bragg::gateway::BlockTerminationSignals();
-  bragg::gateway::Gateway gateway(o);
-  bragg::Status s = gateway.Start();
-  if (!s.ok()) {
-    spdlog::error("{}", std::string(s.message()));
-    return 1;
-  }
-  std::printf("listening on http://%s:%d\n", o.host.c_str(), gateway.port());
-  std::fflush(stdout);
-  bragg::gateway::WaitForTermination(set);
-  gateway.Stop();
-  return 0;
+  std::optional<bragg::gateway::Gateway> gateway;
+  return bragg::gateway::ServeUntilTerminated(
+      listen,
+      [&](const bragg::gateway::HostPort& hp) -> bragg::Result<std::string> {
+        o.host = hp.host;
+        o.port = hp.port;
+        gateway.emplace(o);
+        BRAGG_RETURN_IF_ERROR(gateway->Start());
+        return fmt::format("http://{}:{}", o.host, gateway->port());
+      },
+      [&] { gateway->Stop(); });
 }

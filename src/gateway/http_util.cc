@@ -9,8 +9,10 @@
 #include <cerrno>
 #include <charconv>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 namespace bragg::gateway {
 
@@ -191,6 +193,30 @@ Result<uint64_t> RaiseFileLimit() {
 void WaitForTermination(const sigset_t& set) {
   int sig = 0;
   sigwait(&set, &sig);
+}
+
+int ServeUntilTerminated(std::string_view listen,
+                         const std::function<Result<std::string>(const HostPort&)>& start,
+                         const std::function<void()>& stop) {
+  Result<HostPort> hp = ParseHostPort(listen);
+  if (!hp.ok()) {
+    spdlog::error("--listen: {}", std::string(hp.status().message()));
+    return 2;
+  }
+  if (Result<uint64_t> fds = RaiseFileLimit(); !fds.ok()) {
+    spdlog::warn("{}", std::string(fds.status().message()));
+  }
+  sigset_t set = BlockTerminationSignals();
+  Result<std::string> url = start(*hp);
+  if (!url.ok()) {
+    spdlog::error("{}", std::string(url.status().message()));
+    return 1;
+  }
+  std::printf("listening on %s\n", url->c_str());
+  std::fflush(stdout);
+  WaitForTermination(set);
+  stop();
+  return 0;
 }
 
 }  // namespace bragg::gateway

@@ -36,6 +36,16 @@ Result<uint64_t> RaiseFileLimit();
 // Waits until SIGINT or SIGTERM arrives.
 void WaitForTermination(const sigset_t& set);
 
+// The life of a server binary once its flags are parsed: parses `listen` (HOST:PORT), raises
+// the file limit (a warning if it cannot), blocks the termination signals for every thread
+// started after it, then `start` builds and starts the server on that address and returns the
+// URL it serves on; "listening on URL" goes to stdout (scripts read the port from it when they
+// asked for port 0) and, once SIGINT or SIGTERM arrives, `stop` runs. Returns main()'s exit
+// code: 0; 2 for a bad `listen`; 1 when `start` failed. Errors are logged.
+int ServeUntilTerminated(std::string_view listen,
+                         const std::function<Result<std::string>(const HostPort&)>& start,
+                         const std::function<void()>& stop);
+
 // httplib task queue that grows a thread per connection when all are busy, up to `max_threads`,
 // and keeps idle threads for reuse: httplib serves one connection per thread, and a pool of
 // fixed size would queue long-lived streams behind each other. Thread-safe.

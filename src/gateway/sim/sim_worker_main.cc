@@ -1,10 +1,7 @@
 // bragg-sim-worker --listen 127.0.0.1:PORT [--cache-tokens N] [--seed S]
 
-#include <spdlog/spdlog.h>
-
 #include <CLI/CLI.hpp>
-#include <csignal>
-#include <thread>
+#include <optional>
 
 #include "common/logging.h"
 #include "gateway/http_util.h"
@@ -27,27 +24,15 @@ int main(int argc, char** argv) {
   app.add_flag("--noop", o.noop, "answer /generate at once with a fixed body");
   CLI11_PARSE(app, argc, argv);
   (void)bragg::InitLogging(argv[0], "info");
-  auto hp = bragg::gateway::ParseHostPort(listen);
-  if (!hp.ok()) {
-    spdlog::error("--listen: {}", std::string(hp.status().message()));
-    return 2;
-  }
-  o.host = hp->host;
-  o.port = hp->port;
-  if (auto fds = bragg::gateway::RaiseFileLimit(); !fds.ok()) {
-    spdlog::warn("{}", std::string(fds.status().message()));
-  }
-  sigset_t set = bragg::gateway::BlockTerminationSignals();
-  bragg::gateway::SimWorker worker(o);
-  bragg::Status s = worker.Start();
-  if (!s.ok()) {
-    spdlog::error("{}", std::string(s.message()));
-    return 1;
-  }
-  // Scripts read the port from here when they asked for port 0.
-  std::printf("listening on %s\n", worker.url().c_str());
-  std::fflush(stdout);
-  bragg::gateway::WaitForTermination(set);
-  worker.Stop();
-  return 0;
+  std::optional<bragg::gateway::SimWorker> worker;
+  return bragg::gateway::ServeUntilTerminated(
+      listen,
+      [&](const bragg::gateway::HostPort& hp) -> bragg::Result<std::string> {
+        o.host = hp.host;
+        o.port = hp.port;
+        worker.emplace(o);
+        BRAGG_RETURN_IF_ERROR(worker->Start());
+        return worker->url();
+      },
+      [&] { worker->Stop(); });
 }

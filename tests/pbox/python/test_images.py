@@ -475,6 +475,7 @@ def test_cli_image_commands(img_agent: Agent, tmp_path: Path) -> None:
 def test_base_image_from_make_base_image(make_agent: AgentFactory, tmp_path: Path) -> None:
     out = Path(os.environ.get("PBOX_BASE_IMAGE") or tmp_path / "base.tar.zst")
     if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(REPO / "scripts/make-base-image"), "--minimal", str(out)],
                        check=True, timeout=1800)
     agent = make_agent()
