@@ -963,8 +963,12 @@ void InitServer::Send(const proto::Frame& frame) {
   }
   if (stream_) {
     if (!WriteChannel(proto::StreamPrefix(bytes.size()) + bytes)) {
-      Log("write on the stream: %s; shutting down", strerror(errno));
-      channel_failed_ = true;
+      // EPIPE: the agent closed its end while a reply was on its way, the same end as EOF on
+      // the read side (a clean shutdown), not a failure of the channel.
+      if (errno != EPIPE) {
+        Log("write on the stream: %s; shutting down", strerror(errno));
+        channel_failed_ = true;
+      }
       channel_closed_ = true;
     }
     return;
@@ -977,8 +981,11 @@ void InitServer::Send(const proto::Frame& frame) {
     if (errno == EINTR) {
       continue;
     }
-    Log("send on the channel: %s; shutting down", strerror(errno));
-    channel_failed_ = true;
+    // EPIPE, ECONNRESET: the agent closed its end (see above), not a failure.
+    if (errno != EPIPE && errno != ECONNRESET) {
+      Log("send on the channel: %s; shutting down", strerror(errno));
+      channel_failed_ = true;
+    }
     channel_closed_ = true;
     return;
   }
