@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <spdlog/spdlog.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 
@@ -12,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
 namespace bragg::gateway {
 
