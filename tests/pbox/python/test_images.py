@@ -469,7 +469,7 @@ def test_cli_image_commands(img_agent: Agent, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.environ.get("PBOX_TEST_BASE_IMAGE") != "1"
                     and not os.environ.get("PBOX_BASE_IMAGE"),
-                    reason="builds a Debian rootfs with mmdebstrap (about 11 min here): set "
+                    reason="builds a Debian rootfs with mmdebstrap (minutes; ctest caches it): set "
                            "PBOX_TEST_BASE_IMAGE=1, or PBOX_BASE_IMAGE=<tarball of "
                            "scripts/make-base-image --minimal>")
 def test_base_image_from_make_base_image(make_agent: AgentFactory, tmp_path: Path) -> None:
