@@ -682,7 +682,8 @@ class EngineImpl final : public Engine {
         finished.push_back(&r);  // max_new_tokens 0: the prompt was scored
         continue;
       }
-      Sampled s = Sample(std::span<const float>(last_row, V), r.req.sampling, r.seed, produced);
+      Sampled s = Sample(std::span<const float>(last_row, V), r.req.sampling, r.seed, produced,
+                         r.req.return_logprob);
       r.tokens.push_back(s.token);
       r.out.output_ids.push_back(s.token);
       r.out_versions.push_back(version);

@@ -45,7 +45,7 @@ float LogProb(std::span<const float> logits, float temperature, int32_t token) {
 }
 
 Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed,
-               int64_t step) {
+               int64_t step, bool want_logprob) {
   Sampled out;
   const int64_t n = static_cast<int64_t>(logits.size());
   if (p.temperature <= 0 || p.top_k == 1) {
@@ -56,7 +56,9 @@ Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
       }
     }
     out.token = static_cast<int32_t>(best);
-    out.logprob = LogProb(logits, p.temperature > 0 ? p.temperature : 1.0f, out.token);
+    if (want_logprob) {
+      out.logprob = LogProb(logits, p.temperature > 0 ? p.temperature : 1.0f, out.token);
+    }
     return out;
   }
   double t = p.temperature;

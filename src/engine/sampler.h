@@ -18,8 +18,9 @@ struct Sampled {
 };
 
 // temperature 0 (or top_k 1): argmax, lowest id on ties.
+// The log-prob is computed only when `want_logprob` (it costs an exp per vocabulary entry).
 Sampled Sample(std::span<const float> logits, const SamplingParams& params, uint64_t seed,
-               int64_t step);
+               int64_t step, bool want_logprob = true);
 
 // log-softmax of `logits` / temperature at `token` (temperature <= 0 means 1), summed in double
 // in index order.

@@ -1,6 +1,7 @@
 #include "engine/model/model.h"
 
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -494,6 +495,13 @@ Result<std::unique_ptr<Model>> Model::Load(const Checkpoint& ck, const ModelOpti
   }
   if (options.threads > 0) {
     torch::set_num_threads(options.threads);
+  }
+  // Torch parallelises around BLAS calls with its own threads; a multi-threaded OpenBLAS under
+  // them oversubscribes the cores (its idle threads spin in sched_yield: measured as 40% of a
+  // decode step's time on 2 cores). OpenBLAS runs single-threaded inside the engine.
+  using SetThreads = void (*)(int);
+  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set(1);
   }
   BRAGG_RETURN_IF_ERROR(impl->Load(ck));
   return std::unique_ptr<Model>(new Model(std::move(impl)));
