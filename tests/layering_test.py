@@ -34,6 +34,9 @@ RULES = {
     # gateway's HTTP helpers.
     "gateway/sim": ["common/", "gateway/"],
     "gateway": ["common/", "gateway/"],
+    # engine: the server reaches the core through engine.h alone (no libtorch in its folder).
+    "engine/server": ["common/", "engine/engine.h"],
+    "engine": ["common/"],
     "pack": ["common/"],
     "reshard": ["common/"],
 }
