@@ -34,6 +34,12 @@ RULES = {
     # gateway's HTTP helpers.
     "gateway/sim": ["common/", "gateway/"],
     "gateway": ["common/", "gateway/"],
+    # engine: the server reaches the core through engine.h alone (no libtorch in its folder).
+    "engine/server": ["common/", "engine/engine.h"],
+    # the model and the test-model writer: torch's side, under the scheduler.
+    "engine/model": ["common/", "engine/str_cat.h"],
+    "engine/testing": ["common/", "engine/str_cat.h"],
+    "engine": ["common/", "engine/model/"],
     "pack": ["common/"],
     "reshard": ["common/"],
 }

@@ -522,6 +522,37 @@ Status Model::Forward(std::span<const SeqChunk> chunks, ForwardOutput* out) {
 }
 
 Status Model::CheckUpdate(const Checkpoint& ck) const {
+  const ModelConfig& a = impl_->config;
+  const ModelConfig& b = ck.config();
+  auto same = [&](std::string_view field, auto x, auto y) -> Status {
+    if (x == y) return absl::OkStatus();
+    return absl::InvalidArgumentError(Cat(ck.dir(), "/config.json: ", field, " is ", y,
+                                          ", the running model's is ", x));
+  };
+  BRAGG_RETURN_IF_ERROR(same("architecture", a.architecture, b.architecture));
+  BRAGG_RETURN_IF_ERROR(same("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers));
+  BRAGG_RETURN_IF_ERROR(same("hidden_size", a.hidden_size, b.hidden_size));
+  BRAGG_RETURN_IF_ERROR(same("vocab_size", a.vocab_size, b.vocab_size));
+  BRAGG_RETURN_IF_ERROR(same("num_attention_heads", a.num_attention_heads, b.num_attention_heads));
+  BRAGG_RETURN_IF_ERROR(same("num_key_value_heads", a.num_key_value_heads, b.num_key_value_heads));
+  BRAGG_RETURN_IF_ERROR(same("head_dim", a.head_dim, b.head_dim));
+  BRAGG_RETURN_IF_ERROR(same("num_experts", a.num_experts, b.num_experts));
+  BRAGG_RETURN_IF_ERROR(same("num_experts_per_tok", a.num_experts_per_tok, b.num_experts_per_tok));
+  BRAGG_RETURN_IF_ERROR(same("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings));
+  if (a.moe_layers() != b.moe_layers()) {
+    return absl::InvalidArgumentError(Cat(ck.dir(), "/config.json: other MoE layers"));
+  }
+  // Norm constants and rope are part of the weights' meaning; a change would silently alter the
+  // model in ways the tensors cannot show.
+  BRAGG_RETURN_IF_ERROR(same("rms_norm_eps", a.rms_norm_eps, b.rms_norm_eps));
+  BRAGG_RETURN_IF_ERROR(same("rope_theta", a.rope_theta, b.rope_theta));
+  BRAGG_RETURN_IF_ERROR(same("norm_topk_prob", a.norm_topk_prob, b.norm_topk_prob));
+  for (const auto& [name, view] : ck.tensors()) {
+    if (!impl_->params.contains(name) && !(a.tie_word_embeddings && name == "lm_head.weight")) {
+      return absl::InvalidArgumentError(
+          Cat(view.file, ": tensor ", name, " is not a parameter of the running model"));
+    }
+  }
   for (const auto& [name, param] : impl_->params) {
     BRAGG_ASSIGN_OR_RETURN(const TensorView* v, ck.Find(name));
     std::vector<int64_t> want = param->sizes().vec();

@@ -1,0 +1,1356 @@
+#include "engine/server/server.h"
+
+#include <absl/strings/escaping.h>
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+#include "common/prometheus.h"
+
+namespace bragg::engine {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// The one table of request fields (docs are generated from it). A field a scope does not list is
+// refused with 400 "unknown field". Defaults and meanings are SGLang's (io_struct.py,
+// sampling_params.py) unless the note says otherwise.
+constexpr FieldSpec kFields[] = {
+    // POST /generate (SGLang's GenerateReqInput)
+    {"generate", "input_ids", FieldUse::kServed, "",
+     "prompt token ids; a list of lists is a batch, answered as an array"},
+    {"generate", "text", FieldUse::kDefaultOnly, "null",
+     "refused: the engine has no tokenizer (send input_ids)"},
+    {"generate", "sampling_params", FieldUse::kServed, "",
+     "an object, or one per prompt of a batch"},
+    {"generate", "rid", FieldUse::kServed, "",
+     "request id (a list for a batch; a string for a batch names rid_0, rid_1, ...)"},
+    {"generate", "return_logprob", FieldUse::kServed, "", "meta_info.output_token_logprobs"},
+    {"generate", "logprob_start_len", FieldUse::kServed, "",
+     "first prompt position of meta_info.input_token_logprobs; -1: none"},
+    {"generate", "return_routed_experts", FieldUse::kServed, "",
+     "meta_info.routed_experts: base64 of int32 [positions, moe layers, top_k], MoE models"},
+    {"generate", "routed_experts_start_len", FieldUse::kServed, "",
+     "routed experts of positions [this, tokens - 1)"},
+    {"generate", "extra_key", FieldUse::kServed, "", "prefix-cache salt"},
+    {"generate", "stream", FieldUse::kServed, "", "SSE: cumulative chunks, then data: [DONE]"},
+    {"generate", "return_text_in_logprobs", FieldUse::kIgnored, "",
+     "no tokenizer: the text slot of each logprob entry is null"},
+    {"generate", "log_metrics", FieldUse::kIgnored, "", "every request counts in /metrics"},
+    {"generate", "no_logs", FieldUse::kIgnored, "", "the server logs no request contents"},
+    {"generate", "custom_labels", FieldUse::kIgnored, "", "metrics carry no per-request labels"},
+    {"generate", "received_time", FieldUse::kIgnored, "", "latency is measured by the server"},
+    {"generate", "top_logprobs_num", FieldUse::kDefaultOnly, "null|0", "top logprobs: not served"},
+    {"generate", "token_ids_logprob", FieldUse::kDefaultOnly, "null", "not served"},
+    {"generate", "return_hidden_states", FieldUse::kDefaultOnly, "false", "not served"},
+    {"generate", "return_entropy", FieldUse::kDefaultOnly, "false", "not served"},
+    {"generate", "return_prompt_token_ids", FieldUse::kDefaultOnly, "false", "not served"},
+    {"generate", "input_embeds", FieldUse::kDefaultOnly, "null", "not served"},
+    {"generate", "image_data", FieldUse::kDefaultOnly, "null", "text-only models"},
+    {"generate", "video_data", FieldUse::kDefaultOnly, "null", "text-only models"},
+    {"generate", "audio_data", FieldUse::kDefaultOnly, "null", "text-only models"},
+    {"generate", "modalities", FieldUse::kDefaultOnly, "null", "text-only models"},
+    {"generate", "lora_path", FieldUse::kDefaultOnly, "null", "no LoRA"},
+    {"generate", "lora_id", FieldUse::kDefaultOnly, "null", "no LoRA"},
+    {"generate", "custom_logit_processor", FieldUse::kDefaultOnly, "null", "not served"},
+    {"generate", "session_params", FieldUse::kDefaultOnly, "null", "no sessions"},
+    {"generate", "session_id", FieldUse::kDefaultOnly, "null", "no sessions"},
+    {"generate", "priority", FieldUse::kDefaultOnly, "null", "one priority (FCFS)"},
+    {"generate", "bootstrap_host", FieldUse::kDefaultOnly, "null", "no PD disaggregation"},
+    {"generate", "bootstrap_port", FieldUse::kDefaultOnly, "null", "no PD disaggregation"},
+    {"generate", "bootstrap_room", FieldUse::kDefaultOnly, "null", "no PD disaggregation"},
+    {"generate", "bootstrap_pair_key", FieldUse::kDefaultOnly, "null", "no PD disaggregation"},
+    {"generate", "data_parallel_rank", FieldUse::kDefaultOnly, "null", "one data-parallel rank"},
+    {"generate", "routed_dp_rank", FieldUse::kDefaultOnly, "null", "one data-parallel rank"},
+    {"generate", "background", FieldUse::kDefaultOnly, "false", "not served"},
+    // sampling_params (SGLang's SamplingParams)
+    {"sampling_params", "max_new_tokens", FieldUse::kServed, "", "default 128"},
+    {"sampling_params", "temperature", FieldUse::kServed, "", ">= 0; 0 is greedy"},
+    {"sampling_params", "top_p", FieldUse::kServed, "", "(0, 1]"},
+    {"sampling_params", "top_k", FieldUse::kServed, "", "-1 (off) or >= 1"},
+    {"sampling_params", "min_p", FieldUse::kServed, "", "[0, 1]"},
+    {"sampling_params", "stop_token_ids", FieldUse::kServed, "", "token ids that end a request"},
+    {"sampling_params", "sampling_seed", FieldUse::kServed, "",
+     "same seed, prompt and weights: same tokens"},
+    {"sampling_params", "ignore_eos", FieldUse::kServed, "", "keep going past EOS"},
+    {"sampling_params", "stop", FieldUse::kDefaultOnly, "null|[]|\"\"",
+     "stop strings need a tokenizer: use stop_token_ids"},
+    {"sampling_params", "stop_regex", FieldUse::kDefaultOnly, "null|[]", "needs a tokenizer"},
+    {"sampling_params", "n", FieldUse::kDefaultOnly, "1", "one sample per prompt; batch instead"},
+    {"sampling_params", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
+    {"sampling_params", "presence_penalty", FieldUse::kDefaultOnly, "0", "not served"},
+    {"sampling_params", "repetition_penalty", FieldUse::kDefaultOnly, "1", "not served"},
+    {"sampling_params", "min_new_tokens", FieldUse::kDefaultOnly, "0", "not served"},
+    {"sampling_params", "regex", FieldUse::kDefaultOnly, "null", "no constrained decoding"},
+    {"sampling_params", "json_schema", FieldUse::kDefaultOnly, "null", "no constrained decoding"},
+    {"sampling_params", "ebnf", FieldUse::kDefaultOnly, "null", "no constrained decoding"},
+    {"sampling_params", "structural_tag", FieldUse::kDefaultOnly, "null",
+     "no constrained decoding"},
+    {"sampling_params", "logit_bias", FieldUse::kDefaultOnly, "null", "not served"},
+    {"sampling_params", "custom_params", FieldUse::kDefaultOnly, "null", "not served"},
+    {"sampling_params", "stream_interval", FieldUse::kDefaultOnly, "null|1",
+     "every token is streamed"},
+    {"sampling_params", "skip_special_tokens", FieldUse::kIgnored, "", "no detokenizer"},
+    {"sampling_params", "spaces_between_special_tokens", FieldUse::kIgnored, "", "no detokenizer"},
+    {"sampling_params", "no_stop_trim", FieldUse::kIgnored, "", "no stop strings to trim"},
+    // POST /v1/completions (OpenAI, prompt as token ids)
+    {"completions", "prompt", FieldUse::kServed, "", "token ids; a string is refused"},
+    {"completions", "model", FieldUse::kIgnored, "", "one model is served"},
+    {"completions", "max_tokens", FieldUse::kServed, "", "default 16 (OpenAI's)"},
+    {"completions", "temperature", FieldUse::kServed, "", "as sampling_params"},
+    {"completions", "top_p", FieldUse::kServed, "", "as sampling_params"},
+    {"completions", "top_k", FieldUse::kServed, "", "SGLang extension"},
+    {"completions", "min_p", FieldUse::kServed, "", "SGLang extension"},
+    {"completions", "seed", FieldUse::kServed, "", "sampling_seed"},
+    {"completions", "stop_token_ids", FieldUse::kServed, "", "SGLang extension"},
+    {"completions", "ignore_eos", FieldUse::kServed, "", "SGLang extension"},
+    {"completions", "rid", FieldUse::kServed, "", "SGLang extension"},
+    {"completions", "extra_key", FieldUse::kServed, "", "SGLang extension"},
+    {"completions", "user", FieldUse::kIgnored, "", "not recorded"},
+    {"completions", "stream", FieldUse::kDefaultOnly, "false",
+     "streaming: use /generate with stream"},
+    {"completions", "n", FieldUse::kDefaultOnly, "1", "one choice"},
+    {"completions", "best_of", FieldUse::kDefaultOnly, "null|1", "one choice"},
+    {"completions", "echo", FieldUse::kDefaultOnly, "false", "not served"},
+    {"completions", "logprobs", FieldUse::kDefaultOnly, "null|0",
+     "use /generate with return_logprob"},
+    {"completions", "stop", FieldUse::kDefaultOnly, "null|[]|\"\"", "needs a tokenizer"},
+    {"completions", "suffix", FieldUse::kDefaultOnly, "null", "not served"},
+    {"completions", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
+    {"completions", "presence_penalty", FieldUse::kDefaultOnly, "0", "not served"},
+    {"completions", "logit_bias", FieldUse::kDefaultOnly, "null", "not served"},
+    // POST /update_weights_from_disk (UpdateWeightFromDiskReqInput)
+    {"update_weights_from_disk", "model_path", FieldUse::kServed, "", "a Hugging Face directory"},
+    {"update_weights_from_disk", "weight_version", FieldUse::kServed, "",
+     "the version tokens sampled from now on carry"},
+    {"update_weights_from_disk", "flush_cache", FieldUse::kServed, "", "default true"},
+    {"update_weights_from_disk", "abort_all_requests", FieldUse::kServed, "",
+     "abort every request before loading"},
+    {"update_weights_from_disk", "keep_pause", FieldUse::kServed, "",
+     "stay paused (in place) after loading"},
+    {"update_weights_from_disk", "load_format", FieldUse::kDefaultOnly, "null|\"auto\"",
+     "safetensors only"},
+    {"update_weights_from_disk", "is_async", FieldUse::kDefaultOnly, "false", "loads in place"},
+    {"update_weights_from_disk", "manifest", FieldUse::kDefaultOnly, "null", "not served"},
+    {"update_weights_from_disk", "torch_empty_cache", FieldUse::kIgnored, "", "no-op"},
+    {"update_weights_from_disk", "recapture_cuda_graph", FieldUse::kIgnored, "", "no CUDA graphs"},
+    {"update_weights_from_disk", "token_step", FieldUse::kIgnored, "", "not recorded"},
+    // POST /abort_request (AbortReq)
+    {"abort_request", "rid", FieldUse::kServed, "", "404 if no request has it"},
+    {"abort_request", "abort_all", FieldUse::kServed, "", "abort every request"},
+    // POST /pause_generation (PauseGenerationReqInput)
+    {"pause_generation", "mode", FieldUse::kServed, "", "abort (default) | in_place | retract"},
+    // POST /continue_generation (ContinueGenerationReqInput)
+    {"continue_generation", "torch_empty_cache", FieldUse::kIgnored, "", "no-op"},
+};
+
+const FieldSpec* FindField(std::string_view scope, std::string_view name) {
+  for (const FieldSpec& f : kFields) {
+    if (f.scope == scope && f.name == name) {
+      return &f;
+    }
+  }
+  return nullptr;
+}
+
+// Every key of `obj` is known in `scope`, and every kDefaultOnly field holds a no-op value.
+Status CheckFields(std::string_view scope, const json& obj, std::string_view where) {
+  for (const auto& [key, value] : obj.items()) {
+    const FieldSpec* f = FindField(scope, key);
+    if (f == nullptr) {
+      return absl::InvalidArgumentError(
+          fmt::format("unknown field '{}' in {}: bragg-engine does not take it", key, where));
+    }
+    if (f->use != FieldUse::kDefaultOnly) {
+      continue;
+    }
+    bool ok = false;
+    std::string_view rest = f->accepted;
+    while (!ok && !rest.empty()) {
+      size_t bar = rest.find('|');
+      ok = json::parse(rest.substr(0, bar)) == value;
+      rest = bar == std::string_view::npos ? std::string_view() : rest.substr(bar + 1);
+    }
+    if (!ok) {
+      std::string accepted = std::string(f->accepted);
+      std::replace(accepted.begin(), accepted.end(), '|', ' ');
+      return absl::InvalidArgumentError(
+          fmt::format("{}.{} is not supported by bragg-engine ({}); it may only be {}", where, key,
+                      f->note, accepted));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Strings from clients may hold invalid UTF-8 (nlohmann's parser lets it through); replace it
+// rather than throw when writing.
+std::string Dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+int HttpCode(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kAlreadyExists:
+      return 400;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    default:
+      return 500;
+  }
+}
+
+void SetError(httplib::Response& res, int code, std::string_view message) {
+  json body = {{"error", {{"message", std::string(message)}, {"code", code}}}};
+  res.status = code;
+  res.set_content(Dump(body), "application/json");
+}
+
+void SetError(httplib::Response& res, const Status& status) {
+  SetError(res, HttpCode(status.code()), std::string(status.message()));
+}
+
+void Reply(httplib::Response& res, const json& body, int code = 200) {
+  res.status = code;
+  res.set_content(Dump(body), "application/json");
+}
+
+// nlohmann's parser is iterative but its destructor and dump recurse on older releases: refuse
+// deep nesting before parsing anything.
+constexpr int kMaxDepth = 64;
+
+Status CheckDepth(std::string_view text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxDepth) {
+        return absl::InvalidArgumentError(
+            fmt::format("request body nests deeper than {} levels", kMaxDepth));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The body as a JSON object; an empty body is {} when `empty_ok`.
+Result<json> ParseObject(const std::string& body, bool empty_ok) {
+  if (body.empty() && empty_ok) {
+    return json::object();
+  }
+  BRAGG_RETURN_IF_ERROR(CheckDepth(body));
+  json out;
+  try {
+    out = json::parse(body);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(fmt::format("request body is not valid JSON: {}", e.what()));
+  }
+  if (!out.is_object()) {
+    return absl::InvalidArgumentError(
+        fmt::format("request body must be a JSON object, not {}", out.type_name()));
+  }
+  return out;
+}
+
+bool Present(const json& obj, std::string_view name) {
+  auto it = obj.find(name);
+  return it != obj.end() && !it->is_null();
+}
+
+// Typed reads of optional fields: absent or null leaves *out as it is.
+Status ReadInt(const json& obj, std::string_view where, std::string_view name, int64_t lo,
+               int64_t hi, int64_t* out) {
+  if (!Present(obj, name)) {
+    return absl::OkStatus();
+  }
+  const json& v = obj[std::string(name)];
+  bool in_range = false;
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    in_range = hi >= 0 && u <= static_cast<uint64_t>(hi) && static_cast<int64_t>(u) >= lo;
+  } else if (v.is_number_integer()) {
+    in_range = v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+  }
+  if (!in_range) {
+    return absl::InvalidArgumentError(fmt::format("{}{} must be an integer in [{}, {}], got {}",
+                                                  where, name, lo, hi, Dump(v).substr(0, 64)));
+  }
+  *out = v.get<int64_t>();
+  return absl::OkStatus();
+}
+
+Status ReadFloat(const json& obj, std::string_view where, std::string_view name, double lo,
+                 double hi, bool lo_open, float* out) {
+  if (!Present(obj, name)) {
+    return absl::OkStatus();
+  }
+  const json& v = obj[std::string(name)];
+  double d = v.is_number() ? v.get<double>() : std::nan("");
+  if (!std::isfinite(d) || d < lo || d > hi || (lo_open && d == lo)) {
+    return absl::InvalidArgumentError(fmt::format("{}{} must be a number in {}{}, {}], got {}",
+                                                  where, name, lo_open ? "(" : "[", lo, hi,
+                                                  Dump(v).substr(0, 64)));
+  }
+  *out = static_cast<float>(d);
+  return absl::OkStatus();
+}
+
+Status ReadBool(const json& obj, std::string_view where, std::string_view name, bool* out) {
+  if (!Present(obj, name)) {
+    return absl::OkStatus();
+  }
+  const json& v = obj[std::string(name)];
+  if (!v.is_boolean()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}{} must be true or false, got {}", where, name, Dump(v).substr(0, 64)));
+  }
+  *out = v.get<bool>();
+  return absl::OkStatus();
+}
+
+Status ReadString(const json& obj, std::string_view where, std::string_view name,
+                  std::string* out) {
+  if (!Present(obj, name)) {
+    return absl::OkStatus();
+  }
+  const json& v = obj[std::string(name)];
+  if (!v.is_string()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}{} must be a string, got {}", where, name, Dump(v).substr(0, 64)));
+  }
+  *out = v.get<std::string>();
+  return absl::OkStatus();
+}
+
+Status ReadIds(const json& v, std::string_view what, std::vector<int32_t>* out) {
+  if (!v.is_array()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{} must be a list of token ids, got {}", what, v.type_name()));
+  }
+  out->clear();
+  out->reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& t = v[i];
+    if (!t.is_number_integer() || (t.is_number_unsigned() && t.get<uint64_t>() > INT32_MAX) ||
+        (!t.is_number_unsigned() && (t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX))) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}[{}] must be a token id (an integer in [0, 2^31)), got {}", what, i,
+                      Dump(t).substr(0, 64)));
+    }
+    out->push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+Status ReadSampling(const json& sp, SamplingParams* s) {
+  if (sp.is_null()) {
+    return absl::OkStatus();
+  }
+  if (!sp.is_object()) {
+    return absl::InvalidArgumentError(
+        fmt::format("sampling_params must be an object, got {}", sp.type_name()));
+  }
+  BRAGG_RETURN_IF_ERROR(CheckFields("sampling_params", sp, "sampling_params"));
+  constexpr std::string_view w = "sampling_params.";
+  BRAGG_RETURN_IF_ERROR(ReadInt(sp, w, "max_new_tokens", 0, INT32_MAX, &s->max_new_tokens));
+  BRAGG_RETURN_IF_ERROR(ReadFloat(sp, w, "temperature", 0, 1e6, false, &s->temperature));
+  BRAGG_RETURN_IF_ERROR(ReadFloat(sp, w, "top_p", 0, 1, true, &s->top_p));
+  BRAGG_RETURN_IF_ERROR(ReadInt(sp, w, "top_k", -1, INT32_MAX, &s->top_k));
+  if (s->top_k == 0) {
+    return absl::InvalidArgumentError("sampling_params.top_k must be -1 (off) or at least 1");
+  }
+  BRAGG_RETURN_IF_ERROR(ReadFloat(sp, w, "min_p", 0, 1, false, &s->min_p));
+  if (Present(sp, "stop_token_ids")) {
+    BRAGG_RETURN_IF_ERROR(
+        ReadIds(sp["stop_token_ids"], "sampling_params.stop_token_ids", &s->stop_token_ids));
+  }
+  if (Present(sp, "sampling_seed")) {
+    const json& v = sp["sampling_seed"];
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0)) {
+      return absl::InvalidArgumentError(
+          fmt::format("sampling_params.sampling_seed must be a non-negative 64-bit integer, got {}",
+                      Dump(v).substr(0, 64)));
+    }
+    s->sampling_seed = v.get<uint64_t>();
+  }
+  BRAGG_RETURN_IF_ERROR(ReadBool(sp, w, "ignore_eos", &s->ignore_eos));
+  return absl::OkStatus();
+}
+
+// One prompt of a /generate call as parsed.
+struct Item {
+  GenerateRequest request;
+  std::vector<int32_t> input_ids;  // kept for input_token_logprobs (the request's are moved)
+};
+
+struct GenerateCall {
+  std::vector<Item> items;
+  bool batch = false;
+  bool stream = false;
+};
+
+// SGLang lets these be one value per prompt of a batch.
+const json& PerItem(const json& body, std::string_view name, bool batch, size_t i, size_t n,
+                    Status* error) {
+  static const json kNull;
+  auto it = body.find(name);
+  if (it == body.end()) {
+    return kNull;
+  }
+  if (batch && it->is_array() && name != "input_ids") {
+    if (it->size() != n) {
+      *error = absl::InvalidArgumentError(
+          fmt::format("{} has {} entries for a batch of {} prompts", name, it->size(), n));
+      return kNull;
+    }
+    return (*it)[i];
+  }
+  return *it;
+}
+
+Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch) {
+  if (Present(body, "text")) {
+    return absl::InvalidArgumentError(
+        "text is refused: this engine takes input_ids (no tokenizer)");
+  }
+  BRAGG_RETURN_IF_ERROR(CheckFields("generate", body, "the request"));
+  if (!Present(body, "input_ids")) {
+    return absl::InvalidArgumentError("input_ids is required (a list of token ids)");
+  }
+  const json& ids = body["input_ids"];
+  if (!ids.is_array()) {
+    return absl::InvalidArgumentError(
+        fmt::format("input_ids must be a list of token ids, got {}", ids.type_name()));
+  }
+  GenerateCall call;
+  call.batch = !ids.empty() && ids[0].is_array();
+  size_t n = call.batch ? ids.size() : 1;
+  if (n > max_batch) {
+    return absl::InvalidArgumentError(
+        fmt::format("a batch of {} prompts is more than this server takes ({})", n, max_batch));
+  }
+  BRAGG_RETURN_IF_ERROR(ReadBool(body, "", "stream", &call.stream));
+  if (call.stream && call.batch) {
+    return absl::InvalidArgumentError(
+        "stream is served for one prompt at a time; send the batch's prompts as separate "
+        "requests");
+  }
+  std::string rid_prefix;
+  if (call.batch && Present(body, "rid") && !body["rid"].is_array()) {
+    BRAGG_RETURN_IF_ERROR(ReadString(body, "", "rid", &rid_prefix));
+  }
+  call.items.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Item& item = call.items[i];
+    GenerateRequest& r = item.request;
+    std::string where = call.batch ? fmt::format("input_ids[{}]", i) : "input_ids";
+    BRAGG_RETURN_IF_ERROR(ReadIds(call.batch ? ids[i] : ids, where, &r.input_ids));
+    if (r.input_ids.empty()) {
+      return absl::InvalidArgumentError(fmt::format("{} is empty", where));
+    }
+    Status error;
+    auto one = [&](std::string_view name) -> json {
+      const json& v = PerItem(body, name, call.batch, i, n, &error);
+      return json{{std::string(name), v}};
+    };
+    json sp = one("sampling_params");
+    BRAGG_RETURN_IF_ERROR(error);
+    BRAGG_RETURN_IF_ERROR(ReadSampling(sp["sampling_params"], &r.sampling));
+    std::string prefix = call.batch ? fmt::format("[{}] ", i) : "";
+    if (!rid_prefix.empty()) {
+      r.rid = fmt::format("{}_{}", rid_prefix, i);
+    } else {
+      json v = one("rid");
+      BRAGG_RETURN_IF_ERROR(error);
+      BRAGG_RETURN_IF_ERROR(ReadString(v, prefix, "rid", &r.rid));
+    }
+    for (auto [name, field] : {std::pair{"return_logprob", &r.return_logprob},
+                               std::pair{"return_routed_experts", &r.return_routed_experts}}) {
+      json v = one(name);
+      BRAGG_RETURN_IF_ERROR(error);
+      BRAGG_RETURN_IF_ERROR(ReadBool(v, prefix, name, field));
+    }
+    json v = one("logprob_start_len");
+    BRAGG_RETURN_IF_ERROR(error);
+    BRAGG_RETURN_IF_ERROR(
+        ReadInt(v, prefix, "logprob_start_len", -1, INT32_MAX, &r.logprob_start_len));
+    if (r.logprob_start_len >= static_cast<int64_t>(r.input_ids.size())) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}logprob_start_len {} is not inside the prompt of {} tokens", prefix,
+                      r.logprob_start_len, r.input_ids.size()));
+    }
+    if (!r.return_logprob) {
+      r.logprob_start_len = -1;  // as SGLang: no logprobs asked, none computed
+    }
+    v = one("routed_experts_start_len");
+    BRAGG_RETURN_IF_ERROR(error);
+    BRAGG_RETURN_IF_ERROR(
+        ReadInt(v, prefix, "routed_experts_start_len", 0, INT32_MAX, &r.routed_experts_start_len));
+    if (r.routed_experts_start_len > static_cast<int64_t>(r.input_ids.size())) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}routed_experts_start_len {} is past the prompt of {} tokens", prefix,
+                      r.routed_experts_start_len, r.input_ids.size()));
+    }
+    v = one("extra_key");
+    BRAGG_RETURN_IF_ERROR(error);
+    BRAGG_RETURN_IF_ERROR(ReadString(v, prefix, "extra_key", &r.extra_key));
+    item.input_ids = r.input_ids;
+  }
+  return call;
+}
+
+json LogprobEntry(float logprob, int32_t token) {
+  json lp = std::isfinite(logprob) ? json(logprob) : json(nullptr);
+  return json::array({lp, token, nullptr});
+}
+
+// engine.h's FinishReasonName lives in the engine core, which this library does not link.
+json FinishName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kNone:
+      break;
+  }
+  return nullptr;
+}
+
+json FinishJson(const GenerateOutput& out) {
+  switch (out.finish) {
+    case FinishReason::kNone:
+      return nullptr;
+    case FinishReason::kStop: {
+      json f = {{"type", "stop"}};
+      if (out.matched_stop) {
+        f["matched"] = *out.matched_stop;
+      }
+      return f;
+    }
+    case FinishReason::kLength:
+      return {{"type", "length"}, {"length", out.output_ids.size()}};
+    case FinishReason::kAbort:
+      return {{"type", "abort"}, {"message", out.finish_message}};
+  }
+  return nullptr;
+}
+
+std::string Base64Int32(const std::vector<int32_t>& values) {
+  static_assert(std::endian::native == std::endian::little, "routed_experts is little-endian");
+  std::string bytes(values.size() * sizeof(int32_t), '\0');
+  if (!values.empty()) {
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+  }
+  return absl::Base64Escape(bytes);
+}
+
+// SGLang's /generate answer for one prompt.
+json OutputJson(const GenerateOutput& out, const Item& item, bool moe, Clock::time_point start) {
+  const GenerateRequest& r = item.request;
+  json spans = json::array();
+  for (const VersionSpan& s : out.weight_versions) {
+    spans.push_back({{"version", s.version}, {"start", s.start}, {"end", s.end}});
+  }
+  json meta = {
+      {"id", out.rid},
+      {"finish_reason", FinishJson(out)},
+      {"prompt_tokens", out.prompt_tokens},
+      {"completion_tokens", out.output_ids.size()},
+      {"cached_tokens", out.cached_tokens},
+      {"weight_version", out.weight_version},
+      {"weight_versions", spans},
+      {"e2e_latency", std::chrono::duration<double>(Clock::now() - start).count()},
+  };
+  if (r.return_logprob) {
+    json outs = json::array();
+    for (size_t i = 0; i < out.output_ids.size() && i < out.output_logprobs.size(); ++i) {
+      outs.push_back(LogprobEntry(out.output_logprobs[i], out.output_ids[i]));
+    }
+    meta["output_token_logprobs"] = std::move(outs);
+    json ins = json::array();
+    if (r.logprob_start_len >= 0) {
+      size_t start = static_cast<size_t>(r.logprob_start_len);
+      for (size_t i = 0; i < out.input_logprobs.size() && start + i < item.input_ids.size(); ++i) {
+        // SGLang gives the first prompt token no logprob (nothing predicts it).
+        float lp = start + i == 0 ? std::nanf("") : out.input_logprobs[i];
+        ins.push_back(LogprobEntry(lp, item.input_ids[start + i]));
+      }
+    }
+    meta["input_token_logprobs"] = std::move(ins);
+  }
+  if (r.return_routed_experts && moe && out.finished()) {
+    meta["routed_experts"] = Base64Int32(out.routed_experts);
+  }
+  return {{"text", ""}, {"output_ids", out.output_ids}, {"meta_info", std::move(meta)}};
+}
+
+// httplib serves one connection per thread; a fixed pool would queue long streams behind each
+// other, so this queue grows a thread when all are busy (up to a cap) and keeps idle ones.
+class ElasticTaskQueue : public httplib::TaskQueue {
+ public:
+  explicit ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
+  ~ElasticTaskQueue() override { shutdown(); }
+  void enqueue(std::function<void()> fn) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(fn));
+    if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
+      threads_.emplace_back([this] { Loop(); });
+    } else {
+      cv_.notify_one();
+    }
+  }
+  void shutdown() override {
+    std::vector<std::thread> threads;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      threads.swap(threads_);
+    }
+    cv_.notify_all();
+    for (auto& t : threads) {
+      t.join();
+    }
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      ++idle_;
+      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      --idle_;
+      if (jobs_.empty()) {
+        return;
+      }
+      std::function<void()> fn = std::move(jobs_.back());
+      jobs_.pop_back();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::function<void()>> jobs_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  size_t max_threads_;
+  bool stop_ = false;
+};
+
+// Debian's libcpp-httplib listens with a backlog of 5: a burst of clients connecting at once
+// overflows it and connections fail. Linux lets listen() be called again on a listening socket
+// to change the backlog; httplib keeps its fd private, so find it by its port. (The gateway's
+// http_util.cc does the same; parts share no code but common/.)
+void RaiseBacklog(int port) {
+  for (int fd = 3; fd < 65536; ++fd) {
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
+      if (errno == EBADF && fd > 4096) {
+        break;
+      }
+      continue;
+    }
+    sockaddr_storage addr{};
+    socklen_t alen = sizeof(addr);
+    if (listening == 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
+      continue;
+    }
+    int bound = addr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port)
+                : addr.ss_family == AF_INET6
+                    ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                    : -1;
+    if (bound == port) {
+      ::listen(fd, SOMAXCONN);
+      return;
+    }
+  }
+}
+
+// The streams of one HTTP request; cancels those unfinished when the exchange ends early.
+struct Exchange {
+  std::vector<Item> items;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  std::vector<bool> finished;
+  Clock::time_point start;
+  void CancelUnfinished() {
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (!finished[i]) {
+        streams[i]->Cancel();
+        finished[i] = true;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+std::span<const FieldSpec> RequestFields() { return kFields; }
+
+struct Server::Impl {
+  Impl(Engine& e, ServerOptions o) : engine(e), options(std::move(o)) {}
+
+  void Register();
+  void HandleGenerate(const httplib::Request& req, httplib::Response& res);
+  void HandleCompletions(const httplib::Request& req, httplib::Response& res);
+  // Submits every item; on a failure cancels those already submitted.
+  Result<std::shared_ptr<Exchange>> Submit(std::vector<Item> items);
+  // Waits for the exchange's requests to finish, probing the client every heartbeat with
+  // `probe` (false: it went away, and the unfinished requests are cancelled). Returns false
+  // then, or when the server stops.
+  bool WaitAll(Exchange& ex, std::vector<GenerateOutput>* outs, const std::function<bool()>& probe);
+  std::string MetricsText();
+  json ServerInfo();
+
+  Engine& engine;
+  ServerOptions options;
+  httplib::Server http;
+  std::thread thread;
+  int port = 0;
+  bool started = false;
+  std::atomic<bool> stopping{false};
+};
+
+Result<std::shared_ptr<Exchange>> Server::Impl::Submit(std::vector<Item> items) {
+  auto ex = std::make_shared<Exchange>();
+  ex->start = Clock::now();
+  ex->items = std::move(items);
+  for (Item& item : ex->items) {
+    Result<std::shared_ptr<RequestStream>> s = engine.Submit(item.request);
+    if (!s.ok()) {
+      ex->CancelUnfinished();
+      return s.status();
+    }
+    ex->streams.push_back(*std::move(s));
+    ex->finished.push_back(false);
+  }
+  return ex;
+}
+
+bool Server::Impl::WaitAll(Exchange& ex, std::vector<GenerateOutput>* outs,
+                           const std::function<bool()>& probe) {
+  Clock::time_point last_probe = Clock::now();
+  for (size_t i = 0; i < ex.streams.size(); ++i) {
+    size_t seen = 0;
+    for (;;) {
+      if (stopping.load()) {
+        ex.CancelUnfinished();
+        return false;
+      }
+      GenerateOutput out = ex.streams[i]->Wait(seen, options.heartbeat);
+      if (out.finished()) {
+        ex.finished[i] = true;
+        outs->push_back(std::move(out));
+        break;
+      }
+      seen = out.output_ids.size();
+      if (Clock::now() - last_probe >= options.heartbeat) {
+        last_probe = Clock::now();
+        if (!probe()) {
+          ex.CancelUnfinished();
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+void Server::Impl::HandleGenerate(const httplib::Request& req, httplib::Response& res) {
+  Result<json> body = ParseObject(req.body, false);
+  if (!body.ok()) {
+    SetError(res, body.status());
+    return;
+  }
+  Result<GenerateCall> call = ParseGenerate(*body, options.max_batch);
+  if (!call.ok()) {
+    SetError(res, call.status());
+    return;
+  }
+  bool moe = engine.model_info().num_experts > 0;
+  bool batch = call->batch;
+  bool stream = call->stream;
+  Result<std::shared_ptr<Exchange>> submitted = Submit(std::move(call->items));
+  if (!submitted.ok()) {
+    SetError(res, submitted.status());
+    return;
+  }
+  std::shared_ptr<Exchange> ex = *std::move(submitted);
+  // Whatever ends the exchange (a client gone before the first byte included) cancels what is
+  // still running; the releaser runs when httplib drops the response.
+  auto release = [ex](bool) { ex->CancelUnfinished(); };
+  if (!stream) {
+    res.set_chunked_content_provider(
+        "application/json",
+        [this, ex, batch, moe](size_t, httplib::DataSink& sink) {
+          std::vector<GenerateOutput> outs;
+          // Leading whitespace is valid JSON: a byte that finds the client gone fails.
+          if (!WaitAll(*ex, &outs, [&sink] { return sink.write(" ", 1); })) {
+            return false;
+          }
+          json answer = json::array();
+          for (size_t i = 0; i < outs.size(); ++i) {
+            answer.push_back(OutputJson(outs[i], ex->items[i], moe, ex->start));
+          }
+          std::string text = batch ? Dump(answer) : Dump(answer[0]);
+          if (!sink.write(text.data(), text.size())) {
+            return false;
+          }
+          sink.done();
+          return true;
+        },
+        release);
+    return;
+  }
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, ex, moe](size_t, httplib::DataSink& sink) {
+        RequestStream& s = *ex->streams[0];
+        size_t seen = 0;
+        Clock::time_point last_write = Clock::now();
+        auto send = [&](const std::string& text) {
+          last_write = Clock::now();
+          if (sink.write(text.data(), text.size())) {
+            return true;
+          }
+          ex->CancelUnfinished();
+          return false;
+        };
+        for (;;) {
+          if (stopping.load()) {
+            ex->CancelUnfinished();
+            return false;
+          }
+          GenerateOutput out = s.Wait(seen, options.heartbeat);
+          if (out.finished()) {
+            ex->finished[0] = true;
+            if (!send("data: " + Dump(OutputJson(out, ex->items[0], moe, ex->start)) +
+                      "\n\ndata: [DONE]\n\n")) {
+              return false;
+            }
+            sink.done();
+            return true;
+          }
+          if (out.output_ids.size() > seen) {
+            seen = out.output_ids.size();
+            if (!send("data: " + Dump(OutputJson(out, ex->items[0], moe, ex->start)) + "\n\n")) {
+              return false;
+            }
+          } else if (Clock::now() - last_write >= options.heartbeat) {
+            // An SSE comment: clients skip it; a client gone makes the write fail.
+            if (!send(": keep-alive\n\n")) {
+              return false;
+            }
+          }
+        }
+      },
+      release);
+}
+
+void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Response& res) {
+  Result<json> parsed = ParseObject(req.body, false);
+  if (!parsed.ok()) {
+    SetError(res, parsed.status());
+    return;
+  }
+  const json& body = *parsed;
+  if (Present(body, "prompt") && body["prompt"].is_string()) {
+    SetError(res, 400,
+             "this engine has no tokenizer: send prompt as a list of token ids, or use /generate "
+             "with input_ids");
+    return;
+  }
+  Status st = CheckFields("completions", body, "the request");
+  if (!st.ok()) {
+    SetError(res, st);
+    return;
+  }
+  Item item;
+  GenerateRequest& r = item.request;
+  r.sampling.max_new_tokens = 16;
+  st = [&]() -> Status {
+    if (!Present(body, "prompt")) {
+      return absl::InvalidArgumentError("prompt is required (a list of token ids)");
+    }
+    BRAGG_RETURN_IF_ERROR(ReadIds(body["prompt"], "prompt", &r.input_ids));
+    if (r.input_ids.empty()) {
+      return absl::InvalidArgumentError("prompt is empty");
+    }
+    json sp = json::object();
+    for (const char* name :
+         {"temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos"}) {
+      if (body.contains(name)) {
+        sp[name] = body[name];
+      }
+    }
+    if (body.contains("max_tokens")) {
+      sp["max_new_tokens"] = body["max_tokens"];
+    }
+    if (body.contains("seed")) {
+      sp["sampling_seed"] = body["seed"];
+    }
+    BRAGG_RETURN_IF_ERROR(ReadSampling(sp, &r.sampling));
+    BRAGG_RETURN_IF_ERROR(ReadString(body, "", "rid", &r.rid));
+    BRAGG_RETURN_IF_ERROR(ReadString(body, "", "extra_key", &r.extra_key));
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    SetError(res, st);
+    return;
+  }
+  item.input_ids = r.input_ids;
+  std::vector<Item> items;
+  items.push_back(std::move(item));
+  Result<std::shared_ptr<Exchange>> submitted = Submit(std::move(items));
+  if (!submitted.ok()) {
+    SetError(res, submitted.status());
+    return;
+  }
+  std::shared_ptr<Exchange> ex = *std::move(submitted);
+  std::string model = engine.model_info().served_model_name;
+  res.set_chunked_content_provider(
+      "application/json",
+      [this, ex, model](size_t, httplib::DataSink& sink) {
+        std::vector<GenerateOutput> outs;
+        if (!WaitAll(*ex, &outs, [&sink] { return sink.write(" ", 1); })) {
+          return false;
+        }
+        const GenerateOutput& out = outs[0];
+        json choice = {{"index", 0},
+                       {"text", ""},
+                       {"output_ids", out.output_ids},
+                       {"logprobs", nullptr},
+                       {"finish_reason", FinishName(out.finish)},
+                       {"matched_stop", out.matched_stop ? json(*out.matched_stop) : json()}};
+        int64_t completion = static_cast<int64_t>(out.output_ids.size());
+        json answer = {{"id", out.rid},
+                       {"object", "text_completion"},
+                       {"created", std::chrono::duration_cast<std::chrono::seconds>(
+                                       std::chrono::system_clock::now().time_since_epoch())
+                                       .count()},
+                       {"model", model},
+                       {"choices", json::array({choice})},
+                       {"usage",
+                        {{"prompt_tokens", out.prompt_tokens},
+                         {"completion_tokens", completion},
+                         {"total_tokens", out.prompt_tokens + completion},
+                         {"prompt_tokens_details", {{"cached_tokens", out.cached_tokens}}}}},
+                       {"weight_version", out.weight_version}};
+        std::string text = Dump(answer);
+        if (!sink.write(text.data(), text.size())) {
+          return false;
+        }
+        sink.done();
+        return true;
+      },
+      [ex](bool) { ex->CancelUnfinished(); });
+}
+
+std::string Server::Impl::MetricsText() {
+  EngineStats s = engine.stats();
+  ModelInfo info = engine.model_info();
+  std::string labels =
+      fmt::format("{{model_name=\"{}\"}}", PrometheusLabelValue(info.served_model_name));
+  std::string out;
+  auto metric = [&](std::string_view name, std::string_view type, std::string_view help,
+                    double value) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{}{} {}\n", name, PrometheusHelpText(help),
+                       name, type, name, labels, value);
+  };
+  double used = s.kv_tokens_capacity > 0 ? static_cast<double>(s.kv_tokens_used) /
+                                               static_cast<double>(s.kv_tokens_capacity)
+                                         : 0.0;
+  double hit = s.prompt_tokens_total > 0 ? static_cast<double>(s.cached_tokens_total) /
+                                               static_cast<double>(s.prompt_tokens_total)
+                                         : 0.0;
+  metric("sglang:num_running_reqs", "gauge", "The number of running requests.",
+         static_cast<double>(s.running));
+  metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
+         static_cast<double>(s.queued));
+  metric("sglang:num_used_tokens", "gauge", "KV cache tokens in use.",
+         static_cast<double>(s.kv_tokens_used));
+  metric("sglang:max_total_num_tokens", "gauge", "KV cache capacity in tokens.",
+         static_cast<double>(s.kv_tokens_capacity));
+  metric("sglang:token_usage", "gauge", "The token usage (used / capacity of the KV cache).", used);
+  metric("sglang:cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache / all.",
+         hit);
+  metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+         static_cast<double>(s.prompt_tokens_total));
+  metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
+         static_cast<double>(s.generation_tokens_total));
+  metric("sglang:cached_tokens_total", "counter", "Number of cached prompt tokens.",
+         static_cast<double>(s.cached_tokens_total));
+  metric("sglang:num_requests_total", "counter", "Number of requests processed.",
+         static_cast<double>(s.requests_total));
+  metric("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",
+         static_cast<double>(s.aborted_total));
+  metric("bragg_engine_retracted_requests_total", "counter",
+         "Requests sent back to the queue (pause retract, KV pressure).",
+         static_cast<double>(s.retracted_total));
+  metric("bragg_engine_weight_updates_total", "counter", "Weight updates applied.",
+         static_cast<double>(s.weight_updates_total));
+  metric("bragg_engine_step_seconds_total", "counter", "Seconds spent in engine steps.",
+         s.step_seconds_total);
+  metric("bragg_engine_radix_cache_tokens", "gauge", "Tokens held by the radix prefix cache.",
+         static_cast<double>(s.cached_prefix_tokens));
+  metric("bragg_engine_paused", "gauge", "1 while generation is paused.", s.paused ? 1 : 0);
+  out += fmt::format(
+      "# HELP bragg_engine_weight_version_info The weight version being served.\n"
+      "# TYPE bragg_engine_weight_version_info gauge\n"
+      "bragg_engine_weight_version_info{{model_name=\"{}\",weight_version=\"{}\"}} 1\n",
+      PrometheusLabelValue(info.served_model_name), PrometheusLabelValue(s.weight_version));
+  return out;
+}
+
+json Server::Impl::ServerInfo() {
+  ModelInfo info = engine.model_info();
+  EngineStats s = engine.stats();
+  json out = {{"model_path", info.model_path},
+              {"tokenizer_path", nullptr},
+              {"served_model_name", info.served_model_name},
+              {"weight_version", s.weight_version},
+              {"host", options.host},
+              {"port", port},
+              {"device", info.device},
+              {"dtype", info.dtype},
+              {"context_length", info.context_length},
+              {"max_total_num_tokens", s.kv_tokens_capacity},
+              {"version", "bragg-engine"}};
+  if (options.engine_options) {
+    const EngineOptions& e = *options.engine_options;
+    out["max_running_requests"] = e.max_running;
+    out["chunked_prefill_size"] = e.chunked_prefill;
+    out["page_size"] = e.block_size;
+    out["enable_deterministic_inference"] = e.deterministic;
+    out["deterministic"] = e.deterministic;
+    out["threads"] = e.threads;
+  }
+  out["internal_states"] = json::array({{{"running", s.running},
+                                         {"queued", s.queued},
+                                         {"kv_tokens_used", s.kv_tokens_used},
+                                         {"kv_tokens_capacity", s.kv_tokens_capacity},
+                                         {"cached_prefix_tokens", s.cached_prefix_tokens},
+                                         {"prompt_tokens_total", s.prompt_tokens_total},
+                                         {"cached_tokens_total", s.cached_tokens_total},
+                                         {"generation_tokens_total", s.generation_tokens_total},
+                                         {"requests_total", s.requests_total},
+                                         {"aborted_total", s.aborted_total},
+                                         {"retracted_total", s.retracted_total},
+                                         {"weight_updates_total", s.weight_updates_total},
+                                         {"paused", s.paused}}});
+  return out;
+}
+
+void Server::Impl::Register() {
+  http.Post("/generate", [this](const httplib::Request& req, httplib::Response& res) {
+    HandleGenerate(req, res);
+  });
+  auto ok = [](const httplib::Request&, httplib::Response& res) { res.status = 200; };
+  http.Get("/health", ok);
+  http.Get("/health_generate", ok);
+  http.Get("/get_model_info", [this](const httplib::Request&, httplib::Response& res) {
+    ModelInfo info = engine.model_info();
+    Reply(res, {{"model_path", info.model_path},
+                {"tokenizer_path", nullptr},
+                {"is_generation", true},
+                {"preferred_sampling_params", nullptr},
+                {"weight_version", engine.stats().weight_version},
+                {"has_image_understanding", false},
+                {"has_audio_understanding", false},
+                {"architectures", json::array({info.architecture})},
+                {"served_model_name", info.served_model_name},
+                {"vocab_size", info.vocab_size},
+                {"context_length", info.context_length},
+                {"num_layers", info.num_layers},
+                {"num_experts", info.num_experts},
+                {"experts_per_token", info.experts_per_token},
+                {"moe_layers", info.moe_layers},
+                {"eos_token_ids", info.eos_token_ids},
+                {"dtype", info.dtype},
+                {"device", info.device}});
+  });
+  http.Get("/get_server_info",
+           [this](const httplib::Request&, httplib::Response& res) { Reply(res, ServerInfo()); });
+  http.Get("/get_weight_version", [this](const httplib::Request&, httplib::Response& res) {
+    Reply(res, {{"weight_version", engine.stats().weight_version}});
+  });
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(MetricsText(), "text/plain; version=0.0.4");
+  });
+  auto flush = [this](const httplib::Request&, httplib::Response& res) {
+    Status st = engine.FlushCache();
+    if (!st.ok()) {
+      SetError(res, st);
+      return;
+    }
+    res.set_content("Cache flushed.\n", "text/plain");
+  };
+  http.Post("/flush_cache", flush);
+  http.Get("/flush_cache", flush);
+  http.Post("/abort_request", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<json> body = ParseObject(req.body, false);
+    Status st = body.status();
+    bool all = false;
+    std::string rid;
+    if (st.ok()) {
+      st = CheckFields("abort_request", *body, "the request");
+    }
+    if (st.ok()) {
+      st = ReadBool(*body, "", "abort_all", &all);
+    }
+    if (st.ok()) {
+      st = ReadString(*body, "", "rid", &rid);
+    }
+    if (st.ok() && !all && rid.empty()) {
+      st = absl::InvalidArgumentError("abort_request needs a rid or abort_all: true");
+    }
+    if (st.ok()) {
+      if (all) {
+        engine.AbortAll();
+      } else {
+        st = engine.Abort(rid);
+      }
+    }
+    if (!st.ok()) {
+      SetError(res, st);
+      return;
+    }
+    Reply(res, {{"success", true}});
+  });
+  http.Post("/pause_generation", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<json> body = ParseObject(req.body, true);
+    Status st = body.status();
+    std::string mode = "abort";
+    if (st.ok()) {
+      st = CheckFields("pause_generation", *body, "the request");
+    }
+    if (st.ok()) {
+      st = ReadString(*body, "", "mode", &mode);
+    }
+    if (st.ok()) {
+      if (mode == "abort") {
+        st = engine.Pause(PauseMode::kAbort);
+      } else if (mode == "in_place") {
+        st = engine.Pause(PauseMode::kInPlace);
+      } else if (mode == "retract") {
+        st = engine.Pause(PauseMode::kRetract);
+      } else {
+        st = absl::InvalidArgumentError(
+            fmt::format("mode must be abort, in_place or retract, got '{}'", mode));
+      }
+    }
+    if (!st.ok()) {
+      SetError(res, st);
+      return;
+    }
+    Reply(res, {{"message", "Generation paused successfully."}, {"status", "ok"}});
+  });
+  http.Post("/continue_generation", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<json> body = ParseObject(req.body, true);
+    Status st = body.status();
+    if (st.ok()) {
+      st = CheckFields("continue_generation", *body, "the request");
+    }
+    if (st.ok()) {
+      st = engine.Continue();
+    }
+    if (!st.ok()) {
+      SetError(res, st);
+      return;
+    }
+    Reply(res, {{"message", "Generation continued successfully."}, {"status", "ok"}});
+  });
+  http.Post("/update_weights_from_disk", [this](const httplib::Request& req,
+                                                httplib::Response& res) {
+    Result<json> body = ParseObject(req.body, false);
+    Status st = body.status();
+    std::string path;
+    std::string version;
+    bool flush = true;
+    bool abort_all = false;
+    bool keep_pause = false;
+    if (st.ok()) {
+      st = CheckFields("update_weights_from_disk", *body, "the request");
+    }
+    if (st.ok()) {
+      st = ReadString(*body, "", "model_path", &path);
+    }
+    if (st.ok() && path.empty()) {
+      st = absl::InvalidArgumentError("model_path is required");
+    }
+    if (st.ok()) {
+      version = engine.stats().weight_version;
+      st = ReadString(*body, "", "weight_version", &version);
+    }
+    if (st.ok()) {
+      st = ReadBool(*body, "", "flush_cache", &flush);
+    }
+    if (st.ok()) {
+      st = ReadBool(*body, "", "abort_all_requests", &abort_all);
+    }
+    if (st.ok()) {
+      st = ReadBool(*body, "", "keep_pause", &keep_pause);
+    }
+    if (st.ok() && abort_all) {
+      engine.AbortAll();
+    }
+    if (st.ok()) {
+      st = engine.UpdateWeightsFromDisk(path, version, flush);
+    }
+    if (st.ok() && keep_pause) {
+      st = engine.Pause(PauseMode::kInPlace);
+    }
+    if (!st.ok()) {
+      Reply(
+          res,
+          {{"success", false}, {"message", std::string(st.message())}, {"num_paused_requests", 0}},
+          400);
+      return;
+    }
+    Reply(res, {{"success", true},
+                {"message", "Succeeded to update model weights."},
+                {"num_paused_requests", 0},
+                {"weight_version", version}});
+  });
+  http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    ModelInfo info = engine.model_info();
+    Reply(res, {{"object", "list"},
+                {"data", json::array({{{"id", info.served_model_name},
+                                       {"object", "model"},
+                                       {"created", 0},
+                                       {"owned_by", "bragg"},
+                                       {"root", info.model_path},
+                                       {"max_model_len", info.context_length}}})}});
+  });
+  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    HandleCompletions(req, res);
+  });
+  http.Post("/v1/chat/completions", [](const httplib::Request&, httplib::Response& res) {
+    SetError(res, 400, "this model directory has no tokenizer; use /generate with input_ids");
+  });
+}
+
+Server::Server(Engine& engine, ServerOptions options)
+    : impl_(std::make_unique<Impl>(engine, std::move(options))) {
+  Impl& s = *impl_;
+  s.http.new_task_queue = [n = s.options.max_threads] { return new ElasticTaskQueue(n); };
+  s.http.set_tcp_nodelay(true);
+  s.http.set_keep_alive_max_count(1 << 30);
+  s.http.set_keep_alive_timeout(60);
+  s.http.set_payload_max_length(s.options.max_body_bytes);
+  if (s.options.api_key) {
+    std::string want = "Bearer " + *s.options.api_key;
+    s.http.set_pre_routing_handler([want](const httplib::Request& req, httplib::Response& res) {
+      if (req.path == "/health" || req.path == "/health_generate" || req.path == "/metrics" ||
+          req.get_header_value("Authorization") == want) {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      SetError(res, 401, "Unauthorized: send Authorization: Bearer <api key>");
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
+  s.http.set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown error";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        spdlog::error("bragg-engine: {} {} failed: {}", req.method, req.path, what);
+        SetError(res, 500, fmt::format("internal error: {}", what));
+      });
+  s.Register();
+}
+
+Server::~Server() { Stop(); }
+
+Status Server::Start() {
+  Impl& s = *impl_;
+  if (s.started) {
+    return absl::FailedPreconditionError("the server is already started");
+  }
+  if (s.options.port == 0) {
+    s.port = s.http.bind_to_any_port(s.options.host);
+    if (s.port <= 0) {
+      return absl::UnavailableError(fmt::format("cannot bind {}:0", s.options.host));
+    }
+  } else if (!s.http.bind_to_port(s.options.host, s.options.port)) {
+    return absl::UnavailableError(
+        fmt::format("cannot bind {}:{}: is the port in use? pick another with --port",
+                    s.options.host, s.options.port));
+  } else {
+    s.port = s.options.port;
+  }
+  RaiseBacklog(s.port);
+  s.started = true;
+  s.thread = std::thread([&s] { s.http.listen_after_bind(); });
+  // httplib's stop() is a no-op until the listening loop runs: a Stop() right after Start()
+  // would otherwise leave the thread in accept() for good.
+  while (!s.http.is_running() && s.thread.joinable()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return absl::OkStatus();
+}
+
+void Server::Stop() {
+  Impl& s = *impl_;
+  s.stopping = true;
+  s.http.stop();
+  if (s.thread.joinable()) {
+    s.thread.join();
+  }
+}
+
+int Server::port() const { return impl_->port; }
+
+std::string Server::url() const {
+  return fmt::format("http://{}:{}", impl_->options.host, impl_->port);
+}
+
+}  // namespace bragg::engine
