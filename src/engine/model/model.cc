@@ -40,9 +40,11 @@ struct Layer {
   torch::Tensor bq, bk, bv, bo;  // attention_bias only
   torch::Tensor q_norm, k_norm;  // [hd]
   bool moe = false;
-  torch::Tensor w_gate, w_up, w_down;  // dense MLP
-  torch::Tensor router;                // [E, H]
-  std::vector<torch::Tensor> e_gate, e_up, e_down;
+  // Gate and up projections are stored fused, [2I, H] (one GEMM instead of two); w_gate and
+  // w_up are views of its halves, which is what loading and weight updates write through.
+  torch::Tensor w_gate_up, w_gate, w_up, w_down;  // dense MLP
+  torch::Tensor router;                           // [E, H]
+  std::vector<torch::Tensor> e_gate_up, e_gate, e_up, e_down;
   torch::Tensor k_cache, v_cache;  // [blocks * block_size, kvh, hd]
 };
 
@@ -75,6 +77,22 @@ struct Model::Impl {
     params[name] = dst;
     file_dtypes[name] = v->dtype;
     return absl::OkStatus();
+  }
+
+  // Replaces *gate and *up ([I, H] each) by views of one [2I, H] tensor holding both.
+  static void Fuse(torch::Tensor* gate, torch::Tensor* up, torch::Tensor* fused) {
+    int64_t I = gate->size(0);
+    *fused = torch::cat({*gate, *up}, 0).contiguous();
+    *gate = fused->narrow(0, 0, I);
+    *up = fused->narrow(0, I, I);
+  }
+
+  // down(silu(gate(x)) * up(x)) with gate and up in one GEMM.
+  torch::Tensor SwiGlu(const torch::Tensor& x, const torch::Tensor& gate_up,
+                       const torch::Tensor& down) const {
+    torch::Tensor gu = Linear(x, gate_up);
+    int64_t I = gate_up.size(0) / 2;
+    return Linear(torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), down);
   }
 
   Status Load(const Checkpoint& ck) {
@@ -121,11 +139,16 @@ struct Model::Impl {
           BRAGG_RETURN_IF_ERROR(LoadParam(ck, q + "up_proj.weight", {I, H}, &L.e_up[e]));
           BRAGG_RETURN_IF_ERROR(LoadParam(ck, q + "down_proj.weight", {H, I}, &L.e_down[e]));
         }
+        L.e_gate_up.resize(c.num_experts);
+        for (int e = 0; e < c.num_experts; ++e) {
+          Fuse(&L.e_gate[e], &L.e_up[e], &L.e_gate_up[e]);
+        }
       } else {
         int64_t I = c.intermediate_size;
         BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.gate_proj.weight", {I, H}, &L.w_gate));
         BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.up_proj.weight", {I, H}, &L.w_up));
         BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.down_proj.weight", {H, I}, &L.w_down));
+        Fuse(&L.w_gate, &L.w_up, &L.w_gate_up);
       }
       int64_t slots = options.kv_blocks * options.block_size;
       L.k_cache = torch::zeros({slots, c.num_key_value_heads, hd}, opts());
@@ -186,7 +209,7 @@ struct Model::Impl {
   }
 
   torch::Tensor Mlp(const Layer& L, const torch::Tensor& x) const {
-    return Linear(torch::silu(Linear(x, L.w_gate)) * Linear(x, L.w_up), L.w_down);
+    return SwiGlu(x, L.w_gate_up, L.w_down);
   }
 
   // Qwen3MoeSparseMoeBlock: softmax router in float32, top-k, optional renormalisation, experts
@@ -218,8 +241,7 @@ struct Model::Impl {
       offset += n;
       torch::Tensor rows = torch::div(sel, k, "floor");
       torch::Tensor xe = x.index_select(0, rows);
-      torch::Tensor ye = Linear(torch::silu(Linear(xe, L.e_gate[e])) * Linear(xe, L.e_up[e]),
-                                L.e_down[e]);
+      torch::Tensor ye = SwiGlu(xe, L.e_gate_up[e], L.e_down[e]);
       ye = ye * flat_w.index_select(0, sel).unsqueeze(1);
       out.index_add_(0, rows, ye);
     }
