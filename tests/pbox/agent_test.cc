@@ -338,9 +338,10 @@ TEST_F(AgentTest, ExecStreamsOutputAndStdin) {
     t.join();
   }
   EXPECT_EQ(good.load(), 6);
-  // Six 1 s sleeps: serialised they would take 6 s. gVisor's ptrace platform adds seconds of
-  // process start-up on a loaded 2-core machine.
-  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(OnGvisor() ? 5500 : 1500))
+  // Six 1 s sleeps: serialised they would take 6 s. The bound only has to tell the two apart
+  // (timing targets live in bench/): gVisor's ptrace platform adds seconds of process start-up
+  // on a loaded 2-core machine.
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(OnGvisor() ? 5500 : 4500))
       << "execs ran in parallel";
 }
 
@@ -550,7 +551,8 @@ TEST_F(AgentTest, SessionEndDestroysItsSandboxes) {
   for (const auto& id : ids) {
     EXPECT_EQ(client_->Get(id).status().code(), absl::StatusCode::kNotFound);
   }
-  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
+  // Close is synchronous (the NotFounds above); this is a liveness bound only.
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
 }
 
 TEST_F(AgentTest, KilledClientLosesItsSandboxesWithinASecond) {
@@ -651,7 +653,9 @@ TEST(AgentLifecycleTest, AdmissionRefusesAtOnceOverCapacity) {
     auto t0 = Clock::now();
     auto r = c->Create(spec);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
-    EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(200));
+    // Refused at once, not held until a slot frees (none will): a liveness bound, generous for
+    // a loaded machine.
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
   }
   EXPECT_THAT(std::string(c->Create(spec).status().message()), HasSubstr("--max-sandboxes"));
 }

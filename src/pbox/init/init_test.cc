@@ -714,9 +714,10 @@ TEST_P(InitTest, ClosingTheChannelKillsEverything) {
   client_.reset();
   // EOF on the pipe means every holder of its write end (sh and both sleeps) is dead.
   std::string rest;
-  EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(1000)));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
-  EXPECT_TRUE(WaitGone(h->pid(), milliseconds(1000)));
+  // Liveness bounds only (a loaded 2-core machine can take a while to run the reaper).
+  EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(10000)));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_TRUE(WaitGone(h->pid(), milliseconds(10000)));
   auto exit = h->Wait(milliseconds(1000));
   EXPECT_EQ(exit.status().code(), absl::StatusCode::kUnavailable);
 }
