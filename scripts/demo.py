@@ -7,11 +7,12 @@ an FFT + peak-finding analysis with numpy inside the sandbox, downloads its JSON
 checks it against the same computation done here. Prints progress, then p50/p99 latencies and
 throughput.
 
-Part 2 (scripts/demo_rollout.py, --skip-rollout-step to leave it out): one RL rollout step:
-multi-turn rollouts through bragg-gateway (sticky) over simulated SGLang workers, their tool
-calls in pbox sandboxes on the same agent, a trainer checkpoint converted by bragg-reshard and
-loaded by the whole fleet in place mid-rollout, delta router replay, and the trajectories
-packed for training by bragg_pack.
+Part 2 (scripts/demo_rollout.py, --skip-rollout-step to leave it out): one RL rollout step on a
+real model: a tiny Qwen3-MoE's trainer checkpoints (Megatron torch_dist, two steps) converted by
+bragg-reshard; multi-turn rollouts through bragg-gateway (sticky) over two bragg-engine workers
+serving step 0, their tool calls in pbox sandboxes on the same agent, step 1 loaded by the whole
+fleet in place mid-rollout, delta router replay of the model's real routing, and the
+trajectories packed for training by bragg_pack.
 
 Destroys everything, stops the agent. Exits 0 only if every check held.
 """
@@ -100,7 +101,7 @@ def main() -> int:
     ap.add_argument("--sandboxes", type=int, default=N_SANDBOXES)
     ap.add_argument("--workers", type=int, default=16, help="client threads")
     ap.add_argument("--skip-rollout-step", action="store_true",
-                    help="part 1 only: no gateway, workers, trainer checkpoint or packing")
+                    help="part 1 only: no gateway, engines, trainer checkpoints or packing")
     args = ap.parse_args()
 
     build = Path(args.build).resolve()
@@ -140,8 +141,8 @@ def main() -> int:
         if ok and not args.skip_rollout_step:
             import demo_rollout
 
-            print("\n== one RL rollout step: gateway, simulated workers, pbox tools, "
-                  "bragg-reshard weights, bragg_pack ==", flush=True)
+            print("\n== one RL rollout step: bragg-reshard weights, gateway, bragg-engine "
+                  "workers (a real Qwen3-MoE), pbox tools, bragg_pack ==", flush=True)
             ok = demo_rollout.run_rollout_step(build, pbox, f"unix://{root}/pbox.sock", root)
     finally:
         if agent.poll() is None:

@@ -7,6 +7,7 @@ writer, as separate gloo processes on loopback.
 
 Usage (the test drives it):
   megatron_fixture.py all --root DIR [--families llama,qwen2,qwen3,qwen3_moe] [--tp 2 --pp 2]
+                          [--seed 1234]
 writes DIR/<family> (torch 1.13 class paths), DIR/<family>-hf-config, DIR/<family>-ref.pt (the
 reference conversion), and two variants of llama: DIR/llama-newpaths (the
 torch.distributed.checkpoint.metadata class paths and 5-tuple TensorProperties state that newer
@@ -78,6 +79,12 @@ def family_of(name):
     return name.split("-")[0]
 
 
+# What transformers names each family's model class (what an engine loading the converted
+# directory reads first).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def make_config(name):
     family = family_of(name)
     if family == "deepseek_v3":
@@ -106,7 +113,7 @@ def make_config(name):
             "torch_dtype": "bfloat16",
         }
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [ARCHITECTURES[family]],
         "model_type": family,
         "hidden_size": 32,
         "num_hidden_layers": 4,
@@ -162,9 +169,14 @@ def deepseek_tensors(cfg, r):
     return t
 
 
-def global_tensors(name, cfg):
+DEFAULT_SEED = 1234
+
+
+def global_tensors(name, cfg, seed=DEFAULT_SEED):
+    """The model's global tensors, drawn from a generator seeded with `seed` (another seed, another
+    checkpoint of the same shapes: `make demo` trains "step 0" and "step 1" that way)."""
     family = family_of(name)
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(seed)
     L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim", h // nh)
@@ -305,7 +317,7 @@ def write_family(args, family, out):
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
     cfg = make_config(family)
-    tensors = global_tensors(family, cfg)
+    tensors = global_tensors(family, cfg, args.seed)
     if family in OPTIMIZER_STATE:
         # Megatron saves the optimizer's state of each parameter in the same checkpoint, chunked
         # like the parameter: Adam's moments and the fp32 master weights.
@@ -339,7 +351,7 @@ def write_family(args, family, out):
     save_state_dict(state, FileSystemWriter(out, single_file_per_rank=True))
 
 
-def write_legacy(root, name, tp, pp, out_name=None):
+def write_legacy(root, name, tp, pp, out_name=None, seed=DEFAULT_SEED):
     """The legacy format of the same model: iter_0000010/mp_rank_TT_PPP[_EEE]/model_optim_rng.pt
     with local tensors and local layer indices, as Megatron's non-distributed save writes it.
     MoE models get one directory per expert-parallel rank (EP = TP, expert TP = TP): every EP rank
@@ -350,7 +362,7 @@ def write_legacy(root, name, tp, pp, out_name=None):
     import collections
 
     cfg = make_config(name)
-    tensors = global_tensors(name, cfg)
+    tensors = global_tensors(name, cfg, seed)
     L = cfg["num_hidden_layers"]
     per = L // pp
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
@@ -462,7 +474,7 @@ LEGACY = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 OPTIMIZER_STATE = ("llama",)
 
 
-def write_all(root, families, tp, pp):
+def write_all(root, families, tp, pp, seed=DEFAULT_SEED):
     """Writes root/<family> for every family (one set of gloo processes for all), the variants
     root/llama-newpaths and root/llama-transforms, HF config dirs root/<name>-hf-config and the
     reference conversions root/<family>-ref.pt."""
@@ -474,7 +486,7 @@ def write_all(root, families, tp, pp):
     for rank in range(tp * pp):
         cmd = [sys.executable, __file__, "write-rank", "--root", root, "--families",
                ",".join(families), "--tp", str(tp), "--pp", str(pp), "--rank", str(rank),
-               "--port", str(port)]
+               "--port", str(port), "--seed", str(seed)]
         procs.append(subprocess.Popen(cmd))
     codes = [p.wait(timeout=300) for p in procs]
     if any(codes):
@@ -504,10 +516,10 @@ def write_all(root, families, tp, pp):
         if name in families:
             torch.save(reference(ckpt, cfg, family), ckpt + "-ref.pt")
             if name in LEGACY:
-                write_legacy(root, name, tp, pp)
+                write_legacy(root, name, tp, pp, seed=seed)
             if name == "qwen3_moe":
                 # Expert parallelism without pipeline parallelism: mp_rank_TT_EEE.
-                write_legacy(root, name, tp, 1, out_name="qwen3_moe-legacyep")
+                write_legacy(root, name, tp, 1, out_name="qwen3_moe-legacyep", seed=seed)
     # Rewritten last: the reference reads the torch 1.13 class paths.
     if "llama" in families:
         for variant in ("newpaths", "transforms"):
@@ -654,9 +666,11 @@ def main():
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int)
     ap.add_argument("--port", type=int)
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                    help="seed of the weights (the same seed writes the same checkpoint)")
     args = ap.parse_args()
     if args.cmd == "all":
-        write_all(args.root, args.families.split(","), args.tp, args.pp)
+        write_all(args.root, args.families.split(","), args.tp, args.pp, args.seed)
     else:
         write_rank(args)
 
