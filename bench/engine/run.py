@@ -303,6 +303,9 @@ def compare(args, build, model, pin, env, python, peer_note, deadline, notes):
             order.append(s)
     if peer_argv is None:
         notes.append(f"transformers not run: {peer_note}")
+    elif min(len(runs["engine"]), len(runs["transformers"])) < 2:
+        notes.append("one run of a system: its bounds are that one run's figures and show "
+                     "none of the machine's noise, so a verdict from it is weak")
     return runs, order, [engine_argv, peer_argv]
 
 
@@ -606,7 +609,9 @@ def section(data, plotted):
               f"({', '.join(data['order'])}); figures are the median (min-max) over the runs.",
               f"- Load average (1/5/15 min): {data['load_start']} at the start, "
               f"{data['load_end']} at the end; other work on the machine counts in both "
-              "systems' numbers.",
+              "systems' numbers. 1-minute load average after each run: "
+              + "; ".join(f"{name} " + ", ".join(r["load_after"].split()[0] for r in rs)
+                          for name, rs in runs.items() if rs) + ".",
               f"- Measured {data['date']}, {data['wall_s']:.0f} s in all."]
     for n in data["notes"]:
         lines.append(f"- Note: {n}")
@@ -689,9 +694,9 @@ def section(data, plotted):
               f"{a['update_requests']} concurrent `/generate` requests ({a['prompt_tokens']} "
               f"prompt tokens, {a['update_new_tokens']} greedy tokens each, streamed); "
               f"{a['update_delay_s']} s after every request's first token: `/pause_generation {{\"mode\": \"in_place\"}}`, "
-              "`/update_weights_from_disk` (a second checkpoint of the same shapes, "
-              "`engine_bench --write-model --seed 2`, 118 MB of fp32 safetensors, `flush_cache` "
-              "false), `/continue_generation`. Pause-to-continue is the wall time from sending "
+              "`/update_weights_from_disk` (the other of two checkpoints of the same shapes, "
+              "`engine_bench --write-model --seed 1` and `--seed 2`, taken in turn, 118 MB of "
+              "fp32 safetensors each; `flush_cache` false), `/continue_generation`. Pause-to-continue is the wall time from sending "
               "the pause to the continue's answer. A request counts as kept when it answers 200 "
               "with all its tokens and two weight-version spans, the old version's from 0 and "
               "the new one's to the end.", "",
@@ -746,7 +751,7 @@ def main():
     ap.add_argument("--budget-s", type=int, default=600,
                     help="the whole benchmark's time; repeats stop when another would pass it")
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--rollouts", type=int, default=3)
+    ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--first-prompt-tokens", type=int, default=1024)
     ap.add_argument("--turn-new-tokens", type=int, default=64)
     ap.add_argument("--update-requests", type=int, default=32)
