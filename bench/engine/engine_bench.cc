@@ -4,7 +4,9 @@
 //
 //   engine_bench --model DIR [--threads N] [--batches 1,8,32,64] [--prompt-tokens 128]
 //                [--new-tokens 128] [--prefill-tokens 4096] [--deterministic]
-//   engine_bench --write-model DIR   (the benchmark's ~30M-parameter Qwen3-MoE, random weights)
+//   engine_bench --write-model DIR [--seed S] [--scale X]
+//                (the benchmark's ~30M-parameter Qwen3-MoE, random weights; another seed or scale
+//                writes a second checkpoint of the same shapes, for weight updates)
 //
 // decode: B requests of random prompts submitted at once, greedy, never stopped early; decode
 // tokens/s is B x (new tokens - 1) over the time from the last request's first token to the end.
@@ -46,6 +48,8 @@ int main(int argc, char** argv) {
   std::string model, write_model, batches = "1,8,32,64";
   int threads = 2, prompt = 128, fresh = 128, prefill = 4096;
   bool deterministic = false;
+  uint64_t seed = 1;
+  float scale = 1.0f;
   app.add_option("--model", model, "model directory");
   app.add_option("--write-model", write_model, "write the benchmark model here and exit");
   app.add_option("--threads", threads, "torch threads");
@@ -54,6 +58,8 @@ int main(int argc, char** argv) {
   app.add_option("--new-tokens", fresh, "new tokens per decode request");
   app.add_option("--prefill-tokens", prefill, "prompt of the time-to-first-token run (0: skip)");
   app.add_flag("--deterministic", deterministic, "batch-invariant kernels");
+  app.add_option("--seed", seed, "--write-model: the weights' seed");
+  app.add_option("--scale", scale, "--write-model: multiply every weight");
   CLI11_PARSE(app, argc, argv);
 
   if (!write_model.empty()) {
@@ -70,7 +76,8 @@ int main(int argc, char** argv) {
     s.moe_intermediate = 256;
     s.context = 8192;
     s.std = 0.05f;
-    auto st = bragg::engine::testing::WriteTinyModel(write_model, s);
+    s.seed = seed;
+    auto st = bragg::engine::testing::WriteTinyModel(write_model, s, scale);
     if (!st.ok()) {
       std::cerr << st << "\n";
       return 1;
@@ -94,7 +101,7 @@ int main(int argc, char** argv) {
   nlohmann::json decode = nlohmann::json::array();
   std::stringstream list(batches);
   std::string item;
-  uint32_t seed = 1;
+  uint32_t prompt_seed = 1;
   while (std::getline(list, item, ',')) {
     int b = std::stoi(item);
     (void)e.FlushCache();
@@ -102,7 +109,7 @@ int main(int argc, char** argv) {
     auto t0 = Clock::now();
     for (int i = 0; i < b; ++i) {
       GenerateRequest r;
-      r.input_ids = Random(prompt, seed++, vocab);
+      r.input_ids = Random(prompt, prompt_seed++, vocab);
       r.sampling.temperature = 0;
       r.sampling.max_new_tokens = fresh;
       r.sampling.ignore_eos = true;
