@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -249,29 +250,39 @@ struct Model::Impl {
   }
 
   // Causal attention of one chunk's queries over its sequence's cached keys and values.
-  // q: [n, nh, hd]; returns [n, nh * hd].
+  // q: [n, nh, hd]; returns [n, nh * hd]. Queries go in slices whose score matrix stays under
+  // kScoreBytes: a 512-token chunk over a 4K context would otherwise make several 64 MB
+  // temporaries per layer, each served by fresh pages (a third of a long prefill went to page
+  // faults and zeroing).
+  static constexpr int64_t kScoreBytes = int64_t{4} << 20;
   torch::Tensor AttendOne(const Layer& L, const torch::Tensor& q, const torch::Tensor& slots,
                           int64_t start) const {
     const ModelConfig& c = config;
     int64_t n = q.size(0), len = slots.size(0);
     int64_t kvh = c.num_key_value_heads, g = c.num_attention_heads / kvh, hd = c.head_dim;
-    torch::Tensor k = L.k_cache.index_select(0, slots);  // [len, kvh, hd]
-    torch::Tensor v = L.v_cache.index_select(0, slots);
-    torch::Tensor qh = q.view({n, kvh, g, hd}).permute({1, 2, 0, 3}).reshape({kvh, g * n, hd});
-    torch::Tensor scores =
-        torch::bmm(qh, k.permute({1, 2, 0})) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    scores = scores.view({kvh, g, n, len});
-    if (n > 1) {
-      torch::Tensor qpos =
-          torch::arange(start, start + n, torch::TensorOptions().dtype(torch::kInt64).device(device));
-      torch::Tensor kpos =
-          torch::arange(0, len, torch::TensorOptions().dtype(torch::kInt64).device(device));
-      torch::Tensor mask = kpos.unsqueeze(0) > qpos.unsqueeze(1);  // [n, len]
-      scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+    torch::Tensor k = L.k_cache.index_select(0, slots).permute({1, 2, 0});  // [kvh, hd, len]
+    torch::Tensor v = L.v_cache.index_select(0, slots).permute({1, 0, 2});  // [kvh, len, hd]
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    int64_t step = std::max<int64_t>(1, kScoreBytes / (kvh * g * len * 4));
+    std::vector<torch::Tensor> outs;
+    for (int64_t b = 0; b < n; b += step) {
+      int64_t m = std::min(step, n - b);
+      torch::Tensor qh =
+          q.narrow(0, b, m).view({m, kvh, g, hd}).permute({1, 2, 0, 3}).reshape({kvh, g * m, hd});
+      torch::Tensor scores = torch::bmm(qh, k).mul_(scale).view({kvh, g, m, len});
+      if (start + b + m < len || m > 1) {
+        torch::Tensor qpos = torch::arange(start + b, start + b + m,
+                                           torch::TensorOptions().dtype(torch::kInt64).device(device));
+        torch::Tensor kpos =
+            torch::arange(0, len, torch::TensorOptions().dtype(torch::kInt64).device(device));
+        scores.masked_fill_(kpos.unsqueeze(0) > qpos.unsqueeze(1),
+                            -std::numeric_limits<float>::infinity());
+      }
+      torch::Tensor probs = torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type());
+      torch::Tensor o = torch::bmm(probs.view({kvh, g * m, len}), v);
+      outs.push_back(o.view({kvh, g, m, hd}).permute({2, 0, 1, 3}).reshape({m, kvh * g * hd}));
     }
-    torch::Tensor probs = torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type());
-    torch::Tensor o = torch::bmm(probs.view({kvh, g * n, len}), v.permute({1, 0, 2}));
-    return o.view({kvh, g, n, hd}).permute({2, 0, 1, 3}).reshape({n, kvh * g * hd});
+    return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
   }
 
   // Attention with a fixed order of every sum, one (query, head) per work item: the same result
@@ -518,6 +529,11 @@ Result<std::unique_ptr<Model>> Model::Load(const Checkpoint& ck, const ModelOpti
   if (options.threads > 0) {
     torch::set_num_threads(options.threads);
   }
+  // Keep freed tensor memory in the heap: glibc otherwise maps every allocation over its
+  // (adaptive) threshold fresh and returns it on free, and each forward step pays page faults
+  // and zeroing for its temporaries again.
+  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 512 << 20);
   // Torch parallelises around BLAS calls with its own threads; a multi-threaded OpenBLAS under
   // them oversubscribes the cores (its idle threads spin in sched_yield: measured as 40% of a
   // decode step's time on 2 cores). OpenBLAS runs single-threaded inside the engine.
