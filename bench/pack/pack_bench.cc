@@ -112,7 +112,9 @@ int main(int argc, char** argv) {
   const CostModel cost = *CostModel::FromModelSize(4096, 32);
   FILE* csv = csv_path.empty() ? nullptr : std::fopen(csv_path.c_str(), "w");
   if (csv) {
-    std::fprintf(csv, "dataset,method,plan_ms,max_over_mean,lower_bound,padding_fraction\n");
+    std::fprintf(csv,
+                 "dataset,method,plan_ms,max_over_mean,lower_bound,padding_fraction,"
+                 "plan_ms_runs\n");
   }
   std::printf(
       "config: max_tokens=131072 per micro-batch, fp8 (alignment 16: per trace, or per packed row "
@@ -178,8 +180,14 @@ int main(int argc, char** argv) {
                   s.lower_bound, s.max_over_mean / s.lower_bound, 100 * s.padding_fraction,
                   s.micro_batches_per_rank, s.step_max_over_mean);
       if (csv) {
-        std::fprintf(csv, "%s,%s,%.4f,%.6f,%.6f,%.6f\n", dname, vname, best_ms, s.max_over_mean,
-                     s.lower_bound, s.padding_fraction);
+        // Every run's wall time, in run order, for the verdicts (bench/verdict.py judges the
+        // spread, not the best).
+        std::string runs;
+        for (const double ms : cell.wall_ms) {
+          runs += fmt::format("{}{:.4f}", runs.empty() ? "" : ";", ms);
+        }
+        std::fprintf(csv, "%s,%s,%.4f,%.6f,%.6f,%.6f,%s\n", dname, vname, best_ms, s.max_over_mean,
+                     s.lower_bound, s.padding_fraction, runs.c_str());
       }
     }
   }

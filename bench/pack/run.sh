@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the pack benchmark from an existing build and writes the "## pack" section of
-# docs/benchmarks.md (other sections are kept) and docs/img/pack_max_over_mean.png.
+# docs/benchmarks.md (other sections are kept), docs/data/pack.json (every run and the verdicts,
+# bench/pack/report.py) and docs/img/pack_max_over_mean.png.
 # Builds nothing.   usage: bench/pack/run.sh BUILD_DIR [--repeat N]
 set -euo pipefail
 if [ $# -lt 1 ]; then
@@ -35,6 +36,13 @@ tight_cmd=(env PYTHONPATH="$build/python" "${pin[@]}" /usr/bin/python3 bench/pac
 (cd "$root" && "${tight_cmd[@]}") > "$tmp/tight.md"
 cat "$tmp/tight.md"
 
+day=$(date -u +%Y-%m-%d)
+/usr/bin/python3 "$root/bench/pack/report.py" "$tmp/pack.csv" --data "$root/docs/data/pack.json" \
+  --date "$day" --command "bench/pack/run.sh $build --repeat $repeat" \
+  --machine "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || true), $(nproc) cores" \
+  > "$tmp/targets.md"
+cat "$tmp/targets.md"
+
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || true)
 load=$(cut -d' ' -f1-3 /proc/loadavg)
 plot_line=""
@@ -62,19 +70,21 @@ fi
   echo "Machine: ${cpu:-unknown CPU}, $(nproc) cores visible, load average $load at the time"
   echo "(shared machine: wall times include waiting for the CPU; the cpu column is this thread's"
   echo "CPU time). $repeat runs per row, the methods of a dataset taken in turn (a slow stretch of"
-  echo "the machine falls on one run of several rows); best and median. Measured $(date -u +%Y-%m-%d)."
+  echo "the machine falls on one run of several rows); best and median. Measured $day."
   echo
   cat "$tmp/table.md"
   echo
-  echo "Targets: 100,000 traces into 512 ranks in <= 20 ms on one core (see the bragg lpt rows);"
-  echo "max/mean <= LB x 1.005; padding <= 0.2% at alignment 16. With every trace padded to a"
-  echo "multiple of 16 (the default, \`--fp8-align trace\`, as the issue's cu_seqlens_padded"
-  echo "reads) padding is not met on these distributions: it adds 7.5 tokens per trace on"
-  echo "average, about 7.5 / mean length, and <= 0.2% needs a mean length >= 3.75k (these sets"
-  echo "have means of about 3.4k and 2.8k). With FP8 aligned per packed row (\`--fp8-align row\`,"
-  echo "the \"FP8 per row\" rows: traces padded to A = 1 here, each row to a multiple of 16, which"
-  echo "is what FP8 GEMMs need; docs/pack.md) it is met: at most 15 tokens per row of up to"
-  echo "131,072. All methods pad alike at the same alignment, except BSHD."
+  echo "### pack targets (computed from this run)"
+  echo
+  cat "$tmp/targets.md"
+  echo
+  echo "Why the two alignments pad differently: with every trace padded to a multiple of 16 (the"
+  echo "default, \`--fp8-align trace\`, as the issue's cu_seqlens_padded reads) it adds 7.5 tokens"
+  echo "per trace on average, about 7.5 / mean length, and <= 0.2% needs a mean length >= 3.75k"
+  echo "(these sets have means of about 3.4k and 2.8k). With FP8 aligned per packed row"
+  echo "(\`--fp8-align row\`, the \"FP8 per row\" rows: traces padded to A = 1 here, each row to a"
+  echo "multiple of 16, which is what FP8 GEMMs need; docs/pack.md) it is at most 15 tokens per"
+  echo "row of up to 131,072. All methods pad alike at the same alignment, except BSHD."
   echo "Where the planning time goes (perf, lognormal 100k, 2026-12-01): LPT over ranks ~30%, the"
   echo "per-rank micro-batch split ~14%, building rows and cu_seqlens ~9%, grouping and summary ~8%,"
   echo "radix sort ~7%, swap refinement ~4%, allocation the rest. Timings on this shared VM move by"

@@ -1,0 +1,160 @@
+#!/usr/bin/python3
+"""The README's benchmark figures, from docs/data (the same data as docs/benchmarks.md's summary).
+
+Each figure sits in the README's parts table between `<!-- fig:NAME -->` and `<!-- /fig -->`
+(HTML comments: invisible on GitHub). This script rewrites them from the data, or with --check
+exits 1 naming every figure that disagrees (tests/readme_figures_test.py runs the check).
+
+    bench/readme_figures.py [--readme README.md] [--data docs/data] [--check]
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from verdict import MET, MISSED, TIE  # noqa: E402
+
+FIG = re.compile(r"<!-- fig:([a-z0-9-]+) -->(.*?)<!-- /fig -->", re.S)
+BIG = ("lognormal 100k -> 512", "pareto 100k -> 512")
+
+
+def _load(data_dir, name):
+    path = os.path.join(data_dir, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _tally(verdicts):
+    """"met" / "missed" / "a tie (within noise)" for one, or the counts for several."""
+    if len(set(verdicts)) == 1:
+        v = verdicts[0]
+        return {MET: "met", MISSED: "missed", TIE: TIE}[v] + (
+            f" in all {len(verdicts)}" if len(verdicts) > 1 else "")
+    parts = [f"{verdicts.count(v)} {v}" for v in (MET, TIE, MISSED) if verdicts.count(v)]
+    return ", ".join(parts)
+
+
+def _rng(lo, hi, fmt):
+    a, b = format(lo, fmt), format(hi, fmt)
+    return a if a == b else f"{a}-{b}"
+
+
+def pack_figures(data):
+    rows = data["rows"]
+    date = data["meta"]["date"]
+
+    def med(method):
+        return [statistics.median(r["plan_ms_runs"]) for r in rows
+                if r["dataset"] in BIG and r["method"] == method]
+
+    plan = [t for t in data["targets"] if "20 ms" in t["goal"]
+            and t["row"].split(", ", 1)[1] in ("bragg lpt+swaps", "bragg lpt+swaps (FP8 per row)")]
+    default, per_row = med("bragg lpt+swaps"), med("bragg lpt+swaps (FP8 per row)")
+    nruns = len(rows[0]["plan_ms_runs"])
+    figs = {
+        "pack-plan": (f"in a median {_rng(min(default), max(default), '.1f')} ms on one core "
+                      f"({_rng(min(per_row), max(per_row), '.1f')} ms with FP8 aligned per packed "
+                      f"row; the 20 ms target {_tally([t['verdict'] for t in plan])} by "
+                      f"bench/verdict.py's rule; {nruns} runs each, {date})"),
+    }
+    lpt = [r for r in rows if r["method"] == "bragg lpt+swaps"]
+    worst = max(r["max_over_mean"] / r["lower_bound"] for r in lpt)
+    figs["pack-balance"] = f"max/mean within {100 * (worst - 1):.2f}% of the lower bound"
+    row_pad = [100 * r["padding_fraction"] for r in rows
+               if r["method"] == "bragg lpt+swaps (FP8 per row)"]
+    trace_pad = [100 * r["padding_fraction"] for r in lpt]
+    figs["pack-padding"] = (f"{_rng(min(row_pad), max(row_pad), '.3f')}% with FP8 aligned per "
+                            f"packed row (`--fp8-align row`), "
+                            f"{_rng(min(trace_pad), max(trace_pad), '.2f')}% with every trace "
+                            "aligned")
+    return figs
+
+
+def pbox_figures(data):
+    date = data["meta"]["date"].split(" ")[0]
+    tg = data.get("targets", [])
+    native = [t for t in tg if not t["goal"].startswith("create p50 no worse than")]
+    gvisor = [t for t in tg if t["goal"].startswith("create p50 no worse than")]
+    figs = {}
+    if native:
+        v = [t["verdict"] for t in native]
+        odd = [f"{t['goal']}: {t['verdict']}" for t in native if t["verdict"] != MET]
+        figs["pbox-native"] = (f"{v.count(MET)} of {len(v)} native-runtime speed targets met"
+                               + (f" ({'; '.join(odd)})" if odd else "") + f", {date}")
+    if gvisor:
+        meds = [t["values"]["median"] for t in gvisor]
+        figs["pbox-gvisor"] = (f"create is {_rng(min(meds), max(meds), '.2f')}x `runsc` started "
+                               f"by hand (medians over {len(gvisor)} peer shapes; verdicts: "
+                               f"{_tally([t['verdict'] for t in gvisor])}; {date})")
+    return figs
+
+
+def engine_figures(data):
+    date = str(data.get("date", "")).split(" ")[0]
+    parts = []
+    for t in sorted(data.get("targets", []), key=lambda t: t.get("batch", 0)):
+        if "bounds" not in t:
+            continue
+        lo, mid, hi = t["bounds"]
+        parts.append(f"{mid:.1f}x transformers' `generate()` decode at {t['batch']} "
+                     f"concurrent ({lo:.1f}-{hi:.1f}x; {t['verdict']})")
+    return {"engine-decode": "; ".join(parts) + f", {date}"} if parts else {}
+
+
+def expected(data_dir):
+    """{figure name: text} for every figure the data in data_dir supports."""
+    figs = {}
+    for name, fn in (("pack.json", pack_figures), ("pbox_bench.json", pbox_figures),
+                     ("engine.json", engine_figures)):
+        data = _load(data_dir, name)
+        if data is not None:
+            figs.update(fn(data))
+    return figs
+
+
+def disagreements(readme_text, figs):
+    """Messages for every README figure that is not what the data gives, and for data-backed
+    figures the README lacks (pack and pbox; engine's only once the README carries it)."""
+    found = {m.group(1): m.group(2) for m in FIG.finditer(readme_text)}
+    out = []
+    for name, text in found.items():
+        if name not in figs:
+            out.append(f"README figure {name!r} has no data behind it in docs/data")
+        elif text != figs[name]:
+            out.append(f"README figure {name!r} says {text!r}, docs/data says {figs[name]!r}")
+    for name in figs:
+        if name not in found and not name.startswith("engine"):
+            out.append(f"README lacks the figure {name!r} (<!-- fig:{name} -->...<!-- /fig -->)")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--data", default=os.path.join(ROOT, "docs/data"))
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    figs = expected(args.data)
+    text = open(args.readme).read()
+    if args.check:
+        bad = disagreements(text, figs)
+        if bad:
+            sys.exit("\n".join(bad) + "\n(run bench/readme_figures.py to rewrite them)")
+        return
+    new = FIG.sub(lambda m: (f"<!-- fig:{m.group(1)} -->{figs[m.group(1)]}<!-- /fig -->"
+                             if m.group(1) in figs else m.group(0)), text)
+    with open(args.readme + ".tmp", "w") as f:
+        f.write(new)
+    os.replace(args.readme + ".tmp", args.readme)
+
+
+if __name__ == "__main__":
+    main()
