@@ -130,5 +130,38 @@ class WidthTest(unittest.TestCase):
             srv.server_close()
 
 
+class StreamPassThroughTest(unittest.TestCase):
+    """A streamed answer reaches the client event by event, not held until its end: the worker
+    emits one token every 60 ms, so the first event must arrive long before the last."""
+
+    def test_events_arrive_as_the_worker_sends_them(self):
+        procs = []
+        try:
+            p, worker = start([os.environ["BRAGG_SIM_WORKER"], "--listen", "127.0.0.1:0",
+                               "--decode-us", "60000"])
+            procs.append(p)
+            p, gw = start([os.environ["BRAGG_GATEWAY"], "--listen", "127.0.0.1:0",
+                           "--worker", worker])
+            procs.append(p)
+            req = bgc.urllib.request.Request(gw + "/generate", data=json.dumps({
+                "input_ids": [1, 2, 3], "stream": True,
+                "sampling_params": {"max_new_tokens": 12}}).encode(),
+                headers={"Content-Type": "application/json"})
+            arrivals = []
+            with bgc.urllib.request.urlopen(req, timeout=60) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        arrivals.append(time.monotonic())
+            self.assertGreaterEqual(len(arrivals), 13)  # 12 tokens, then the final answer
+            # 12 x 60 ms of decoding lie between the first token and the end; a gateway that
+            # buffered the stream would deliver every event within a few ms of the last.
+            self.assertGreater(arrivals[-1] - arrivals[0], 0.3,
+                               "the gateway held the stream back until its end")
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+
 if __name__ == "__main__":
     unittest.main()
