@@ -56,7 +56,7 @@ soak: build
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
 FUZZ_TARGETS := pbox_init_protocol_fuzz pbox_init_channel_fuzz pbox_parsers_fuzz pbox_service_fuzz \
-                reshard_fuzz_pickle reshard_fuzz_zip
+                reshard_fuzz_pickle reshard_fuzz_zip engine_fuzz_safetensors
 
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DBRAGG_LIBFUZZER=ON \

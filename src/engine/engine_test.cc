@@ -132,6 +132,26 @@ TEST_F(EngineTest, DeterministicModeIsBatchInvariantBitForBit) {
   }
 }
 
+TEST_F(EngineTest, DeterministicModeServesACachedPrefixBitForBitAsAColdPrefill) {
+  EngineOptions o;
+  o.deterministic = true;
+  o.threads = 2;
+  auto warm_engine = Start(o);
+  std::vector<int32_t> turn1 = Prompt(45, 21);
+  GenerateOutput a = Run(*warm_engine, Greedy(turn1, 10));
+  std::vector<int32_t> turn2 = turn1;
+  turn2.insert(turn2.end(), a.output_ids.begin(), a.output_ids.end());
+  auto extra = Prompt(7, 22);
+  turn2.insert(turn2.end(), extra.begin(), extra.end());
+  GenerateOutput warm = Run(*warm_engine, Greedy(turn2, 12));
+  EXPECT_GE(warm.cached_tokens, 54);  // every earlier token but the last answer token's
+  auto cold_engine = Start(o);
+  GenerateOutput cold = Run(*cold_engine, Greedy(turn2, 12));
+  EXPECT_EQ(cold.cached_tokens, 0);
+  EXPECT_EQ(warm.output_ids, cold.output_ids);
+  EXPECT_EQ(warm.output_logprobs, cold.output_logprobs);  // bitwise
+}
+
 TEST_F(EngineTest, SameSeedSameTokensAndSeedsDiffer) {
   auto e = Start();
   GenerateRequest r;
