@@ -142,9 +142,8 @@ int main(int argc, char** argv) {
     GenerateOutput out;
     while (!out.finished()) out = s->Wait(0, std::chrono::minutes(10));
     double ttft = Seconds(t0, Clock::now());
-    result["prefill"] = {{"tokens", prefill},
-                         {"ttft_s", ttft},
-                         {"prefill_tokens_per_s", prefill / ttft}};
+    result["prefill"] = {
+        {"tokens", prefill}, {"ttft_s", ttft}, {"prefill_tokens_per_s", prefill / ttft}};
   }
   std::cout << result.dump() << std::endl;
   return 0;

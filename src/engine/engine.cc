@@ -13,12 +13,12 @@
 #include <thread>
 #include <unordered_map>
 
-#include "engine/str_cat.h"
-#include "spdlog/spdlog.h"
 #include "engine/kv_cache.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/model.h"
 #include "engine/sampler.h"
+#include "engine/str_cat.h"
+#include "spdlog/spdlog.h"
 
 namespace bragg::engine {
 
@@ -87,9 +87,9 @@ struct Request {
   uint64_t salt = 0;
   std::vector<int32_t> tokens;  // prompt, then every sampled token
   int64_t prompt_len = 0;
-  std::vector<int32_t> blocks;    // block table
-  std::vector<uint64_t> keys;     // chain keys of the committed leading blocks
-  int64_t computed = 0;           // positions whose KV is in the cache
+  std::vector<int32_t> blocks;     // block table
+  std::vector<uint64_t> keys;      // chain keys of the committed leading blocks
+  int64_t computed = 0;            // positions whose KV is in the cache
   std::vector<uint32_t> versions;  // per position: version id its KV was computed under
   std::vector<int32_t> experts;    // per position [moe layers, top_k], positions [0, computed)
   bool admitted_once = false;
@@ -149,9 +149,8 @@ class EngineImpl final : public Engine {
     if (by_rid_.contains(r.rid)) {
       return absl::InvalidArgumentError(Cat("rid ", r.rid, " is already running"));
     }
-    req->stream = std::make_shared<Stream>(r.rid, [this](const std::string& rid) {
-      (void)Abort(rid);
-    });
+    req->stream =
+        std::make_shared<Stream>(r.rid, [this](const std::string& rid) { (void)Abort(rid); });
     req->seed = r.sampling.sampling_seed ? *r.sampling.sampling_seed
                                          : std::hash<std::string>{}(r.rid) ^ next_rid_++;
     req->salt = BlockPool::SaltKey(r.extra_key);
@@ -270,8 +269,8 @@ class EngineImpl final : public Engine {
     for (size_t i = 0; i < r.input_ids.size(); ++i) {
       if (r.input_ids[i] < 0 || r.input_ids[i] >= config_.vocab_size) {
         return absl::InvalidArgumentError(Cat("input_ids[", i, "] = ", r.input_ids[i],
-                                                       " is outside the vocabulary [0, ",
-                                                       config_.vocab_size, ")"));
+                                              " is outside the vocabulary [0, ", config_.vocab_size,
+                                              ")"));
       }
     }
     const SamplingParams& p = r.sampling;
@@ -285,19 +284,19 @@ class EngineImpl final : public Engine {
           "max_new_tokens 0 computes nothing; set return_logprob to score the prompt");
     }
     if (n >= ctx) {
-      return absl::InvalidArgumentError(Cat("the prompt has ", n, " tokens; the context is ",
-                                                     ctx, " (the prompt must leave room for one)"));
+      return absl::InvalidArgumentError(Cat("the prompt has ", n, " tokens; the context is ", ctx,
+                                            " (the prompt must leave room for one)"));
     }
     if (n + p.max_new_tokens > ctx) {
-      return absl::InvalidArgumentError(Cat(
-          "prompt (", n, " tokens) + max_new_tokens (", p.max_new_tokens,
-          ") exceeds the model's context length ", ctx));
+      return absl::InvalidArgumentError(Cat("prompt (", n, " tokens) + max_new_tokens (",
+                                            p.max_new_tokens,
+                                            ") exceeds the model's context length ", ctx));
     }
     int64_t kv = pool_.num_blocks() * options_.block_size;
     if (n + p.max_new_tokens > kv) {
       return absl::InvalidArgumentError(Cat("prompt + max_new_tokens (", n + p.max_new_tokens,
-                                                     " tokens) exceeds the KV cache (", kv,
-                                                     " tokens, --kv-cache-tokens)"));
+                                            " tokens) exceeds the KV cache (", kv,
+                                            " tokens, --kv-cache-tokens)"));
     }
     if (!(p.temperature >= 0) || !std::isfinite(p.temperature)) {
       return absl::InvalidArgumentError("temperature must be a finite number >= 0");
@@ -318,8 +317,7 @@ class EngineImpl final : public Engine {
       }
     }
     if (r.logprob_start_len < -1 || r.logprob_start_len > n) {
-      return absl::InvalidArgumentError(
-          Cat("logprob_start_len must be -1 or in [0, ", n, "]"));
+      return absl::InvalidArgumentError(Cat("logprob_start_len must be -1 or in [0, ", n, "]"));
     }
     if (r.routed_experts_start_len < 0 || r.routed_experts_start_len > n + p.max_new_tokens) {
       return absl::InvalidArgumentError("routed_experts_start_len is past the end of the sequence");
@@ -458,7 +456,8 @@ class EngineImpl final : public Engine {
       // At least one position is computed (its logits sample the next token); input log-probs
       // need the positions they score computed, not matched.
       int64_t limit = n - 1;
-      bool want_input = r.req.return_logprob && r.req.logprob_start_len >= 0 && !r.input_logprobs_done;
+      bool want_input =
+          r.req.return_logprob && r.req.logprob_start_len >= 0 && !r.input_logprobs_done;
       if (want_input) {
         limit = std::min<int64_t>(limit, std::max<int64_t>(r.req.logprob_start_len - 1, 0));
       }
@@ -599,8 +598,8 @@ class EngineImpl final : public Engine {
           plan.clear();
           return;
         }
-        bool want_input = r->req.return_logprob && r->req.logprob_start_len >= 0 &&
-                          !r->input_logprobs_done;
+        bool want_input =
+            r->req.return_logprob && r->req.logprob_start_len >= 0 && !r->input_logprobs_done;
         plan.push_back({r, r->computed, r->computed + take, r->computed + take == n, want_input});
         if (!decode) {
           budget -= take;
@@ -692,11 +691,11 @@ class EngineImpl final : public Engine {
       }
       stats_.generation_tokens_total++;
       const SamplingParams& sp = r.req.sampling;
-      bool stop = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), s.token) !=
-                      sp.stop_token_ids.end() ||
-                  (!sp.ignore_eos && std::find(config_.eos_token_ids.begin(),
-                                               config_.eos_token_ids.end(),
-                                               s.token) != config_.eos_token_ids.end());
+      bool stop =
+          std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), s.token) !=
+              sp.stop_token_ids.end() ||
+          (!sp.ignore_eos && std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(),
+                                       s.token) != config_.eos_token_ids.end());
       if (stop) {
         r.out.matched_stop = s.token;
         r.out.finish = FinishReason::kStop;
@@ -712,8 +711,8 @@ class EngineImpl final : public Engine {
                              [f](const std::unique_ptr<Request>& x) { return x.get() == f; });
       std::unique_ptr<Request> owned = std::move(*it);
       running_.erase(it);
-      FinishReason why = owned->out.finish == FinishReason::kStop ? FinishReason::kStop
-                                                                  : FinishReason::kLength;
+      FinishReason why =
+          owned->out.finish == FinishReason::kStop ? FinishReason::kStop : FinishReason::kLength;
       FinishLocked(std::move(owned), why);
     }
   }
@@ -748,7 +747,8 @@ class EngineImpl final : public Engine {
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   if (options.max_running <= 0 || options.block_size <= 0 || options.chunked_prefill <= 0) {
-    return absl::InvalidArgumentError("max_running, block_size and chunked_prefill must be positive");
+    return absl::InvalidArgumentError(
+        "max_running, block_size and chunked_prefill must be positive");
   }
   BRAGG_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::Open(options.model_dir));
   const ModelConfig& c = ck.config();

@@ -27,16 +27,16 @@ enum class DType { kFloat32, kBFloat16 };
 struct EngineOptions {
   std::string model_dir;  // a Hugging Face directory: config.json + *.safetensors
   Device device = Device::kCpu;
-  std::optional<DType> dtype;      // default: the checkpoint's torch_dtype (bf16 or fp32)
-  int threads = 0;                 // intra-op threads; 0: one per CPU the process may run on
-  int max_running = 64;            // requests decoded together at most
-  int64_t kv_cache_tokens = 0;     // KV capacity in tokens; 0: enough for max_running x context
-  int block_size = 1;              // tokens per KV block (1: the prefix cache is exact to the
-                                   // token, as SGLang's default page size)
-  int64_t chunked_prefill = 512;   // prompt tokens computed per step at most (all requests)
-  bool deterministic = false;      // batch-invariant kernels (docs/engine.md)
+  std::optional<DType> dtype;     // default: the checkpoint's torch_dtype (bf16 or fp32)
+  int threads = 0;                // intra-op threads; 0: one per CPU the process may run on
+  int max_running = 64;           // requests decoded together at most
+  int64_t kv_cache_tokens = 0;    // KV capacity in tokens; 0: enough for max_running x context
+  int block_size = 1;             // tokens per KV block (1: the prefix cache is exact to the
+                                  // token, as SGLang's default page size)
+  int64_t chunked_prefill = 512;  // prompt tokens computed per step at most (all requests)
+  bool deterministic = false;     // batch-invariant kernels (docs/engine.md)
   std::string weight_version = "0";
-  std::string served_model_name;   // default: the model directory's name
+  std::string served_model_name;  // default: the model directory's name
 };
 
 // SGLang's sampling_params (the subset Bragg serves). Defaults are SGLang's.

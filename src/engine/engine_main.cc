@@ -47,9 +47,9 @@ int main(int argc, char** argv) {
   if (dtype == "bfloat16") o.dtype = bragg::engine::DType::kBFloat16;
   if (o.threads <= 0) {
     cpu_set_t set;
-    o.threads = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
-                                                             : static_cast<int>(
-                                                                   std::thread::hardware_concurrency());
+    o.threads = sched_getaffinity(0, sizeof(set), &set) == 0
+                    ? CPU_COUNT(&set)
+                    : static_cast<int>(std::thread::hardware_concurrency());
   }
   std::unique_ptr<bragg::engine::Engine> engine;
   std::optional<bragg::engine::Server> server;

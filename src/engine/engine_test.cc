@@ -205,8 +205,7 @@ TEST_F(EngineTest, ABadWeightsDirectoryIsRefusedAndTheRunningWeightsStay) {
   GenerateOutput before = Run(*e, Greedy(p, 12));
 
   // Missing directory; another shape; another dtype; a truncated file.
-  EXPECT_EQ(e->UpdateWeightsFromDisk(Model("nope"), "x", true).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(e->UpdateWeightsFromDisk(Model("nope"), "x", true).code(), absl::StatusCode::kNotFound);
   testing::TinyModelSpec wide = spec_;
   wide.hidden = 96;
   ASSERT_TRUE(testing::WriteTinyModel(Model("wide"), wide).ok());

@@ -22,8 +22,8 @@ void CommitAll(BlockPool& pool, uint64_t salt, const std::vector<int32_t>& token
   std::vector<uint32_t> versions(bs, 7);
   for (size_t i = 0; i < tokens.size() / bs; ++i) {
     std::vector<int32_t> experts(bs * 2, static_cast<int32_t>(i));
-    parent = pool.Commit(blocks[i], parent, std::span(tokens).subspan(i * bs, bs), versions,
-                         experts);
+    parent =
+        pool.Commit(blocks[i], parent, std::span(tokens).subspan(i * bs, bs), versions, experts);
   }
 }
 

@@ -44,8 +44,8 @@ float LogProb(std::span<const float> logits, float temperature, int32_t token) {
   return static_cast<float>(static_cast<double>(logits[token]) / t - lse);
 }
 
-Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed,
-               int64_t step, bool want_logprob) {
+Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed, int64_t step,
+               bool want_logprob) {
   Sampled out;
   const int64_t n = static_cast<int64_t>(logits.size());
   if (p.temperature <= 0 || p.top_k == 1) {

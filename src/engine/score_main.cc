@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
   auto ck = bragg::engine::Checkpoint::Open(model_dir);
   if (!ck.ok()) return Fail(ck.status());
   bragg::engine::ModelOptions mo;
-  bool bf16 = want ? *want == bragg::engine::DType::kBFloat16 : ck->config().torch_dtype == "bfloat16";
+  bool bf16 =
+      want ? *want == bragg::engine::DType::kBFloat16 : ck->config().torch_dtype == "bfloat16";
   mo.bf16 = bf16;
   mo.threads = threads;
   mo.block_size = 16;

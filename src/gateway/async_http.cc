@@ -656,8 +656,9 @@ class Session : public std::enable_shared_from_this<Session> {
     // read_some, not read: read returns only once chunk_ is full or the body ended, which held
     // a whole SSE stream (small events) back until its end; read_some returns with whatever
     // the worker sent, so each event goes on to the client as it arrives.
-    http::async_read_some(up_->socket, up_->buffer, *up_stream_,
-                          [self = shared_from_this()](error_code ec, size_t) { self->OnChunk(ec); });
+    http::async_read_some(
+        up_->socket, up_->buffer, *up_stream_,
+        [self = shared_from_this()](error_code ec, size_t) { self->OnChunk(ec); });
   }
 
   void OnChunk(error_code ec) {

@@ -16,7 +16,6 @@
 
 namespace bragg::gateway {
 
-
 ElasticTaskQueue::ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
 
 ElasticTaskQueue::~ElasticTaskQueue() { shutdown(); }

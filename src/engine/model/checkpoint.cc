@@ -13,8 +13,8 @@
 #include <set>
 #include <sstream>
 
-#include "engine/str_cat.h"
 #include "common/unique_fd.h"
+#include "engine/str_cat.h"
 
 namespace bragg::engine {
 namespace {
@@ -52,8 +52,7 @@ Status GetInt(const json& j, const char* key, std::optional<int64_t> fallback, i
   }
   int64_t v = it->get<int64_t>();
   if (v < lo || v > hi) {
-    return Bad(where, Cat("config field ", key, " = ", v, " is outside [", lo, ", ", hi,
-                                   "]"));
+    return Bad(where, Cat("config field ", key, " = ", v, " is outside [", lo, ", ", hi, "]"));
   }
   *out = v;
   return absl::OkStatus();
@@ -156,8 +155,8 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, std::string_view whe
     return Bad(where, "config.json is not a JSON object");
   }
   ModelConfig c;
-  if (j.contains("architectures") && j["architectures"].is_array() &&
-      !j["architectures"].empty() && j["architectures"][0].is_string()) {
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string()) {
     c.architecture = j["architectures"][0].get<std::string>();
   } else if (j.contains("model_type") && j["model_type"].is_string()) {
     std::string t = j["model_type"].get<std::string>();
@@ -168,28 +167,29 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, std::string_view whe
   bool moe = c.architecture == "Qwen3MoeForCausalLM";
   if (!moe && c.architecture != "Qwen3ForCausalLM") {
     return Bad(where, Cat("architecture '", c.architecture,
-                                   "' is not served (Qwen3ForCausalLM and Qwen3MoeForCausalLM are)"));
+                          "' is not served (Qwen3ForCausalLM and Qwen3MoeForCausalLM are)"));
   }
   constexpr int64_t kMaxDim = int64_t{1} << 20;
-  BRAGG_RETURN_IF_ERROR(GetInt(j, "vocab_size", std::nullopt, 1, int64_t{1} << 24, where,
-                               &c.vocab_size));
+  BRAGG_RETURN_IF_ERROR(
+      GetInt(j, "vocab_size", std::nullopt, 1, int64_t{1} << 24, where, &c.vocab_size));
   BRAGG_RETURN_IF_ERROR(GetInt(j, "hidden_size", std::nullopt, 1, kMaxDim, where, &c.hidden_size));
-  BRAGG_RETURN_IF_ERROR(GetIntAs(j, "num_hidden_layers", std::nullopt, 1, 4096, where,
-                                 &c.num_hidden_layers));
-  BRAGG_RETURN_IF_ERROR(GetIntAs(j, "num_attention_heads", std::nullopt, 1, 4096, where,
-                                 &c.num_attention_heads));
+  BRAGG_RETURN_IF_ERROR(
+      GetIntAs(j, "num_hidden_layers", std::nullopt, 1, 4096, where, &c.num_hidden_layers));
+  BRAGG_RETURN_IF_ERROR(
+      GetIntAs(j, "num_attention_heads", std::nullopt, 1, 4096, where, &c.num_attention_heads));
   BRAGG_RETURN_IF_ERROR(GetIntAs(j, "num_key_value_heads", c.num_attention_heads, 1, 4096, where,
                                  &c.num_key_value_heads));
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     return Bad(where, "num_attention_heads is not a multiple of num_key_value_heads");
   }
-  BRAGG_RETURN_IF_ERROR(GetInt(j, "head_dim", c.hidden_size / c.num_attention_heads, 2, 4096,
-                               where, &c.head_dim));
+  BRAGG_RETURN_IF_ERROR(
+      GetInt(j, "head_dim", c.hidden_size / c.num_attention_heads, 2, 4096, where, &c.head_dim));
   if (c.head_dim % 2 != 0) {
     return Bad(where, "head_dim must be even (rotary embedding)");
   }
-  BRAGG_RETURN_IF_ERROR(GetInt(j, "intermediate_size", moe ? std::optional<int64_t>(0) : std::nullopt,
-                               0, kMaxDim, where, &c.intermediate_size));
+  BRAGG_RETURN_IF_ERROR(GetInt(j, "intermediate_size",
+                               moe ? std::optional<int64_t>(0) : std::nullopt, 0, kMaxDim, where,
+                               &c.intermediate_size));
   BRAGG_RETURN_IF_ERROR(GetNumber(j, "rms_norm_eps", 1e-6, where, &c.rms_norm_eps));
   BRAGG_RETURN_IF_ERROR(GetNumber(j, "rope_theta", 1000000.0, where, &c.rope_theta));
   if (!(c.rope_theta > 0) || !(c.rms_norm_eps >= 0)) {
@@ -217,15 +217,15 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, std::string_view whe
     c.torch_dtype = j["dtype"].get<std::string>();
   }
   if (moe) {
-    BRAGG_RETURN_IF_ERROR(GetIntAs(j, "num_experts", std::nullopt, 1, 65536, where,
-                                   &c.num_experts));
-    BRAGG_RETURN_IF_ERROR(GetIntAs(j, "num_experts_per_tok", std::nullopt, 1, c.num_experts,
-                                   where, &c.num_experts_per_tok));
+    BRAGG_RETURN_IF_ERROR(
+        GetIntAs(j, "num_experts", std::nullopt, 1, 65536, where, &c.num_experts));
+    BRAGG_RETURN_IF_ERROR(GetIntAs(j, "num_experts_per_tok", std::nullopt, 1, c.num_experts, where,
+                                   &c.num_experts_per_tok));
     BRAGG_RETURN_IF_ERROR(GetInt(j, "moe_intermediate_size", std::nullopt, 1, kMaxDim, where,
                                  &c.moe_intermediate_size));
     BRAGG_RETURN_IF_ERROR(GetBool(j, "norm_topk_prob", false, where, &c.norm_topk_prob));
-    BRAGG_RETURN_IF_ERROR(GetIntAs(j, "decoder_sparse_step", 1, 1, 4096, where,
-                                   &c.decoder_sparse_step));
+    BRAGG_RETURN_IF_ERROR(
+        GetIntAs(j, "decoder_sparse_step", 1, 1, 4096, where, &c.decoder_sparse_step));
     if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
       if (!j["mlp_only_layers"].is_array()) {
         return Bad(where, "mlp_only_layers must be a list of layer indices");
@@ -312,8 +312,8 @@ Result<std::vector<TensorView>> ParseSafetensors(const uint8_t* data, size_t siz
   uint64_t header_len = 0;
   std::memcpy(&header_len, data, 8);  // little-endian, as every platform Bragg builds on
   if (header_len > size - 8 || header_len > (uint64_t{100} << 20)) {
-    return Bad(file, Cat("header length ", header_len, " does not fit the file (",
-                                  size, " bytes): truncated or not safetensors"));
+    return Bad(file, Cat("header length ", header_len, " does not fit the file (", size,
+                         " bytes): truncated or not safetensors"));
   }
   json header = json::parse(data + 8, data + 8 + header_len, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
@@ -356,12 +356,12 @@ Result<std::vector<TensorView>> ParseSafetensors(const uint8_t* data, size_t siz
     uint64_t e = off[1].get<uint64_t>();
     if (b > e || e > body) {
       return Bad(where, Cat("data_offsets [", b, ", ", e, ") fall outside the ", body,
-                                     " data bytes: truncated file?"));
+                            " data bytes: truncated file?"));
     }
     unsigned __int128 want = elems * TensorDTypeSize(v.dtype);
     if (want != e - b) {
       return Bad(where, Cat("holds ", e - b, " bytes, its dtype and shape need ",
-                                     static_cast<uint64_t>(want)));
+                            static_cast<uint64_t>(want)));
     }
     v.data = base + b;
     v.bytes = e - b;

@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
   }
-  (void)bragg::engine::ParseModelConfig(
-      std::string_view(reinterpret_cast<const char*>(data), size), "fuzz/config.json");
+  (void)bragg::engine::ParseModelConfig(std::string_view(reinterpret_cast<const char*>(data), size),
+                                        "fuzz/config.json");
   return 0;
 }

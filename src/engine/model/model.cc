@@ -70,9 +70,9 @@ struct Model::Impl {
                    torch::Tensor* dst) {
     BRAGG_ASSIGN_OR_RETURN(const TensorView* v, ck.Find(name));
     if (v->shape != shape) {
-      return absl::InvalidArgumentError(
-          Cat(v->file, ": tensor ", name, " has shape [", fmt::format("{}", fmt::join(v->shape, ", ")),
-                       "], the config says [", fmt::format("{}", fmt::join(shape, ", ")), "]"));
+      return absl::InvalidArgumentError(Cat(
+          v->file, ": tensor ", name, " has shape [", fmt::format("{}", fmt::join(v->shape, ", ")),
+          "], the config says [", fmt::format("{}", fmt::join(shape, ", ")), "]"));
     }
     *dst = Borrow(*v).to(device, dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
     params[name] = dst;
@@ -157,9 +157,9 @@ struct Model::Impl {
     }
     // As transformers computes it: 1 / theta^(arange(0, hd, 2) / hd), in float32.
     auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-    torch::Tensor exponent = torch::arange(0, hd, 2, torch::TensorOptions().dtype(torch::kInt64))
-                                 .to(torch::kFloat32) /
-                             static_cast<float>(hd);
+    torch::Tensor exponent =
+        torch::arange(0, hd, 2, torch::TensorOptions().dtype(torch::kInt64)).to(torch::kFloat32) /
+        static_cast<float>(hd);
     inv_freq = (1.0 / torch::pow(torch::tensor(static_cast<float>(c.rope_theta), f32), exponent))
                    .to(torch::kFloat32)
                    .to(device);
@@ -271,8 +271,8 @@ struct Model::Impl {
           q.narrow(0, b, m).view({m, kvh, g, hd}).permute({1, 2, 0, 3}).reshape({kvh, g * m, hd});
       torch::Tensor scores = torch::bmm(qh, k).mul_(scale).view({kvh, g, m, len});
       if (start + b + m < len || m > 1) {
-        torch::Tensor qpos = torch::arange(start + b, start + b + m,
-                                           torch::TensorOptions().dtype(torch::kInt64).device(device));
+        torch::Tensor qpos = torch::arange(
+            start + b, start + b + m, torch::TensorOptions().dtype(torch::kInt64).device(device));
         torch::Tensor kpos =
             torch::arange(0, len, torch::TensorOptions().dtype(torch::kInt64).device(device));
         scores.masked_fill_(kpos.unsqueeze(0) > qpos.unsqueeze(1),
@@ -322,7 +322,9 @@ struct Model::Impl {
             for (int i = 0; i < 8; ++i) acc[i] += qv[d + i] * static_cast<float>(kv[d + i]);
           }
           for (; d < hd; ++d) acc[d % 8] += qv[d] * static_cast<float>(kv[d]);
-          float s = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) * scale;
+          float s =
+              (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) *
+              scale;
           scores[l] = s;
           m = std::max(m, s);
         }
@@ -480,7 +482,8 @@ struct Model::Impl {
         std::vector<torch::Tensor> parts;
         for (size_t i = 0; i < chunks.size(); ++i) {
           int64_t n = static_cast<int64_t>(chunks[i].tokens.size());
-          parts.push_back(AttendOne(L, q.narrow(0, row_begin[i], n), seq_slots[i], chunks[i].start));
+          parts.push_back(
+              AttendOne(L, q.narrow(0, row_begin[i], n), seq_slots[i], chunks[i].start));
         }
         attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
       }
@@ -564,8 +567,8 @@ Status Model::CheckUpdate(const Checkpoint& ck) const {
   const ModelConfig& b = ck.config();
   auto same = [&](std::string_view field, auto x, auto y) -> Status {
     if (x == y) return absl::OkStatus();
-    return absl::InvalidArgumentError(Cat(ck.dir(), "/config.json: ", field, " is ", y,
-                                          ", the running model's is ", x));
+    return absl::InvalidArgumentError(
+        Cat(ck.dir(), "/config.json: ", field, " is ", y, ", the running model's is ", x));
   };
   BRAGG_RETURN_IF_ERROR(same("architecture", a.architecture, b.architecture));
   BRAGG_RETURN_IF_ERROR(same("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers));
@@ -595,15 +598,15 @@ Status Model::CheckUpdate(const Checkpoint& ck) const {
     BRAGG_ASSIGN_OR_RETURN(const TensorView* v, ck.Find(name));
     std::vector<int64_t> want = param->sizes().vec();
     if (v->shape != want) {
-      return absl::InvalidArgumentError(
-          Cat(v->file, ": tensor ", name, " has shape [", fmt::format("{}", fmt::join(v->shape, ", ")),
-                       "], the running model's is [", fmt::format("{}", fmt::join(want, ", ")), "]"));
+      return absl::InvalidArgumentError(Cat(
+          v->file, ": tensor ", name, " has shape [", fmt::format("{}", fmt::join(v->shape, ", ")),
+          "], the running model's is [", fmt::format("{}", fmt::join(want, ", ")), "]"));
     }
     TensorDType was = impl_->file_dtypes.at(name);
     if (v->dtype != was) {
       return absl::InvalidArgumentError(
           Cat(v->file, ": tensor ", name, " is ", TensorDTypeName(v->dtype),
-                       ", the running model was loaded from ", TensorDTypeName(was)));
+              ", the running model was loaded from ", TensorDTypeName(was)));
     }
   }
   return absl::OkStatus();
