@@ -22,20 +22,6 @@
 
 namespace bragg::engine {
 
-std::string_view FinishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kAbort:
-      return "abort";
-    case FinishReason::kNone:
-      return "";
-  }
-  return "";
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -169,7 +169,19 @@ class Engine {
   virtual EngineStats stats() const = 0;
 };
 
-// Names for the wire.
-std::string_view FinishReasonName(FinishReason reason);  // "stop" | "length" | "abort" | ""
+// Names for the wire: "stop" | "length" | "abort" | "" (not finished).
+inline std::string_view FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kNone:
+      break;
+  }
+  return "";
+}
 
 }  // namespace bragg::engine

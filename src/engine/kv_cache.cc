@@ -4,20 +4,9 @@
 #include <cassert>
 #include <string_view>
 
+#include "common/hash.h"
+
 namespace bragg::engine {
-namespace {
-
-// SplitMix64's finaliser: a fixed, well-mixed 64-bit hash step (stable across runs, so cache
-// behaviour is reproducible).
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
 BlockPool::BlockPool(int64_t num_blocks, int block_size, int experts_per_token)
     : block_size_(block_size), experts_per_token_(experts_per_token), blocks_(num_blocks) {
   free_.reserve(num_blocks);
@@ -27,17 +16,17 @@ BlockPool::BlockPool(int64_t num_blocks, int block_size, int experts_per_token)
 }
 
 uint64_t BlockPool::SaltKey(std::string_view extra_key) {
-  uint64_t h = Mix(0x62726167675f6b76ULL);
+  uint64_t h = SplitMix64(0x62726167675f6b76ULL);
   for (unsigned char c : extra_key) {
-    h = Mix(h ^ c);
+    h = SplitMix64(h ^ c);
   }
-  return Mix(h ^ extra_key.size());
+  return SplitMix64(h ^ extra_key.size());
 }
 
 uint64_t BlockPool::ChainKey(uint64_t parent, std::span<const int32_t> tokens) {
-  uint64_t h = Mix(parent);
+  uint64_t h = SplitMix64(parent);
   for (int32_t t : tokens) {
-    h = Mix(h ^ static_cast<uint32_t>(t));
+    h = SplitMix64(h ^ static_cast<uint32_t>(t));
   }
   return h;
 }

@@ -5,19 +5,14 @@
 #include <numeric>
 #include <vector>
 
+#include "common/hash.h"
+
 namespace bragg::engine {
 namespace {
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // Uniform in [0, 1) from (seed, step).
 double Uniform(uint64_t seed, int64_t step) {
-  uint64_t r = Mix(Mix(seed) ^ static_cast<uint64_t>(step));
+  uint64_t r = SplitMix64(SplitMix64(seed) ^ static_cast<uint64_t>(step));
   return static_cast<double>(r >> 11) * 0x1.0p-53;
 }
 

@@ -16,52 +16,6 @@
 
 namespace bragg::gateway {
 
-ElasticTaskQueue::ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
-
-ElasticTaskQueue::~ElasticTaskQueue() { shutdown(); }
-
-void ElasticTaskQueue::enqueue(std::function<void()> fn) {
-  std::unique_lock<std::mutex> lock(mu_);
-  jobs_.push_back(std::move(fn));
-  // Each job is a connection that may stay open for long: never leave one waiting for a thread
-  // when the cap allows another.
-  if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
-    threads_.emplace_back([this] { Loop(); });
-  } else {
-    cv_.notify_one();
-  }
-}
-
-void ElasticTaskQueue::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    ++idle_;
-    cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-    --idle_;
-    if (jobs_.empty()) {
-      return;
-    }
-    std::function<void()> fn = std::move(jobs_.back());
-    jobs_.pop_back();
-    lock.unlock();
-    fn();
-    lock.lock();
-  }
-}
-
-void ElasticTaskQueue::shutdown() {
-  std::vector<std::thread> threads;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    threads.swap(threads_);
-  }
-  cv_.notify_all();
-  for (auto& t : threads) {
-    t.join();
-  }
-}
-
 ClientPool::ClientPool(HostPort target) : target_(std::move(target)) {}
 
 std::unique_ptr<httplib::Client> ClientPool::Acquire() {
@@ -87,53 +41,6 @@ void ClientPool::Release(std::unique_ptr<httplib::Client> client) {
   if (idle_.size() < 1024) {
     idle_.push_back(std::move(client));
   }
-}
-
-namespace {
-
-// Debian's libcpp-httplib is built with a listen backlog of 5: a burst of rollouts connecting at
-// once overflows it and connections fail. Linux lets listen() be called again on a listening
-// socket to change the backlog; httplib keeps its fd private, so find it by its port.
-void RaiseBacklog(int port) {
-  for (int fd = 3; fd < 65536; ++fd) {
-    int listening = 0;
-    socklen_t len = sizeof(listening);
-    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
-      if (errno == EBADF && fd > 4096) {
-        break;
-      }
-      continue;
-    }
-    sockaddr_storage addr{};
-    socklen_t alen = sizeof(addr);
-    if (listening == 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
-      continue;
-    }
-    int bound = addr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port)
-                : addr.ss_family == AF_INET6
-                    ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
-                    : -1;
-    if (bound == port) {
-      ::listen(fd, SOMAXCONN);
-      return;
-    }
-  }
-}
-
-}  // namespace
-
-Result<int> BindServer(httplib::Server& server, const std::string& host, int port) {
-  if (port == 0) {
-    port = server.bind_to_any_port(host);
-    if (port <= 0) {
-      return absl::UnavailableError(fmt::format("cannot bind {}:0", host));
-    }
-  } else if (!server.bind_to_port(host, port)) {
-    return absl::UnavailableError(fmt::format(
-        "cannot bind {}:{}: is the port in use? pick another with --listen", host, port));
-  }
-  RaiseBacklog(port);
-  return port;
 }
 
 void SetError(httplib::Response& res, int status, std::string_view message) {

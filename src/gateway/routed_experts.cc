@@ -5,20 +5,9 @@
 #include <cstring>
 
 #include "absl/strings/escaping.h"
+#include "common/hash.h"
 
 namespace bragg::gateway {
-
-namespace {
-
-uint64_t Mix(uint64_t x) {
-  // splitmix64 finalizer.
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
 
 uint32_t VersionId(std::string_view version) {
   uint32_t h = 2166136261u;
@@ -34,10 +23,11 @@ void AppendSimRoutedExperts(std::span<const int32_t> tokens, std::span<const uin
                             std::vector<int32_t>* out) {
   out->reserve(out->size() + (end - begin) * shape.per_token());
   for (size_t pos = begin; pos < end; ++pos) {
-    uint64_t base = Mix((static_cast<uint64_t>(static_cast<uint32_t>(tokens[pos])) << 32) ^ pos);
-    base = Mix(base ^ version_ids[pos]);
+    uint64_t base =
+        SplitMix64((static_cast<uint64_t>(static_cast<uint32_t>(tokens[pos])) << 32) ^ pos);
+    base = SplitMix64(base ^ version_ids[pos]);
     for (int layer = 0; layer < shape.layers; ++layer) {
-      uint64_t h = Mix(base + static_cast<uint64_t>(layer));
+      uint64_t h = SplitMix64(base + static_cast<uint64_t>(layer));
       for (int k = 0; k < shape.top_k; ++k) {
         out->push_back(
             static_cast<int32_t>((h >> (k * 7)) % static_cast<uint64_t>(shape.num_experts)));

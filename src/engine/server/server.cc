@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/http_server.h"
 #include "common/prometheus.h"
 
 namespace bragg::engine {
@@ -544,19 +545,9 @@ json LogprobEntry(float logprob, int32_t token) {
   return json::array({lp, token, nullptr});
 }
 
-// engine.h's FinishReasonName lives in the engine core, which this library does not link.
 json FinishName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kAbort:
-      return "abort";
-    case FinishReason::kNone:
-      break;
-  }
-  return nullptr;
+  std::string_view name = FinishReasonName(reason);
+  return name.empty() ? json(nullptr) : json(std::string(name));
 }
 
 json FinishJson(const GenerateOutput& out) {
@@ -625,90 +616,6 @@ json OutputJson(const GenerateOutput& out, const Item& item, bool moe, Clock::ti
     meta["routed_experts"] = Base64Int32(out.routed_experts);
   }
   return {{"text", ""}, {"output_ids", out.output_ids}, {"meta_info", std::move(meta)}};
-}
-
-// httplib serves one connection per thread; a fixed pool would queue long streams behind each
-// other, so this queue grows a thread when all are busy (up to a cap) and keeps idle ones.
-class ElasticTaskQueue : public httplib::TaskQueue {
- public:
-  explicit ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
-  ~ElasticTaskQueue() override { shutdown(); }
-  void enqueue(std::function<void()> fn) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(fn));
-    if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
-      threads_.emplace_back([this] { Loop(); });
-    } else {
-      cv_.notify_one();
-    }
-  }
-  void shutdown() override {
-    std::vector<std::thread> threads;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      threads.swap(threads_);
-    }
-    cv_.notify_all();
-    for (auto& t : threads) {
-      t.join();
-    }
-  }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      ++idle_;
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      --idle_;
-      if (jobs_.empty()) {
-        return;
-      }
-      std::function<void()> fn = std::move(jobs_.back());
-      jobs_.pop_back();
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::function<void()>> jobs_;
-  std::vector<std::thread> threads_;
-  size_t idle_ = 0;
-  size_t max_threads_;
-  bool stop_ = false;
-};
-
-// Debian's libcpp-httplib listens with a backlog of 5: a burst of clients connecting at once
-// overflows it and connections fail. Linux lets listen() be called again on a listening socket
-// to change the backlog; httplib keeps its fd private, so find it by its port. (The gateway's
-// http_util.cc does the same; parts share no code but common/.)
-void RaiseBacklog(int port) {
-  for (int fd = 3; fd < 65536; ++fd) {
-    int listening = 0;
-    socklen_t len = sizeof(listening);
-    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
-      if (errno == EBADF && fd > 4096) {
-        break;
-      }
-      continue;
-    }
-    sockaddr_storage addr{};
-    socklen_t alen = sizeof(addr);
-    if (listening == 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
-      continue;
-    }
-    int bound = addr.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port)
-                : addr.ss_family == AF_INET6
-                    ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
-                    : -1;
-    if (bound == port) {
-      ::listen(fd, SOMAXCONN);
-      return;
-    }
-  }
 }
 
 // The streams of one HTTP request; cancels those unfinished when the exchange ends early.
@@ -1315,19 +1222,7 @@ Status Server::Start() {
   if (s.started) {
     return absl::FailedPreconditionError("the server is already started");
   }
-  if (s.options.port == 0) {
-    s.port = s.http.bind_to_any_port(s.options.host);
-    if (s.port <= 0) {
-      return absl::UnavailableError(fmt::format("cannot bind {}:0", s.options.host));
-    }
-  } else if (!s.http.bind_to_port(s.options.host, s.options.port)) {
-    return absl::UnavailableError(
-        fmt::format("cannot bind {}:{}: is the port in use? pick another with --port",
-                    s.options.host, s.options.port));
-  } else {
-    s.port = s.options.port;
-  }
-  RaiseBacklog(s.port);
+  BRAGG_ASSIGN_OR_RETURN(s.port, BindServer(s.http, s.options.host, s.options.port));
   s.started = true;
   s.thread = std::thread([&s] { s.http.listen_after_bind(); });
   // httplib's stop() is a no-op until the listening loop runs: a Stop() right after Start()

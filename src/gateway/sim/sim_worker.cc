@@ -5,6 +5,7 @@
 
 #include <chrono>
 
+#include "common/hash.h"
 #include "common/logging.h"
 #include "gateway/http_util.h"
 #include "gateway/router.h"
@@ -14,13 +15,6 @@ namespace bragg::gateway {
 using nlohmann::json;
 
 namespace {
-
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 void SleepUs(double us) {
   if (us >= 1.0) {
@@ -133,7 +127,7 @@ json SimWorker::Generate(GenerateJob& job, const std::function<bool(const json&)
 
   uint64_t prompt_hash = options_.seed;
   for (int32_t t : job.input_ids) {
-    prompt_hash = Mix(prompt_hash ^ static_cast<uint32_t>(t));
+    prompt_hash = SplitMix64(prompt_hash ^ static_cast<uint32_t>(t));
   }
   std::vector<int32_t> out;
   std::vector<uint32_t> out_versions;
@@ -153,7 +147,7 @@ json SimWorker::Generate(GenerateJob& job, const std::function<bool(const json&)
       break;
     }
     out.push_back(
-        static_cast<int32_t>(Mix(prompt_hash + i) % static_cast<uint64_t>(options_.vocab)));
+        static_cast<int32_t>(SplitMix64(prompt_hash + i) % static_cast<uint64_t>(options_.vocab)));
     out_versions.push_back(v);
     SleepUs(options_.decode_us_per_token);
     if (emit) {

@@ -1,0 +1,46 @@
+#pragma once
+
+// cpp-httplib pieces shared by every httplib server binary (bragg-gateway's helpers, bragg-sim-
+// worker, bragg-engine's server). Its own library, bragg_common_http, so that the rest of
+// common/ does not depend on httplib.
+
+#include <httplib.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+
+namespace bragg {
+
+// httplib task queue that grows a thread per connection when all are busy, up to `max_threads`,
+// and keeps idle threads for reuse: httplib serves one connection per thread, and a pool of
+// fixed size would queue long-lived streams behind each other. Thread-safe.
+class ElasticTaskQueue : public httplib::TaskQueue {
+ public:
+  explicit ElasticTaskQueue(size_t max_threads);
+  ~ElasticTaskQueue() override;
+  void enqueue(std::function<void()> fn) override;
+  void shutdown() override;
+
+ private:
+  void Loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::function<void()>> jobs_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  size_t max_threads_;
+  bool stop_ = false;
+};
+
+// Binds `server` to `host`:`port` (0: any free port) and raises its listen backlog (Debian's
+// httplib listens with a backlog of 5). Returns the port bound.
+Result<int> BindServer(httplib::Server& server, const std::string& host, int port);
+
+}  // namespace bragg
