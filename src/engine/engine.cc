@@ -404,6 +404,9 @@ class EngineImpl final : public Engine {
     r->computed = 0;
     r->versions.clear();
     r->experts.clear();
+    if (!r->input_logprobs_done) {
+      r->out.input_logprobs.clear();  // recomputed from logprob_start_len on re-admission
+    }
     stats_.retracted_total++;
     queue_.push_front(std::move(r));
   }
@@ -451,7 +454,11 @@ class EngineImpl final : public Engine {
       std::vector<int32_t> matched = pool_.Match(r.salt, r.tokens, limit / bs, &keys);
       int64_t need = (n + bs - 1) / bs - static_cast<int64_t>(matched.size());
       std::vector<int32_t> fresh;
-      if (!pool_.Allocate(need, &fresh)) {
+      // Leave each running request a block for its next token: admitting into the last free
+      // blocks would only retract someone on the next step (and a retracted request, admitted
+      // straight back, would thrash).
+      int64_t headroom = static_cast<int64_t>(running_.size());
+      if (pool_.available() - need < headroom || !pool_.Allocate(need, &fresh)) {
         pool_.Release(matched);
         break;
       }
@@ -481,25 +488,28 @@ class EngineImpl final : public Engine {
     }
   }
 
-  // Makes sure running request `i` has a block for position `pos`; may retract others.
-  bool EnsureBlock(size_t i, int64_t pos) {
+  // Makes sure running request `r` has a block for position `pos`, retracting the most recently
+  // admitted other requests while the cache is full. False when `r` is alone and still does not
+  // fit (Submit's checks make that unreachable short of a bug).
+  bool EnsureBlock(Request* r, int64_t pos) {
     const int bs = options_.block_size;
-    Request& r = *running_[i];
-    while (static_cast<int64_t>(r.blocks.size()) * bs <= pos) {
+    while (static_cast<int64_t>(r->blocks.size()) * bs <= pos) {
       std::vector<int32_t> b;
       if (pool_.Allocate(1, &b)) {
-        r.blocks.push_back(b[0]);
+        r->blocks.push_back(b[0]);
         continue;
       }
-      if (running_.size() <= 1) {
+      size_t victim = running_.size();
+      for (size_t j = running_.size(); j-- > 0;) {
+        if (running_[j].get() != r) {
+          victim = j;
+          break;
+        }
+      }
+      if (victim == running_.size()) {
         return false;
       }
-      // Retract the most recently admitted other request.
-      size_t victim = running_.size() - 1 == i ? running_.size() - 2 : running_.size() - 1;
       RetractLocked(victim);
-      if (victim < i) {
-        return EnsureBlock(i - 1, pos);  // indices shifted; the caller re-reads
-      }
     }
     return true;
   }
@@ -569,7 +579,8 @@ class EngineImpl final : public Engine {
         if (!decode && take <= 0) {
           continue;
         }
-        if (!EnsureBlock(i, r->computed + take - 1)) {
+        size_t running_before = running_.size();
+        if (!EnsureBlock(r, r->computed + take - 1)) {
           FinishLocked(
               [&] {
                 auto owned = std::move(running_[i]);
@@ -580,9 +591,17 @@ class EngineImpl final : public Engine {
           plan.clear();
           return;  // the running set changed; plan again on the next step
         }
-        if (running_[i].get() != r) {
-          plan.clear();
-          return;
+        if (running_.size() != running_before) {
+          // Requests were retracted to make room: drop them from this step's plan (their blocks
+          // are released) and find `r` again (it may have moved down).
+          std::erase_if(plan, [this](const Planned& p) {
+            return std::none_of(running_.begin(), running_.end(),
+                                [&](const std::unique_ptr<Request>& x) { return x.get() == p.r; });
+          });
+          i = static_cast<size_t>(
+              std::find_if(running_.begin(), running_.end(),
+                           [r](const std::unique_ptr<Request>& x) { return x.get() == r; }) -
+              running_.begin());
         }
         bool want_input =
             r->req.return_logprob && r->req.logprob_start_len >= 0 && !r->input_logprobs_done;

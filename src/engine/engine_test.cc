@@ -258,7 +258,12 @@ TEST_F(EngineTest, AbortAndCancelFreeTheirBlocks) {
 
 TEST_F(EngineTest, ASmallCacheQueuesAndRetractsButAnswersEveryRequestAsABigOneDoes) {
   std::vector<GenerateRequest> reqs;
-  for (int i = 0; i < 12; ++i) reqs.push_back(Greedy(Prompt(30 + i, 300 + i), 40));
+  for (int i = 0; i < 12; ++i) {
+    reqs.push_back(Greedy(Prompt(30 + i, 300 + i), 40));
+    if (i % 3 == 0) {
+      reqs.back().logprob_start_len = 0;  // input log-probs survive a retraction whole
+    }
+  }
   auto big = Start();
   std::vector<GenerateOutput> want;
   for (auto& r : reqs) want.push_back(Run(*big, r));
@@ -271,8 +276,13 @@ TEST_F(EngineTest, ASmallCacheQueuesAndRetractsButAnswersEveryRequestAsABigOneDo
     GenerateOutput out;
     while (!out.finished()) out = streams[i]->Wait(out.output_ids.size(), seconds(60));
     EXPECT_EQ(out.output_ids, want[i].output_ids) << i;
+    ASSERT_EQ(out.input_logprobs.size(), want[i].input_logprobs.size()) << i;
+    for (size_t k = 1; k < out.input_logprobs.size(); ++k) {
+      EXPECT_NEAR(out.input_logprobs[k], want[i].input_logprobs[k], 1e-5) << i << " " << k;
+    }
     EXPECT_LE(small->stats().kv_tokens_used, 160);
   }
+  EXPECT_GT(small->stats().retracted_total, 0) << "the cache never filled: nothing was retracted";
   // A request larger than the whole cache is refused up front.
   EXPECT_EQ(small->Submit(Greedy(Prompt(150, 1), 40)).status().code(),
             absl::StatusCode::kInvalidArgument);
