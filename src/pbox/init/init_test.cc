@@ -594,6 +594,12 @@ TEST_P(InitTest, KillWholeTreeReachesDetachedProcesses) {
   }
   for (pid_t pid : detached) {
     // None is in the command's session or group: a session or group kill misses them all.
+    // `$!` is printed as soon as the shell forked, before the child has exec'd setsid and left
+    // the session: wait for it to leave (a liveness bound), then check.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (StatField(pid, 5) == root->pid() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(5));
+    }
     ASSERT_NE(StatField(pid, 6), root->pid()) << pid;
     ASSERT_NE(StatField(pid, 5), root->pid()) << pid;
   }
