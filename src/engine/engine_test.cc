@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "common/fs.h"
 #include "engine/testing/tiny_model.h"
 
 namespace bragg::engine {
@@ -22,15 +23,13 @@ using std::chrono::seconds;
 class EngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("bragg-engine-test-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::remove_all(dir_);
+    auto dir = TempDir::Create("/tmp", "bragg-engine-test-");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = std::move(*dir);
     ASSERT_TRUE(testing::WriteTinyModel(Model("v1"), spec_).ok());
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
-  std::string Model(const std::string& name) { return (dir_ / name).string(); }
+  std::string Model(const std::string& name) { return dir_.path() + "/" + name; }
 
   std::unique_ptr<Engine> Start(EngineOptions o = {}) {
     if (o.model_dir.empty()) o.model_dir = Model("v1");
@@ -68,7 +67,7 @@ class EngineTest : public ::testing::Test {
     return r;
   }
 
-  std::filesystem::path dir_;
+  TempDir dir_;  // removed with everything in it when the test ends
   testing::TinyModelSpec spec_;
 };
 
