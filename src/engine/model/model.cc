@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 
+#include "engine/model/linear.h"
 #include "engine/str_cat.h"
 
 namespace bragg::engine {
@@ -166,29 +167,9 @@ struct Model::Impl {
     return absl::OkStatus();
   }
 
-  // y = x W^T (+ b). In deterministic mode the rows go through BLAS in tiles of exactly kTile
-  // (the last one zero-padded), so every row meets the same kernel, blocking and threading
-  // whatever it is batched with: on OpenBLAS a row's result otherwise depends on the batch size
-  // (measured: 1-8 rows differ from larger batches).
-  static constexpr int64_t kTile = 32;
   torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w,
                        const torch::Tensor& b = {}) const {
-    if (!options.deterministic) {
-      return F::linear(x, w, b);
-    }
-    int64_t rows = x.size(0);
-    int64_t tiles = (rows + kTile - 1) / kTile;
-    torch::Tensor padded = x;
-    if (tiles * kTile != rows) {
-      padded = torch::zeros({tiles * kTile, x.size(1)}, x.options());
-      padded.narrow(0, 0, rows).copy_(x);
-    }
-    std::vector<torch::Tensor> outs;
-    outs.reserve(tiles);
-    for (int64_t t = 0; t < tiles; ++t) {
-      outs.push_back(F::linear(padded.narrow(0, t * kTile, kTile), w, b));
-    }
-    return torch::cat(outs, 0).narrow(0, 0, rows);
+    return engine::Linear(x, w, b, options.deterministic);
   }
 
   // Qwen3RMSNorm: in float32, then the weight times the value cast back.
