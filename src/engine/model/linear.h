@@ -16,8 +16,8 @@ inline constexpr int64_t kDeterministicTile = 32;
 // exactly kDeterministicTile (the last one zero-padded), so every row meets the same kernel,
 // blocking and threading whatever it is batched with: on OpenBLAS a row's result otherwise
 // depends on the batch size (measured: 1-8 rows differ from larger batches). Differentiable.
-inline torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w,
-                            const torch::Tensor& b, bool deterministic) {
+inline torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                            bool deterministic) {
   namespace F = torch::nn::functional;
   if (!deterministic) {
     return F::linear(x, w, b);

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "engine/model/linear.h"
+#include "engine/model/qwen3.h"
 #include "engine/str_cat.h"
 
 namespace bragg::engine {
@@ -36,18 +37,11 @@ torch::Tensor Borrow(const TensorView& v) {
                           torch::TensorOptions().dtype(TorchDType(v.dtype)));
 }
 
-struct Layer {
-  torch::Tensor ln1, ln2;        // [H]
-  torch::Tensor wq, wk, wv, wo;  // [nh*hd, H], [kvh*hd, H] x2, [H, nh*hd]
-  torch::Tensor bq, bk, bv, bo;  // attention_bias only
-  torch::Tensor q_norm, k_norm;  // [hd]
-  bool moe = false;
-  // Gate and up projections are stored fused, [2I, H] (one GEMM instead of two); w_gate and
-  // w_up are views of its halves, which is what loading and weight updates write through.
-  torch::Tensor w_gate_up, w_gate, w_up, w_down;  // dense MLP
-  torch::Tensor router;                           // [E, H]
-  std::vector<torch::Tensor> e_gate_up, e_gate, e_up, e_down;
-  torch::Tensor k_cache, v_cache;  // [blocks * block_size, kvh, hd]
+using qwen3::Layer;
+
+// One layer's KV cache: [blocks * block_size, kvh, hd].
+struct LayerCache {
+  torch::Tensor k, v;
 };
 
 }  // namespace
@@ -57,113 +51,20 @@ struct Model::Impl {
   ModelOptions options;
   torch::Device device = torch::kCPU;
   torch::Dtype dtype = torch::kFloat32;
-  torch::Tensor embed, final_norm, lm_head;
-  std::vector<Layer> layers;
-  torch::Tensor inv_freq;  // [hd / 2] float32
-  // Every parameter by its checkpoint name, and the file dtype it was first loaded from.
-  std::map<std::string, torch::Tensor*> params;
-  std::map<std::string, TensorDType> file_dtypes;
-  std::vector<int> moe_layer_index;  // layer -> position among the MoE layers, or -1
+  qwen3::Weights w;
+  std::vector<LayerCache> cache;
 
   torch::TensorOptions opts() const { return torch::TensorOptions().dtype(dtype).device(device); }
 
-  Status LoadParam(const Checkpoint& ck, const std::string& name, std::vector<int64_t> shape,
-                   torch::Tensor* dst) {
-    BRAGG_ASSIGN_OR_RETURN(const TensorView* v, ck.Find(name));
-    if (v->shape != shape) {
-      return absl::InvalidArgumentError(Cat(
-          v->file, ": tensor ", name, " has shape [", fmt::format("{}", fmt::join(v->shape, ", ")),
-          "], the config says [", fmt::format("{}", fmt::join(shape, ", ")), "]"));
-    }
-    *dst = Borrow(*v).to(device, dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
-    params[name] = dst;
-    file_dtypes[name] = v->dtype;
-    return absl::OkStatus();
-  }
-
-  // Replaces *gate and *up ([I, H] each) by views of one [2I, H] tensor holding both.
-  static void Fuse(torch::Tensor* gate, torch::Tensor* up, torch::Tensor* fused) {
-    int64_t I = gate->size(0);
-    *fused = torch::cat({*gate, *up}, 0).contiguous();
-    *gate = fused->narrow(0, 0, I);
-    *up = fused->narrow(0, I, I);
-  }
-
-  // down(silu(gate(x)) * up(x)) with gate and up in one GEMM.
-  torch::Tensor SwiGlu(const torch::Tensor& x, const torch::Tensor& gate_up,
-                       const torch::Tensor& down) const {
-    torch::Tensor gu = Linear(x, gate_up);
-    int64_t I = gate_up.size(0) / 2;
-    return Linear(torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), down);
-  }
-
   Status Load(const Checkpoint& ck) {
+    BRAGG_RETURN_IF_ERROR(w.Load(ck, device, dtype));
     const ModelConfig& c = config;
-    int64_t H = c.hidden_size, hd = c.head_dim;
-    int64_t q_out = c.num_attention_heads * hd, kv_out = c.num_key_value_heads * hd;
-    BRAGG_RETURN_IF_ERROR(LoadParam(ck, "model.embed_tokens.weight", {c.vocab_size, H}, &embed));
-    BRAGG_RETURN_IF_ERROR(LoadParam(ck, "model.norm.weight", {H}, &final_norm));
-    if (c.tie_word_embeddings) {
-      lm_head = embed;
-    } else {
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, "lm_head.weight", {c.vocab_size, H}, &lm_head));
+    int64_t slots = options.kv_blocks * options.block_size;
+    cache.resize(c.num_hidden_layers);
+    for (LayerCache& lc : cache) {
+      lc.k = torch::zeros({slots, c.num_key_value_heads, c.head_dim}, opts());
+      lc.v = torch::zeros({slots, c.num_key_value_heads, c.head_dim}, opts());
     }
-    layers.resize(c.num_hidden_layers);
-    int moe_seen = 0;
-    for (int i = 0; i < c.num_hidden_layers; ++i) {
-      Layer& L = layers[i];
-      std::string p = Cat("model.layers.", i, ".");
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "input_layernorm.weight", {H}, &L.ln1));
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "post_attention_layernorm.weight", {H}, &L.ln2));
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.q_proj.weight", {q_out, H}, &L.wq));
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.k_proj.weight", {kv_out, H}, &L.wk));
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.v_proj.weight", {kv_out, H}, &L.wv));
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.o_proj.weight", {H, q_out}, &L.wo));
-      if (c.attention_bias) {
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.q_proj.bias", {q_out}, &L.bq));
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.k_proj.bias", {kv_out}, &L.bk));
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.v_proj.bias", {kv_out}, &L.bv));
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.o_proj.bias", {H}, &L.bo));
-      }
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.q_norm.weight", {hd}, &L.q_norm));
-      BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "self_attn.k_norm.weight", {hd}, &L.k_norm));
-      L.moe = c.is_moe_layer(i);
-      moe_layer_index.push_back(L.moe ? moe_seen++ : -1);
-      if (L.moe) {
-        int64_t I = c.moe_intermediate_size;
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.gate.weight", {c.num_experts, H}, &L.router));
-        L.e_gate.resize(c.num_experts);
-        L.e_up.resize(c.num_experts);
-        L.e_down.resize(c.num_experts);
-        for (int e = 0; e < c.num_experts; ++e) {
-          std::string q = Cat(p, "mlp.experts.", e, ".");
-          BRAGG_RETURN_IF_ERROR(LoadParam(ck, q + "gate_proj.weight", {I, H}, &L.e_gate[e]));
-          BRAGG_RETURN_IF_ERROR(LoadParam(ck, q + "up_proj.weight", {I, H}, &L.e_up[e]));
-          BRAGG_RETURN_IF_ERROR(LoadParam(ck, q + "down_proj.weight", {H, I}, &L.e_down[e]));
-        }
-        L.e_gate_up.resize(c.num_experts);
-        for (int e = 0; e < c.num_experts; ++e) {
-          Fuse(&L.e_gate[e], &L.e_up[e], &L.e_gate_up[e]);
-        }
-      } else {
-        int64_t I = c.intermediate_size;
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.gate_proj.weight", {I, H}, &L.w_gate));
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.up_proj.weight", {I, H}, &L.w_up));
-        BRAGG_RETURN_IF_ERROR(LoadParam(ck, p + "mlp.down_proj.weight", {H, I}, &L.w_down));
-        Fuse(&L.w_gate, &L.w_up, &L.w_gate_up);
-      }
-      int64_t slots = options.kv_blocks * options.block_size;
-      L.k_cache = torch::zeros({slots, c.num_key_value_heads, hd}, opts());
-      L.v_cache = torch::zeros({slots, c.num_key_value_heads, hd}, opts());
-    }
-    // As transformers computes it: 1 / theta^(arange(0, hd, 2) / hd), in float32.
-    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-    torch::Tensor exponent =
-        torch::arange(0, hd, 2, torch::TensorOptions().dtype(torch::kInt64)).to(torch::kFloat32) /
-        static_cast<float>(hd);
-    inv_freq = (1.0 / torch::pow(torch::tensor(static_cast<float>(c.rope_theta), f32), exponent))
-                   .to(torch::kFloat32)
-                   .to(device);
     return absl::OkStatus();
   }
 
@@ -172,62 +73,8 @@ struct Model::Impl {
     return engine::Linear(x, w, b, options.deterministic);
   }
 
-  // Qwen3RMSNorm: in float32, then the weight times the value cast back.
-  torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w) const {
-    torch::Tensor h = x.to(torch::kFloat32);
-    torch::Tensor var = h.pow(2).mean(-1, /*keepdim=*/true);
-    h = h * torch::rsqrt(var + config.rms_norm_eps);
-    return w * h.to(x.scalar_type());
-  }
-
-  // x: [T, heads, hd]; cos/sin: [T, hd] in x's dtype.
-  static torch::Tensor Rope(const torch::Tensor& x, const torch::Tensor& cos,
-                            const torch::Tensor& sin) {
-    int64_t half = x.size(-1) / 2;
-    torch::Tensor x1 = x.index({"...", Slice(0, half)});
-    torch::Tensor x2 = x.index({"...", Slice(half, torch::indexing::None)});
-    torch::Tensor rotated = torch::cat({-x2, x1}, -1);
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
-  }
-
-  torch::Tensor Mlp(const Layer& L, const torch::Tensor& x) const {
-    return SwiGlu(x, L.w_gate_up, L.w_down);
-  }
-
-  // Qwen3MoeSparseMoeBlock: softmax router in float32, top-k, optional renormalisation, experts
-  // weighted and summed. `experts_out` gets the chosen ids [T, top_k].
-  torch::Tensor Moe(const Layer& L, const torch::Tensor& x, torch::Tensor* experts_out) const {
-    const ModelConfig& c = config;
-    torch::Tensor logits = Linear(x, L.router);
-    torch::Tensor probs = torch::softmax(logits.to(torch::kFloat32), -1);
-    auto [w, idx] = torch::topk(probs, c.num_experts_per_tok, -1);
-    if (c.norm_topk_prob) {
-      w = w / w.sum(-1, /*keepdim=*/true);
-    }
-    w = w.to(x.scalar_type());
-    *experts_out = idx;
-    torch::Tensor out = torch::zeros_like(x);
-    torch::Tensor flat = idx.reshape({-1});
-    torch::Tensor order = torch::argsort(flat);
-    torch::Tensor counts = torch::bincount(flat, {}, c.num_experts).cpu();
-    const int64_t* cnt = counts.data_ptr<int64_t>();
-    int64_t k = c.num_experts_per_tok;
-    int64_t offset = 0;
-    torch::Tensor flat_w = w.reshape({-1});
-    for (int e = 0; e < c.num_experts; ++e) {
-      int64_t n = cnt[e];
-      if (n == 0) {
-        continue;
-      }
-      torch::Tensor sel = order.index({Slice(offset, offset + n)});
-      offset += n;
-      torch::Tensor rows = torch::div(sel, k, "floor");
-      torch::Tensor xe = x.index_select(0, rows);
-      torch::Tensor ye = SwiGlu(xe, L.e_gate_up[e], L.e_down[e]);
-      ye = ye * flat_w.index_select(0, sel).unsqueeze(1);
-      out.index_add_(0, rows, ye);
-    }
-    return out;
+  torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight) const {
+    return qwen3::RmsNorm(x, weight, config.rms_norm_eps);
   }
 
   // Causal attention of one chunk's queries over its sequence's cached keys and values.
@@ -236,13 +83,13 @@ struct Model::Impl {
   // temporaries per layer, each served by fresh pages (a third of a long prefill went to page
   // faults and zeroing).
   static constexpr int64_t kScoreBytes = int64_t{4} << 20;
-  torch::Tensor AttendOne(const Layer& L, const torch::Tensor& q, const torch::Tensor& slots,
+  torch::Tensor AttendOne(const LayerCache& L, const torch::Tensor& q, const torch::Tensor& slots,
                           int64_t start) const {
     const ModelConfig& c = config;
     int64_t n = q.size(0), len = slots.size(0);
     int64_t kvh = c.num_key_value_heads, g = c.num_attention_heads / kvh, hd = c.head_dim;
-    torch::Tensor k = L.k_cache.index_select(0, slots).permute({1, 2, 0});  // [kvh, hd, len]
-    torch::Tensor v = L.v_cache.index_select(0, slots).permute({1, 0, 2});  // [kvh, len, hd]
+    torch::Tensor k = L.k.index_select(0, slots).permute({1, 2, 0});  // [kvh, hd, len]
+    torch::Tensor v = L.v.index_select(0, slots).permute({1, 0, 2});  // [kvh, len, hd]
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     int64_t step = std::max<int64_t>(1, kScoreBytes / (kvh * g * len * 4));
     std::vector<torch::Tensor> outs;
@@ -266,85 +113,15 @@ struct Model::Impl {
     return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
   }
 
-  // Attention with a fixed order of every sum, one (query, head) per work item: the same result
-  // for a query whether it comes in a prefill chunk or a decode step, alone or batched, on any
-  // thread count. Scores and the softmax in float32, keys in position order; dot products with
-  // eight partial sums combined in a fixed tree. q: [T, nh, hd] (any dtype); returns [T, nh*hd].
-  template <typename S>
-  torch::Tensor AttendExactT(const Layer& L, const torch::Tensor& q,
-                             const std::vector<int64_t>& row_chunk,
-                             const std::vector<int64_t>& row_pos,
-                             const std::vector<torch::Tensor>& seq_slots) const {
-    const ModelConfig& c = config;
-    const int64_t T = q.size(0), nh = c.num_attention_heads, kvh = c.num_key_value_heads;
-    const int64_t g = nh / kvh, hd = c.head_dim;
-    torch::Tensor qf = q.to(torch::kFloat32).contiguous();
-    torch::Tensor out = torch::empty({T, nh * hd}, torch::TensorOptions().dtype(torch::kFloat32));
-    const float* qp = qf.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const S* kp = L.k_cache.data_ptr<S>();
-    const S* vp = L.v_cache.data_ptr<S>();
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    at::parallel_for(0, T * nh, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<float> kf(hd);
-      for (int64_t item = begin; item < end; ++item) {
-        int64_t row = item / nh, h = item % nh, kh = h / g;
-        const int64_t* slots = seq_slots[row_chunk[row]].data_ptr<int64_t>();
-        int64_t len = row_pos[row] + 1;
-        const float* qv = qp + (row * nh + h) * hd;
-        scores.resize(len);
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < len; ++l) {
-          const S* kv = kp + (slots[l] * kvh + kh) * hd;
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t d = 0;
-          for (; d + 8 <= hd; d += 8) {
-            for (int i = 0; i < 8; ++i) acc[i] += qv[d + i] * static_cast<float>(kv[d + i]);
-          }
-          for (; d < hd; ++d) acc[d % 8] += qv[d] * static_cast<float>(kv[d]);
-          float s =
-              (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) *
-              scale;
-          scores[l] = s;
-          m = std::max(m, s);
-        }
-        float sum = 0;
-        for (int64_t l = 0; l < len; ++l) {
-          scores[l] = std::exp(scores[l] - m);
-          sum += scores[l];
-        }
-        float* o = op + (row * nh + h) * hd;
-        std::fill(o, o + hd, 0.0f);
-        for (int64_t l = 0; l < len; ++l) {
-          const S* vv = vp + (slots[l] * kvh + kh) * hd;
-          float p = scores[l] / sum;
-          for (int64_t d2 = 0; d2 < hd; ++d2) o[d2] += p * static_cast<float>(vv[d2]);
-        }
-      }
-    });
-    return out.to(q.scalar_type());
-  }
-
-  torch::Tensor AttendExact(const Layer& L, const torch::Tensor& q,
-                            const std::vector<int64_t>& row_chunk,
-                            const std::vector<int64_t>& row_pos,
-                            const std::vector<torch::Tensor>& seq_slots) const {
-    if (dtype == torch::kBFloat16) {
-      return AttendExactT<c10::BFloat16>(L, q, row_chunk, row_pos, seq_slots);
-    }
-    return AttendExactT<float>(L, q, row_chunk, row_pos, seq_slots);
-  }
-
   // Decode steps of several sequences at once (one query each), keys padded to the longest.
   // q: [B, nh, hd]; slots: [B, maxlen] (padding: any valid slot); lens: [B].
-  torch::Tensor AttendDecode(const Layer& L, const torch::Tensor& q, const torch::Tensor& slots,
-                             const torch::Tensor& lens) const {
+  torch::Tensor AttendDecode(const LayerCache& L, const torch::Tensor& q,
+                             const torch::Tensor& slots, const torch::Tensor& lens) const {
     const ModelConfig& c = config;
     int64_t B = q.size(0), maxlen = slots.size(1);
     int64_t kvh = c.num_key_value_heads, g = c.num_attention_heads / kvh, hd = c.head_dim;
-    torch::Tensor k = L.k_cache.index_select(0, slots.reshape({-1})).view({B, maxlen, kvh, hd});
-    torch::Tensor v = L.v_cache.index_select(0, slots.reshape({-1})).view({B, maxlen, kvh, hd});
+    torch::Tensor k = L.k.index_select(0, slots.reshape({-1})).view({B, maxlen, kvh, hd});
+    torch::Tensor v = L.v.index_select(0, slots.reshape({-1})).view({B, maxlen, kvh, hd});
     torch::Tensor qh = q.view({B, kvh, g, hd});
     torch::Tensor scores = torch::matmul(qh, k.permute({0, 2, 3, 1})) *
                            (1.0 / std::sqrt(static_cast<double>(hd)));  // [B, kvh, g, maxlen]
@@ -423,9 +200,7 @@ struct Model::Impl {
     pos = pos.to(device);
     slot = slot.to(device);
 
-    torch::Tensor freqs = pos.to(torch::kFloat32).unsqueeze(1) * inv_freq.unsqueeze(0);
-    torch::Tensor emb = torch::cat({freqs, freqs}, -1);
-    torch::Tensor cos = emb.cos().to(dtype), sin = emb.sin().to(dtype);
+    auto [cos, sin] = qwen3::RopeTables(pos, w.inv_freq, dtype);
 
     torch::Tensor decode_slots, decode_lens;
     if (all_decode) {
@@ -442,29 +217,30 @@ struct Model::Impl {
     }
 
     const int64_t nh = c.num_attention_heads, kvh = c.num_key_value_heads, hd = c.head_dim;
-    torch::Tensor h = embed.index_select(0, ids);
+    torch::Tensor h = w.embed.index_select(0, ids);
     std::vector<torch::Tensor> experts;
-    for (size_t li = 0; li < layers.size(); ++li) {
-      Layer& L = layers[li];
+    for (size_t li = 0; li < w.layers.size(); ++li) {
+      const Layer& L = w.layers[li];
+      LayerCache& lc = cache[li];
       torch::Tensor x = RmsNorm(h, L.ln1);
       torch::Tensor q = Linear(x, L.wq, L.bq).view({T, nh, hd});
       torch::Tensor k = Linear(x, L.wk, L.bk).view({T, kvh, hd});
       torch::Tensor v = Linear(x, L.wv, L.bv).view({T, kvh, hd});
-      q = Rope(RmsNorm(q, L.q_norm), cos, sin);
-      k = Rope(RmsNorm(k, L.k_norm), cos, sin);
-      L.k_cache.index_copy_(0, slot, k);
-      L.v_cache.index_copy_(0, slot, v);
+      q = qwen3::Rope(RmsNorm(q, L.q_norm), cos, sin);
+      k = qwen3::Rope(RmsNorm(k, L.k_norm), cos, sin);
+      lc.k.index_copy_(0, slot, k);
+      lc.v.index_copy_(0, slot, v);
       torch::Tensor attn;
       if (options.deterministic) {
-        attn = AttendExact(L, q, row_chunk, row_pos, seq_slots);
+        attn = qwen3::AttendExact(c, lc.k, lc.v, q, row_chunk, row_pos, seq_slots);
       } else if (all_decode) {
-        attn = AttendDecode(L, q, decode_slots, decode_lens);
+        attn = AttendDecode(lc, q, decode_slots, decode_lens);
       } else {
         std::vector<torch::Tensor> parts;
         for (size_t i = 0; i < chunks.size(); ++i) {
           int64_t n = static_cast<int64_t>(chunks[i].tokens.size());
           parts.push_back(
-              AttendOne(L, q.narrow(0, row_begin[i], n), seq_slots[i], chunks[i].start));
+              AttendOne(lc, q.narrow(0, row_begin[i], n), seq_slots[i], chunks[i].start));
         }
         attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
       }
@@ -472,15 +248,15 @@ struct Model::Impl {
       x = RmsNorm(h, L.ln2);
       if (L.moe) {
         torch::Tensor idx;
-        h = h + Moe(L, x, &idx);
+        h = h + qwen3::Moe(c, L, x, options.deterministic, &idx);
         experts.push_back(idx.to(torch::kInt32));
       } else {
-        h = h + Mlp(L, x);
+        h = h + qwen3::SwiGlu(x, L.w_gate_up, L.w_down, options.deterministic);
       }
     }
     torch::Tensor rows = torch::tensor(logit_rows, i64).to(device);
-    torch::Tensor hs = RmsNorm(h.index_select(0, rows), final_norm);
-    torch::Tensor logits = Linear(hs, lm_head).to(torch::kFloat32).contiguous().cpu();
+    torch::Tensor hs = RmsNorm(h.index_select(0, rows), w.final_norm);
+    torch::Tensor logits = Linear(hs, w.lm_head).to(torch::kFloat32).contiguous().cpu();
     out->logits.assign(logits.data_ptr<float>(), logits.data_ptr<float>() + logits.numel());
     out->experts.clear();
     if (!experts.empty()) {
@@ -570,12 +346,12 @@ Status Model::CheckUpdate(const Checkpoint& ck) const {
   BRAGG_RETURN_IF_ERROR(same("rope_theta", a.rope_theta, b.rope_theta));
   BRAGG_RETURN_IF_ERROR(same("norm_topk_prob", a.norm_topk_prob, b.norm_topk_prob));
   for (const auto& [name, view] : ck.tensors()) {
-    if (!impl_->params.contains(name) && !(a.tie_word_embeddings && name == "lm_head.weight")) {
+    if (!impl_->w.params.contains(name) && !(a.tie_word_embeddings && name == "lm_head.weight")) {
       return absl::InvalidArgumentError(
           Cat(view.file, ": tensor ", name, " is not a parameter of the running model"));
     }
   }
-  for (const auto& [name, param] : impl_->params) {
+  for (const auto& [name, param] : impl_->w.params) {
     BRAGG_ASSIGN_OR_RETURN(const TensorView* v, ck.Find(name));
     std::vector<int64_t> want = param->sizes().vec();
     if (v->shape != want) {
@@ -583,7 +359,7 @@ Status Model::CheckUpdate(const Checkpoint& ck) const {
           v->file, ": tensor ", name, " has shape [", fmt::format("{}", fmt::join(v->shape, ", ")),
           "], the running model's is [", fmt::format("{}", fmt::join(want, ", ")), "]"));
     }
-    TensorDType was = impl_->file_dtypes.at(name);
+    TensorDType was = impl_->w.file_dtypes.at(name);
     if (v->dtype != was) {
       return absl::InvalidArgumentError(
           Cat(v->file, ": tensor ", name, " is ", TensorDTypeName(v->dtype),
@@ -595,7 +371,7 @@ Status Model::CheckUpdate(const Checkpoint& ck) const {
 
 void Model::ApplyUpdate(const Checkpoint& ck) {
   c10::InferenceMode guard;
-  for (auto& [name, param] : impl_->params) {
+  for (auto& [name, param] : impl_->w.params) {
     const TensorView* v = *ck.Find(name);
     param->copy_(Borrow(*v));
   }
