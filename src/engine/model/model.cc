@@ -1,8 +1,6 @@
 #include "engine/model/model.h"
 
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
-#include <malloc.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -286,21 +284,7 @@ Result<std::unique_ptr<Model>> Model::Load(const Checkpoint& ck, const ModelOpti
   if (options.kv_blocks <= 0 || options.block_size <= 0) {
     return absl::InvalidArgumentError("the KV cache needs at least one block");
   }
-  if (options.threads > 0) {
-    torch::set_num_threads(options.threads);
-  }
-  // Keep freed tensor memory in the heap: glibc otherwise maps every allocation over its
-  // (adaptive) threshold fresh and returns it on free, and each forward step pays page faults
-  // and zeroing for its temporaries again.
-  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  ::mallopt(M_TRIM_THRESHOLD, 512 << 20);
-  // Torch parallelises around BLAS calls with its own threads; a multi-threaded OpenBLAS under
-  // them oversubscribes the cores (its idle threads spin in sched_yield: measured as 40% of a
-  // decode step's time on 2 cores). OpenBLAS runs single-threaded inside the engine.
-  using SetThreads = void (*)(int);
-  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    set(1);
-  }
+  qwen3::ConfigureCpuRuntime(options.threads);
   BRAGG_RETURN_IF_ERROR(impl->Load(ck));
   return std::unique_ptr<Model>(new Model(std::move(impl)));
 }

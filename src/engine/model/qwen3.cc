@@ -1,6 +1,8 @@
 #include "engine/model/qwen3.h"
 
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
+#include <malloc.h>
 
 #include <cmath>
 #include <limits>
@@ -136,6 +138,18 @@ Status Weights::Load(const Checkpoint& ck, torch::Device dev, torch::Dtype dt) {
                  .to(torch::kFloat32)
                  .to(device);
   return absl::OkStatus();
+}
+
+void ConfigureCpuRuntime(int threads) {
+  if (threads > 0) {
+    torch::set_num_threads(threads);
+  }
+  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  using SetThreads = void (*)(int);
+  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set(1);
+  }
 }
 
 int Weights::num_moe_layers() const {

@@ -55,6 +55,14 @@ struct Weights {
   int num_moe_layers() const;
 };
 
+// Process-wide settings for torch on the CPU, as the engine and the trainer both want them:
+// `threads` intra-op threads (0: torch's default), OpenBLAS single-threaded under them (torch
+// parallelises around BLAS calls; a multi-threaded OpenBLAS under them oversubscribes the cores:
+// its idle threads spin in sched_yield, measured as 40% of a decode step on 2 cores), and freed
+// tensor memory kept in the heap (glibc otherwise maps each large temporary fresh and returns it
+// on free, and every step pays page faults and zeroing again).
+void ConfigureCpuRuntime(int threads);
+
 // Qwen3RMSNorm: in float32, then the weight times the value cast back.
 torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 

@@ -1,0 +1,736 @@
+#include "train/trainer.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+
+#include "common/fs.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/linear.h"
+#include "engine/model/qwen3.h"
+#include "engine/str_cat.h"
+#include "pack/plan.h"
+#include "train/kernels/linear_cross_entropy.h"
+#include "train/optim/offload_adamw.h"
+#include "train/safetensors_writer.h"
+
+namespace bragg::train {
+namespace {
+
+using engine::Cat;
+using engine::ModelConfig;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+namespace qwen3 = engine::qwen3;
+
+// Causal attention of one trace's queries over its own keys, in plain torch ops (autograd
+// differentiates it). q: [n, nh, hd]; k, v: [n, kvh, hd]; returns [n, nh * hd]. Scores and the
+// softmax in float32, as the engine's kernels.
+torch::Tensor AttendTrace(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t n = q.size(0), nh = q.size(1), hd = q.size(2), kvh = k.size(1), g = nh / kvh;
+  torch::Tensor qh = q.reshape({n, kvh, g, hd}).permute({1, 2, 0, 3});  // [kvh, g, n, hd]
+  torch::Tensor kh = k.permute({1, 2, 0}).unsqueeze(1);                 // [kvh, 1, hd, n]
+  torch::Tensor scores =
+      torch::matmul(qh.to(torch::kFloat32), kh.to(torch::kFloat32)) / std::sqrt(double(hd));
+  torch::Tensor mask =
+      torch::ones({n, n}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  torch::Tensor probs = torch::softmax(scores, -1);
+  torch::Tensor o =
+      torch::matmul(probs, v.permute({1, 0, 2}).unsqueeze(1).to(torch::kFloat32));  // [kvh,g,n,hd]
+  return o.permute({2, 0, 1, 3}).reshape({n, nh * hd}).to(q.scalar_type());
+}
+
+// The engine's exact attention kernel (qwen3::AttendExact) as an autograd function over a
+// packed row: forward is the kernel itself, so a trace's attention output is the engine's bit
+// for bit; backward recomputes each trace with AttendTrace and differentiates that (the same
+// function up to rounding).
+class ExactAttention : public torch::autograd::Function<ExactAttention> {
+ public:
+  // spans: [begin0, len0, begin1, len1, ...] of the traces in the row.
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor q, torch::Tensor k,
+                               torch::Tensor v, const ModelConfig* config,
+                               std::vector<int64_t> spans) {
+    std::vector<int64_t> row_seq(q.size(0)), row_pos(q.size(0));
+    std::vector<torch::Tensor> seq_slots;
+    for (size_t s = 0; s < spans.size(); s += 2) {
+      int64_t begin = spans[s], len = spans[s + 1];
+      for (int64_t i = 0; i < len; ++i) {
+        row_seq[begin + i] = static_cast<int64_t>(seq_slots.size());
+        row_pos[begin + i] = i;
+      }
+      seq_slots.push_back(torch::arange(begin, begin + len, torch::kInt64));
+    }
+    ctx->save_for_backward({q, k, v});
+    ctx->saved_data["spans"] = spans;
+    return qwen3::AttendExact(*config, k.contiguous(), v.contiguous(), q, row_seq, row_pos,
+                              seq_slots);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    std::vector<int64_t> spans = ctx->saved_data["spans"].toIntVector();
+    torch::Tensor go = grads[0];
+    torch::Tensor dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
+    torch::AutoGradMode enable(true);
+    for (size_t s = 0; s < spans.size(); s += 2) {
+      int64_t begin = spans[s], len = spans[s + 1];
+      torch::Tensor qs = q.narrow(0, begin, len).detach().requires_grad_(true);
+      torch::Tensor ks = k.narrow(0, begin, len).detach().requires_grad_(true);
+      torch::Tensor vs = v.narrow(0, begin, len).detach().requires_grad_(true);
+      torch::Tensor o = AttendTrace(qs, ks, vs);
+      variable_list d = torch::autograd::grad({o}, {qs, ks, vs}, {go.narrow(0, begin, len)});
+      dq.narrow(0, begin, len).copy_(d[0]);
+      dk.narrow(0, begin, len).copy_(d[1]);
+      dv.narrow(0, begin, len).copy_(d[2]);
+    }
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// One micro-batch: trajectories packed into one THD row. Each trace contributes its tokens but
+// the last (the last token predicts nothing), at positions 0..n-2.
+struct PackedRow {
+  std::vector<size_t> members;  // indices into the batch
+  std::vector<int64_t> begin;   // per member: its first row in the packed tensors
+  int64_t tokens = 0;
+};
+
+struct Forwarded {
+  torch::Tensor hidden;                // [T, H] after the final norm
+  std::vector<torch::Tensor> experts;  // per MoE layer, int64 [T, top_k]
+};
+
+}  // namespace
+
+Result<Objective> ParseObjective(std::string_view name) {
+  if (name == "grpo") return Objective::kGrpo;
+  if (name == "sft") return Objective::kSft;
+  return absl::InvalidArgumentError(Cat("unknown objective \"", name, "\" (grpo or sft)"));
+}
+
+struct Trainer::Impl {
+  TrainOptions options;
+  engine::Checkpoint checkpoint;  // the loaded model's files (config, tensor dtypes)
+  qwen3::Weights w;
+  std::unique_ptr<qwen3::Weights> reference;
+  std::unique_ptr<OffloadAdamW> optimizer;
+  int64_t step = 0;
+  int64_t version = 0;
+
+  const ModelConfig& config() const { return w.config; }
+  int top_k() const { return config().num_experts_per_tok; }
+
+  Status CheckBatch(std::span<const Trajectory> batch) const {
+    if (batch.empty()) {
+      return absl::InvalidArgumentError("an empty batch: nothing to train on");
+    }
+    std::set<std::string> ids;
+    bool any_experts = false, all_experts = true;
+    for (const Trajectory& t : batch) {
+      BRAGG_RETURN_IF_ERROR(
+          Validate(t, config().vocab_size, w.num_moe_layers(), top_k(), config().num_experts));
+      if (!ids.insert(t.id).second) {
+        return absl::InvalidArgumentError(Cat("trajectory ", t.id, " appears twice in the batch"));
+      }
+      any_experts = any_experts || !t.routed_experts.empty();
+      all_experts = all_experts && !t.routed_experts.empty();
+    }
+    if (any_experts && !all_experts) {
+      return absl::InvalidArgumentError(
+          "some trajectories carry routed_experts and some do not: router replay needs them all");
+    }
+    return absl::OkStatus();
+  }
+
+  // bragg_pack's plan of `members` into micro-batches of at most options.max_tokens tokens.
+  Result<std::vector<PackedRow>> Plan(std::span<const Trajectory> batch,
+                                      const std::vector<size_t>& members) const {
+    std::vector<pack::Trace> traces;
+    traces.reserve(members.size());
+    for (size_t i : members) {
+      const Trajectory& t = batch[i];
+      pack::Trace tr;
+      tr.id = static_cast<int64_t>(i);
+      tr.length = static_cast<int64_t>(t.tokens.size()) - 1;
+      tr.loss_tokens = std::accumulate(t.loss_mask.begin() + 1, t.loss_mask.end(), int64_t{0});
+      if (tr.length > options.max_tokens) {
+        return absl::InvalidArgumentError(Cat("trajectory ", t.id, " has ", t.tokens.size(),
+                                              " tokens; a micro-batch holds ", options.max_tokens,
+                                              " (raise --max-tokens)"));
+      }
+      traces.push_back(tr);
+    }
+    pack::PackConfig pc;
+    pc.dp = 1;
+    pc.max_tokens = options.max_tokens;
+    BRAGG_ASSIGN_OR_RETURN(pack::Plan plan, pack::PlanPacking(traces, pc));
+    std::vector<PackedRow> rows;
+    std::vector<bool> covered(batch.size(), false);
+    for (const pack::MicroBatch& mb : plan.ranks.at(0).micro_batches) {
+      for (const pack::Row& r : mb.rows) {
+        PackedRow row;
+        for (int64_t id : r.trace_ids) {
+          size_t i = static_cast<size_t>(id);
+          if (i >= batch.size() || covered[i]) {
+            return absl::InternalError(Cat("the packing plan names trace ", id, " wrongly"));
+          }
+          covered[i] = true;
+          row.members.push_back(i);
+          row.begin.push_back(row.tokens);
+          row.tokens += static_cast<int64_t>(batch[i].tokens.size()) - 1;
+        }
+        if (!row.members.empty()) {
+          rows.push_back(std::move(row));
+        }
+      }
+    }
+    for (size_t i : members) {
+      if (!covered[i]) {
+        return absl::InternalError(Cat("the packing plan leaves out trajectory ", batch[i].id));
+      }
+    }
+    return rows;
+  }
+
+  // The model over a packed row (autograd on when grad mode is).
+  Forwarded Forward(const qwen3::Weights& m, std::span<const Trajectory> batch,
+                    const PackedRow& row, bool replay) const {
+    const ModelConfig& c = m.config;
+    const int64_t T = row.tokens;
+    auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+    torch::Tensor ids = torch::empty({T}, i64), pos = torch::empty({T}, i64);
+    int64_t* pid = ids.data_ptr<int64_t>();
+    int64_t* ppos = pos.data_ptr<int64_t>();
+    std::vector<int64_t> spans;
+    const int moe_layers = m.num_moe_layers();
+    const int k = c.num_experts_per_tok;
+    std::vector<torch::Tensor> replays;
+    if (replay) {
+      for (int l = 0; l < moe_layers; ++l) {
+        replays.push_back(torch::empty({T, k}, i64));
+      }
+    }
+    for (size_t j = 0; j < row.members.size(); ++j) {
+      const Trajectory& t = batch[row.members[j]];
+      int64_t n = static_cast<int64_t>(t.tokens.size()) - 1, b = row.begin[j];
+      for (int64_t i = 0; i < n; ++i) {
+        pid[b + i] = t.tokens[i];
+        ppos[b + i] = i;
+        for (int l = 0; l < static_cast<int>(replays.size()); ++l) {
+          int64_t* r = replays[l].data_ptr<int64_t>() + (b + i) * k;
+          const int32_t* src = t.routed_experts.data() + (i * moe_layers + l) * k;
+          for (int e = 0; e < k; ++e) {
+            r[e] = src[e];
+          }
+        }
+      }
+      spans.push_back(b);
+      spans.push_back(n);
+    }
+    ids = ids.to(m.device);
+    pos = pos.to(m.device);
+    auto [cos, sin] = qwen3::RopeTables(pos, m.inv_freq, m.dtype);
+    const bool det = options.deterministic;
+    const int64_t nh = c.num_attention_heads, kvh = c.num_key_value_heads, hd = c.head_dim;
+    Forwarded out;
+    torch::Tensor h = m.embed.index_select(0, ids);
+    for (size_t li = 0; li < m.layers.size(); ++li) {
+      const qwen3::Layer& L = m.layers[li];
+      torch::Tensor x = qwen3::RmsNorm(h, L.ln1, c.rms_norm_eps);
+      torch::Tensor q = engine::Linear(x, L.wq, L.bq, det).view({T, nh, hd});
+      torch::Tensor kk = engine::Linear(x, L.wk, L.bk, det).view({T, kvh, hd});
+      torch::Tensor v = engine::Linear(x, L.wv, L.bv, det).view({T, kvh, hd});
+      q = qwen3::Rope(qwen3::RmsNorm(q, L.q_norm, c.rms_norm_eps), cos, sin);
+      kk = qwen3::Rope(qwen3::RmsNorm(kk, L.k_norm, c.rms_norm_eps), cos, sin);
+      torch::Tensor attn;
+      if (det) {
+        attn = ExactAttention::apply(q, kk, v, &c, spans);
+      } else {
+        std::vector<torch::Tensor> parts;
+        for (size_t s = 0; s < spans.size(); s += 2) {
+          parts.push_back(AttendTrace(q.narrow(0, spans[s], spans[s + 1]),
+                                      kk.narrow(0, spans[s], spans[s + 1]),
+                                      v.narrow(0, spans[s], spans[s + 1])));
+        }
+        attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
+      }
+      h = h + engine::Linear(attn, L.wo, L.bo, det);
+      x = qwen3::RmsNorm(h, L.ln2, c.rms_norm_eps);
+      if (L.moe) {
+        torch::Tensor idx;
+        int ml = m.moe_layer_index[li];
+        h = h + qwen3::Moe(c, L, x, det, &idx, replay ? &replays[ml] : nullptr);
+        out.experts.push_back(idx);
+      } else {
+        h = h + qwen3::SwiGlu(x, L.w_gate_up, L.w_down, det);
+      }
+    }
+    out.hidden = qwen3::RmsNorm(h, m.final_norm, c.rms_norm_eps);
+    return out;
+  }
+
+  torch::Tensor Labels(std::span<const Trajectory> batch, const PackedRow& row) const {
+    torch::Tensor labels = torch::empty({row.tokens}, torch::kInt64);
+    int64_t* p = labels.data_ptr<int64_t>();
+    for (size_t j = 0; j < row.members.size(); ++j) {
+      const Trajectory& t = batch[row.members[j]];
+      for (size_t i = 1; i < t.tokens.size(); ++i) {
+        p[row.begin[j] + static_cast<int64_t>(i) - 1] = t.tokens[i];
+      }
+    }
+    return labels;
+  }
+
+  LinearCrossEntropyOptions LceOptions() const {
+    LinearCrossEntropyOptions o;
+    o.token_chunk = options.lce_token_chunk;
+    o.temperature = options.temperature;
+    o.deterministic = options.deterministic;
+    return o;
+  }
+
+  // Log-probs [T] (and entropy) of the row's labels under `m`.
+  LinearCrossEntropyOutput TokenLogProbs(const qwen3::Weights& m, std::span<const Trajectory> batch,
+                                         const PackedRow& row, bool replay,
+                                         std::vector<torch::Tensor>* experts = nullptr) const {
+    Forwarded f = Forward(m, batch, row, replay);
+    if (experts != nullptr) {
+      *experts = f.experts;
+    }
+    return LinearCrossEntropy(f.hidden, m.lm_head, Labels(batch, row).to(m.device), LceOptions());
+  }
+
+  std::vector<size_t> All(size_t n) const {
+    std::vector<size_t> v(n);
+    std::iota(v.begin(), v.end(), 0);
+    return v;
+  }
+
+  Result<std::vector<std::vector<float>>> LogProbs(std::span<const Trajectory> batch) {
+    BRAGG_RETURN_IF_ERROR(CheckBatch(batch));
+    torch::NoGradGuard no_grad;
+    BRAGG_ASSIGN_OR_RETURN(std::vector<PackedRow> rows, Plan(batch, All(batch.size())));
+    std::vector<std::vector<float>> out(batch.size());
+    bool replay = !batch[0].routed_experts.empty();
+    for (const PackedRow& row : rows) {
+      torch::Tensor lp = TokenLogProbs(w, batch, row, replay).logprobs.cpu().contiguous();
+      const float* p = lp.data_ptr<float>();
+      for (size_t j = 0; j < row.members.size(); ++j) {
+        const Trajectory& t = batch[row.members[j]];
+        std::vector<float>& v = out[row.members[j]];
+        v.assign(t.tokens.size(), 0.0f);
+        std::copy(p + row.begin[j], p + row.begin[j] + t.tokens.size() - 1, v.begin() + 1);
+      }
+    }
+    return out;
+  }
+
+  Result<std::vector<std::vector<int32_t>>> RoutedExperts(std::span<const Trajectory> batch) {
+    BRAGG_RETURN_IF_ERROR(CheckBatch(batch));
+    torch::NoGradGuard no_grad;
+    std::vector<std::vector<int32_t>> out(batch.size());
+    if (config().num_experts == 0) {
+      return out;
+    }
+    BRAGG_ASSIGN_OR_RETURN(std::vector<PackedRow> rows, Plan(batch, All(batch.size())));
+    for (const PackedRow& row : rows) {
+      Forwarded f = Forward(w, batch, row, /*replay=*/false);
+      torch::Tensor e = torch::stack(f.experts, 1).to(torch::kInt32).cpu().contiguous();
+      const int64_t per = e.size(1) * e.size(2);
+      const int32_t* p = e.data_ptr<int32_t>();
+      for (size_t j = 0; j < row.members.size(); ++j) {
+        int64_t n = static_cast<int64_t>(batch[row.members[j]].tokens.size()) - 1;
+        out[row.members[j]].assign(p + row.begin[j] * per, p + (row.begin[j] + n) * per);
+      }
+    }
+    return out;
+  }
+
+  // Per-token tensors of a row: mask (float, 1 where the label carries loss), behaviour
+  // log-probs, advantages and proximal log-probs (when given per trajectory).
+  struct RowTargets {
+    torch::Tensor mask, behaviour, advantage, proximal;
+  };
+  RowTargets Targets(std::span<const Trajectory> batch, const PackedRow& row,
+                     const std::vector<double>& adv,
+                     const std::vector<std::vector<float>>* proximal) const {
+    RowTargets r;
+    r.mask = torch::zeros({row.tokens}, torch::kFloat32);
+    r.behaviour = torch::zeros({row.tokens}, torch::kFloat32);
+    r.advantage = torch::zeros({row.tokens}, torch::kFloat32);
+    if (proximal != nullptr) {
+      r.proximal = torch::zeros({row.tokens}, torch::kFloat32);
+    }
+    float* m = r.mask.data_ptr<float>();
+    float* b = r.behaviour.data_ptr<float>();
+    float* a = r.advantage.data_ptr<float>();
+    for (size_t j = 0; j < row.members.size(); ++j) {
+      size_t idx = row.members[j];
+      const Trajectory& t = batch[idx];
+      for (size_t i = 1; i < t.tokens.size(); ++i) {
+        int64_t at = row.begin[j] + static_cast<int64_t>(i) - 1;
+        m[at] = t.loss_mask[i];
+        b[at] = t.loss_mask[i] ? t.logprobs[i] : 0.0f;
+        a[at] = static_cast<float>(adv[idx]);
+        if (proximal != nullptr) {
+          r.proximal.data_ptr<float>()[at] = (*proximal)[idx][i];
+        }
+      }
+    }
+    return r;
+  }
+
+  Result<StepMetrics> Step(std::span<const Trajectory> batch) {
+    auto t0 = std::chrono::steady_clock::now();
+    BRAGG_RETURN_IF_ERROR(CheckBatch(batch));
+    const bool grpo = options.objective == Objective::kGrpo;
+    const bool replay = !batch[0].routed_experts.empty();
+    std::vector<double> adv = GroupAdvantages(batch, options.normalize_std);
+    StepMetrics mt;
+    mt.trajectories = static_cast<int64_t>(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Trajectory& t = batch[i];
+      mt.tokens += static_cast<int64_t>(t.tokens.size());
+      mt.reward_mean += t.reward / static_cast<double>(batch.size());
+      mt.advantage_abs_mean += std::abs(adv[i]) / static_cast<double>(batch.size());
+      for (size_t j = 0; j < t.tokens.size(); ++j) {
+        if (t.loss_mask[j] && !t.versions.empty() && t.versions[j] >= 0) {
+          mt.min_version =
+              mt.min_version < 0 ? t.versions[j] : std::min(mt.min_version, t.versions[j]);
+          mt.max_version = std::max(mt.max_version, t.versions[j]);
+        }
+      }
+    }
+    // The proximal policy: with several optimizer steps per batch, the policy before the first
+    // (computed now); with one, the current policy itself (detached in the loss).
+    std::vector<std::vector<float>> proximal;
+    const int K = std::max(1, std::min<int>(options.minibatches, static_cast<int>(batch.size())));
+    if (grpo && K > 1) {
+      BRAGG_ASSIGN_OR_RETURN(proximal, LogProbs(batch));
+    }
+    // Mini-batches: contiguous slices of the batch in its order (the rl controller shuffles).
+    double sum_loss = 0, sum_pg = 0, sum_ent = 0, sum_kl = 0, sum_clip = 0, sum_w = 0,
+           sum_trunc = 0, max_diff = 0, grad_norm = 0;
+    int64_t loss_tokens = 0;
+    for (int mb = 0; mb < K; ++mb) {
+      size_t lo = batch.size() * mb / K, hi = batch.size() * (mb + 1) / K;
+      std::vector<size_t> members(hi - lo);
+      std::iota(members.begin(), members.end(), lo);
+      BRAGG_ASSIGN_OR_RETURN(std::vector<PackedRow> rows, Plan(batch, members));
+      int64_t mb_tokens = 0;
+      for (size_t i : members) {
+        mb_tokens +=
+            std::accumulate(batch[i].loss_mask.begin() + 1, batch[i].loss_mask.end(), int64_t{0});
+      }
+      for (const PackedRow& row : rows) {
+        RowTargets tg = Targets(batch, row, adv, proximal.empty() ? nullptr : &proximal);
+        torch::Tensor mask = tg.mask.to(w.device);
+        LinearCrossEntropyOutput lce = TokenLogProbs(w, batch, row, replay);
+        torch::Tensor logp = lce.logprobs;
+        torch::Tensor per_token;
+        if (grpo) {
+          torch::Tensor behaviour = tg.behaviour.to(w.device);
+          torch::Tensor prox = proximal.empty() ? logp.detach() : tg.proximal.to(w.device);
+          torch::Tensor A = tg.advantage.to(w.device);
+          torch::Tensor ratio = torch::exp(logp - prox);
+          torch::Tensor clipped =
+              torch::clamp(ratio, 1.0 - options.clip_low, 1.0 + options.clip_high);
+          torch::Tensor surrogate = torch::min(ratio * A, clipped * A);
+          torch::Tensor weight = torch::ones_like(logp);
+          if (options.tis_cap > 0) {
+            torch::Tensor raw = torch::exp(prox - behaviour).detach();
+            weight = torch::clamp_max(raw, options.tis_cap);
+            sum_trunc += ((raw > options.tis_cap).to(torch::kFloat32) * mask).sum().item<double>();
+          }
+          per_token = -weight * surrogate;
+          sum_pg += (per_token.detach() * mask).sum().item<double>();
+          sum_w += (weight * mask).sum().item<double>();
+          sum_clip +=
+              (((ratio * A) > (clipped * A)).to(torch::kFloat32) * mask).sum().item<double>();
+          max_diff =
+              std::max(max_diff, ((logp.detach() - behaviour).abs() * mask).max().item<double>());
+          if (options.kl_coef > 0) {
+            torch::Tensor ref;
+            {
+              torch::NoGradGuard ng;
+              ref = TokenLogProbs(*reference, batch, row, replay).logprobs;
+            }
+            torch::Tensor d = ref - logp;
+            torch::Tensor k3 = torch::exp(d) - d - 1;
+            per_token = per_token + options.kl_coef * k3;
+            sum_kl += (k3.detach() * mask).sum().item<double>();
+          }
+        } else {
+          per_token = -logp;
+          sum_pg += (per_token.detach() * mask).sum().item<double>();
+        }
+        if (options.entropy_coef > 0) {
+          per_token = per_token - options.entropy_coef * lce.entropy;
+        }
+        sum_ent += (lce.entropy.detach() * mask).sum().item<double>();
+        torch::Tensor loss = (per_token * mask).sum() / static_cast<double>(mb_tokens);
+        sum_loss += loss.item<double>() * static_cast<double>(mb_tokens);
+        loss.backward();
+        ++mt.micro_batches;
+      }
+      loss_tokens += mb_tokens;
+      BRAGG_ASSIGN_OR_RETURN(StepStats st, optimizer->Step());
+      grad_norm = st.grad_norm;
+      for (auto& [name, p] : w.leaves) {
+        p->mutable_grad() = torch::Tensor();
+      }
+      ++step;
+    }
+    ++version;
+    const double n = static_cast<double>(std::max<int64_t>(1, loss_tokens));
+    mt.loss_tokens = loss_tokens;
+    mt.loss = sum_loss / n;
+    mt.policy_loss = sum_pg / n;
+    mt.entropy = sum_ent / n;
+    mt.kl = sum_kl / n;
+    mt.clip_fraction = sum_clip / n;
+    mt.is_weight_mean = grpo ? sum_w / n : 1.0;
+    mt.is_truncated_fraction = sum_trunc / n;
+    mt.logprob_diff_max = max_diff;
+    mt.grad_norm = grad_norm;
+    mt.step = step;
+    mt.version = version;
+    mt.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    mt.tokens_per_second = static_cast<double>(mt.tokens) / std::max(1e-9, mt.seconds);
+    return mt;
+  }
+
+  // The current weights as tensors in the dtypes of the files they were loaded from.
+  Status WriteModelFiles(const std::string& dir) const {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(checkpoint.dir(), ec)) {
+      std::string name = entry.path().filename().string();
+      if (!entry.is_regular_file() || name.ends_with(".safetensors") ||
+          name == "model.safetensors.index.json") {
+        continue;
+      }
+      fs::copy_file(entry.path(), fs::path(dir) / name, fs::copy_options::overwrite_existing, ec);
+      if (ec) {
+        return absl::InternalError(Cat("copying ", entry.path().string(), ": ", ec.message()));
+      }
+    }
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> keep;
+    std::vector<TensorBytes> tensors;
+    for (const auto& [name, param] : w.params) {
+      engine::TensorDType dt = w.file_dtypes.at(name);
+      torch::Dtype td = dt == engine::TensorDType::kBF16  ? torch::kBFloat16
+                        : dt == engine::TensorDType::kF16 ? torch::kFloat16
+                                                          : torch::kFloat32;
+      torch::Tensor t = param->detach().to(torch::kCPU, td).contiguous();
+      keep.push_back(t);
+      TensorBytes b;
+      b.name = name;
+      b.dtype = dt;
+      b.shape = t.sizes().vec();
+      b.data = std::span<const uint8_t>(static_cast<const uint8_t*>(t.data_ptr()), t.nbytes());
+      tensors.push_back(std::move(b));
+    }
+    return WriteSafetensors((fs::path(dir) / "model.safetensors").string(), tensors,
+                            {{"format", "pt"}});
+  }
+
+  Status SaveModel(const std::string& dir) const {
+    std::string staging = Cat(dir, ".tmp-", ::getpid());
+    (void)RemoveTree(staging);
+    BRAGG_RETURN_IF_ERROR(MakeDirs(staging));
+    BRAGG_RETURN_IF_ERROR(WriteModelFiles(staging));
+    return PublishDirectory(staging, dir);
+  }
+
+  Status SaveCheckpoint(const std::string& root) const {
+    std::string name = Cat("step-", step);
+    std::string final_dir = Cat(root, "/", name);
+    std::string staging = Cat(final_dir, ".tmp-", ::getpid());
+    (void)RemoveTree(staging);
+    BRAGG_RETURN_IF_ERROR(MakeDirs(staging + "/model"));
+    BRAGG_RETURN_IF_ERROR(WriteModelFiles(staging + "/model"));
+    std::vector<std::pair<std::string, torch::Tensor>> state = optimizer->StateTensors();
+    std::vector<TensorBytes> tensors;
+    std::vector<torch::Tensor> keep;
+    for (auto& [n, t] : state) {
+      torch::Tensor c = t.to(torch::kCPU, torch::kFloat32).contiguous();
+      keep.push_back(c);
+      tensors.push_back(
+          {n, engine::TensorDType::kF32, c.sizes().vec(),
+           std::span<const uint8_t>(static_cast<const uint8_t*>(c.data_ptr()), c.nbytes())});
+    }
+    BRAGG_RETURN_IF_ERROR(WriteSafetensors(staging + "/optimizer.safetensors", tensors));
+    nlohmann::json meta = {{"step", step}, {"version", version}, {"format", "bragg-train/1"}};
+    BRAGG_RETURN_IF_ERROR(WriteStringToFile(staging + "/trainer.json", meta.dump(2) + "\n"));
+    BRAGG_RETURN_IF_ERROR(PublishDirectory(staging, final_dir));
+    std::string latest_tmp = Cat(root, "/latest.tmp-", ::getpid());
+    BRAGG_RETURN_IF_ERROR(WriteStringToFile(latest_tmp, name + "\n"));
+    if (::rename(latest_tmp.c_str(), (root + "/latest").c_str()) != 0) {
+      return absl::InternalError(Cat("rename ", latest_tmp, ": ", std::strerror(errno)));
+    }
+    return absl::OkStatus();
+  }
+};
+
+Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Trainer::~Trainer() = default;
+
+namespace {
+
+Status CheckOptions(const TrainOptions& o) {
+  auto bad = [](auto&&... p) { return absl::InvalidArgumentError(Cat(p...)); };
+  if (o.model_dir.empty()) return bad("no model directory (--model)");
+  if (!(o.lr >= 0) || !std::isfinite(o.lr)) return bad("lr must be >= 0, not ", o.lr);
+  if (!(o.temperature > 0)) return bad("temperature must be > 0, not ", o.temperature);
+  if (o.clip_low < 0 || o.clip_low >= 1 || o.clip_high < 0) {
+    return bad("clip range [1 - ", o.clip_low, ", 1 + ", o.clip_high, "] is empty or inverted");
+  }
+  if (o.tis_cap < 0) return bad("tis_cap must be >= 0 (0: off), not ", o.tis_cap);
+  if (o.minibatches < 1) return bad("minibatches must be >= 1");
+  if (o.max_tokens < 2) return bad("max_tokens must be >= 2");
+  if (o.lce_token_chunk < 1 || (o.deterministic && o.lce_token_chunk % 32 != 0)) {
+    return bad("lce_token_chunk must be >= 1 (a multiple of 32 in deterministic mode), not ",
+               o.lce_token_chunk);
+  }
+  if (o.kl_coef < 0 || o.entropy_coef < 0) return bad("kl_coef and entropy_coef must be >= 0");
+  if (o.kl_coef > 0 && o.reference_dir.empty()) {
+    return absl::FailedPreconditionError("kl_coef > 0 needs a reference model (--reference)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
+  BRAGG_RETURN_IF_ERROR(CheckOptions(options));
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  qwen3::ConfigureCpuRuntime(options.threads);
+  try {
+    BRAGG_ASSIGN_OR_RETURN(impl->checkpoint, engine::Checkpoint::Open(options.model_dir));
+    torch::Dtype dt = options.bf16 ? torch::kBFloat16 : torch::kFloat32;
+    BRAGG_RETURN_IF_ERROR(impl->w.Load(impl->checkpoint, torch::kCPU, dt));
+    if (!options.reference_dir.empty()) {
+      BRAGG_ASSIGN_OR_RETURN(engine::Checkpoint ref,
+                             engine::Checkpoint::Open(options.reference_dir));
+      impl->reference = std::make_unique<qwen3::Weights>();
+      BRAGG_RETURN_IF_ERROR(impl->reference->Load(ref, torch::kCPU, dt));
+      if (impl->reference->leaves.size() != impl->w.leaves.size()) {
+        return absl::InvalidArgumentError(Cat(options.reference_dir,
+                                              ": the reference model has other tensors than ",
+                                              options.model_dir));
+      }
+      for (size_t i = 0; i < impl->w.leaves.size(); ++i) {
+        if (!impl->reference->leaves[i].second->sizes().equals(impl->w.leaves[i].second->sizes())) {
+          return absl::InvalidArgumentError(Cat(options.reference_dir, ": tensor ",
+                                                impl->w.leaves[i].first, " has another shape"));
+        }
+      }
+    }
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (auto& [name, p] : impl->w.leaves) {
+      p->requires_grad_(true);
+      named.emplace_back(name, *p);
+    }
+    AdamWOptions ao;
+    ao.lr = options.lr;
+    ao.beta1 = options.beta1;
+    ao.beta2 = options.beta2;
+    ao.eps = options.eps;
+    ao.weight_decay = options.weight_decay;
+    ao.chunk_elements = options.optimizer_chunk_elements;
+    ao.max_grad_norm = options.max_grad_norm;
+    BRAGG_ASSIGN_OR_RETURN(impl->optimizer, OffloadAdamW::Create(std::move(named), ao));
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        Cat("loading ", options.model_dir, ": ", e.what_without_backtrace()));
+  }
+  return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::Resume(const std::string& root, TrainOptions options) {
+  BRAGG_ASSIGN_OR_RETURN(std::string latest, ReadFileToString(root + "/latest"));
+  while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) {
+    latest.pop_back();
+  }
+  if (latest.empty() || latest.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError(Cat(root, "/latest does not name a checkpoint"));
+  }
+  std::string dir = Cat(root, "/", latest);
+  options.model_dir = dir + "/model";
+  BRAGG_ASSIGN_OR_RETURN(std::string meta_text, ReadFileToString(dir + "/trainer.json"));
+  nlohmann::json meta = nlohmann::json::parse(meta_text, nullptr, false);
+  if (meta.is_discarded() || !meta.contains("step") || !meta["step"].is_number_integer() ||
+      !meta.contains("version") || !meta["version"].is_number_integer()) {
+    return absl::InvalidArgumentError(Cat(dir, "/trainer.json: no integer step and version"));
+  }
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> t, Create(options));
+  const std::string opt_path = dir + "/optimizer.safetensors";
+  BRAGG_ASSIGN_OR_RETURN(std::string opt_bytes, ReadFileToString(opt_path));
+  BRAGG_ASSIGN_OR_RETURN(
+      std::vector<engine::TensorView> views,
+      engine::ParseSafetensors(reinterpret_cast<const uint8_t*>(opt_bytes.data()), opt_bytes.size(),
+                               opt_path));
+  std::map<std::string, torch::Tensor> state;
+  for (const engine::TensorView& v : views) {
+    const std::string& name = v.name;
+    if (v.dtype != engine::TensorDType::kF32) {
+      return absl::InvalidArgumentError(Cat(v.file, ": tensor ", name, " is not F32"));
+    }
+    state[name] = torch::from_blob(const_cast<uint8_t*>(v.data), v.shape, torch::kFloat32).clone();
+  }
+  BRAGG_RETURN_IF_ERROR(t->impl_->optimizer->LoadState(state, meta["step"].get<int64_t>()));
+  t->impl_->step = meta["step"].get<int64_t>();
+  t->impl_->version = meta["version"].get<int64_t>();
+  return t;
+}
+
+Result<StepMetrics> Trainer::Step(std::span<const Trajectory> batch) {
+  try {
+    return impl_->Step(batch);
+  } catch (const c10::Error& e) {
+    return absl::InternalError(Cat("training step: ", e.what_without_backtrace()));
+  }
+}
+
+Result<std::vector<std::vector<float>>> Trainer::LogProbs(std::span<const Trajectory> batch) {
+  try {
+    return impl_->LogProbs(batch);
+  } catch (const c10::Error& e) {
+    return absl::InternalError(Cat("log-probs: ", e.what_without_backtrace()));
+  }
+}
+
+Result<std::vector<std::vector<int32_t>>> Trainer::RoutedExperts(
+    std::span<const Trajectory> batch) {
+  try {
+    return impl_->RoutedExperts(batch);
+  } catch (const c10::Error& e) {
+    return absl::InternalError(Cat("routing: ", e.what_without_backtrace()));
+  }
+}
+
+Status Trainer::SaveModel(const std::string& dir) const { return impl_->SaveModel(dir); }
+Status Trainer::SaveCheckpoint(const std::string& root) const {
+  BRAGG_RETURN_IF_ERROR(MakeDirs(root));
+  return impl_->SaveCheckpoint(root);
+}
+int64_t Trainer::step() const { return impl_->step; }
+int64_t Trainer::version() const { return impl_->version; }
+void Trainer::set_version(int64_t v) { impl_->version = v; }
+void Trainer::set_lr(double lr) {
+  impl_->options.lr = lr;
+  impl_->optimizer->set_lr(lr);
+}
+const TrainOptions& Trainer::options() const { return impl_->options; }
+
+}  // namespace bragg::train

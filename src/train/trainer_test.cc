@@ -1,0 +1,506 @@
+// The trainer against the engine it trains for, on random tiny models (engine/testing):
+// log-prob parity bit for bit in deterministic mode (dense and MoE, traces packed with others),
+// router replay equal to the engine's recorded routing, packing invariance, learning (SFT and
+// GRPO move the policy the right way), checkpoints (the engine loads them; resume is bit-exact)
+// and hostile batches.
+
+#include "train/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "common/fs.h"
+#include "engine/engine.h"
+#include "engine/model/checkpoint.h"
+#include "engine/testing/tiny_model.h"
+#include "train/safetensors_writer.h"
+
+namespace bragg::train {
+namespace {
+
+using engine::GenerateOutput;
+using engine::GenerateRequest;
+
+class TrainerTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    auto dir = TempDir::Create("/tmp", "bragg-train-test-");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = std::move(*dir);
+    spec_.moe = GetParam();
+    spec_.vocab = 64;
+    spec_.std = 0.3f;
+    ASSERT_TRUE(engine::testing::WriteTinyModel(Path("v0"), spec_).ok());
+  }
+
+  std::string Path(const std::string& name) const { return dir_.path() + "/" + name; }
+
+  TrainOptions Options(bool deterministic = true) const {
+    TrainOptions o;
+    o.model_dir = Path("v0");
+    o.deterministic = deterministic;
+    o.threads = 2;
+    o.lr = 1e-2;
+    o.max_tokens = 256;
+    o.lce_token_chunk = 64;
+    return o;
+  }
+
+  std::unique_ptr<Trainer> MakeTrainer(const TrainOptions& o) {
+    auto t = Trainer::Create(o);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? std::move(*t) : nullptr;
+  }
+
+  std::unique_ptr<engine::Engine> MakeEngine(const std::string& model, bool deterministic = true) {
+    engine::EngineOptions o;
+    o.model_dir = model;
+    o.threads = 2;
+    o.deterministic = deterministic;
+    auto e = engine::Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? std::move(*e) : nullptr;
+  }
+
+  static std::vector<int32_t> Random(int n, int seed, int vocab) {
+    std::mt19937 rng(seed);
+    std::vector<int32_t> v(n);
+    for (auto& t : v) t = static_cast<int32_t>(rng() % vocab);
+    return v;
+  }
+
+  // Samples `n` rollouts of prompts of various lengths at temperature 1 with log-probs and
+  // routed experts, submitted together (so the engine batches them), as trajectories.
+  std::vector<Trajectory> Rollouts(engine::Engine& e, int n, int new_tokens, int seed0 = 0) {
+    std::vector<std::shared_ptr<engine::RequestStream>> streams;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < n; ++i) {
+      GenerateRequest r;
+      r.input_ids = Random(3 + 5 * i % 23, seed0 + i, static_cast<int>(spec_.vocab));
+      r.sampling.temperature = 1.0f;
+      r.sampling.max_new_tokens = new_tokens + i % 5;
+      r.sampling.sampling_seed = 1000 + seed0 + i;
+      r.sampling.ignore_eos = true;
+      r.return_logprob = true;
+      r.return_routed_experts = spec_.moe;
+      prompts.push_back(r.input_ids);
+      auto s = e.Submit(std::move(r));
+      EXPECT_TRUE(s.ok()) << s.status();
+      streams.push_back(*s);
+    }
+    std::vector<Trajectory> out;
+    for (int i = 0; i < n; ++i) {
+      GenerateOutput g;
+      for (int k = 0; k < 6000 && !g.finished(); ++k) {
+        g = streams[i]->Wait(g.output_ids.size(), std::chrono::milliseconds(100));
+      }
+      EXPECT_TRUE(g.finished());
+      Trajectory t;
+      t.id = "r" + std::to_string(seed0 + i);
+      t.group = "g" + std::to_string(i / 4);
+      t.tokens = prompts[i];
+      t.loss_mask.assign(prompts[i].size(), 0);
+      t.logprobs.assign(prompts[i].size(), 0.0f);
+      t.versions.assign(prompts[i].size(), -1);
+      for (size_t j = 0; j < g.output_ids.size(); ++j) {
+        t.tokens.push_back(g.output_ids[j]);
+        t.loss_mask.push_back(1);
+        t.logprobs.push_back(g.output_logprobs.at(j));
+        t.versions.push_back(0);
+      }
+      t.routed_experts = g.routed_experts;
+      t.reward = static_cast<double>(i % 4);
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  engine::testing::TinyModelSpec spec_;
+};
+
+// The seed's "zero train-rollout log-prob difference": the trainer's log-probs of the engine's
+// sampled tokens are the engine's output_token_logprobs, bit for bit, for traces packed several
+// to a micro-batch.
+TEST_P(TrainerTest, LogProbsEqualTheEnginesBitForBitInDeterministicMode) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 12, 20);
+  auto t = MakeTrainer(Options());
+  auto lp = t->LogProbs(batch);
+  ASSERT_TRUE(lp.ok()) << lp.status();
+  int64_t compared = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+      if (!batch[i].loss_mask[j]) continue;
+      ASSERT_EQ((*lp)[i][j], batch[i].logprobs[j]) << batch[i].id << " token " << j;
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 12 * 20);
+}
+
+// Router replay: the experts the trainer routes each position to are the engine's recorded
+// ones (the same tensor), and replaying them changes nothing.
+TEST_P(TrainerTest, RoutingEqualsTheEnginesRecordedRouting) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 6, 12);
+  auto t = MakeTrainer(Options());
+  if (!spec_.moe) {
+    // A dense model routes nothing, and says so with empty routing.
+    auto routed = t->RoutedExperts(batch);
+    ASSERT_TRUE(routed.ok()) << routed.status();
+    for (const auto& r : *routed) EXPECT_TRUE(r.empty());
+    return;
+  }
+  std::vector<Trajectory> unrouted = batch;
+  for (auto& u : unrouted) u.routed_experts.clear();
+  auto routed = t->RoutedExperts(unrouted);
+  ASSERT_TRUE(routed.ok()) << routed.status();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    ASSERT_FALSE(batch[i].routed_experts.empty());
+    EXPECT_EQ((*routed)[i], batch[i].routed_experts) << batch[i].id;
+  }
+  auto with = t->LogProbs(batch);
+  auto without = t->LogProbs(unrouted);
+  ASSERT_TRUE(with.ok() && without.ok());
+  EXPECT_EQ(*with, *without);
+  // Replaying other experts does change the log-probs: the replay is really used.
+  std::vector<Trajectory> other = batch;
+  for (auto& o : other) {
+    for (auto& x : o.routed_experts) x = (x + 1) % spec_.experts;
+  }
+  auto moved = t->LogProbs(other);
+  ASSERT_TRUE(moved.ok());
+  EXPECT_NE(*moved, *with);
+}
+
+// A trace's log-probs packed beside others equal its log-probs alone.
+TEST_P(TrainerTest, PackingDoesNotChangeATracesLogProbs) {
+  for (bool det : {true, false}) {
+    auto e = MakeEngine(Path("v0"), det);
+    std::vector<Trajectory> batch = Rollouts(*e, 8, 16);
+    for (auto& b : batch) b.routed_experts.clear();
+    auto t = MakeTrainer(Options(det));
+    auto packed = t->LogProbs(batch);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      auto alone = t->LogProbs(std::span<const Trajectory>(&batch[i], 1));
+      ASSERT_TRUE(alone.ok());
+      for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+        if (det) {
+          ASSERT_EQ((*alone)[0][j], (*packed)[i][j]) << i << " " << j;
+        } else {
+          // Other GEMM shapes round differently: relative FP32 noise, not a layout error.
+          ASSERT_NEAR((*alone)[0][j], (*packed)[i][j],
+                      std::max(1e-5, 1e-5 * std::abs((*alone)[0][j])))
+              << i << " " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(TrainerTest, SupervisedStepsRaiseTheLogProbOfTheTargets) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 8, 16);
+  TrainOptions o = Options();
+  o.objective = Objective::kSft;
+  auto t = MakeTrainer(o);
+  double first = 0, last = 0;
+  for (int s = 0; s < 15; ++s) {
+    auto m = t->Step(batch);
+    ASSERT_TRUE(m.ok()) << m.status();
+    if (s == 0) first = m->loss;
+    last = m->loss;
+    EXPECT_TRUE(std::isfinite(m->grad_norm));
+  }
+  EXPECT_LT(last, 0.7 * first) << "first " << first << " last " << last;
+  EXPECT_EQ(t->step(), 15);
+}
+
+// GRPO: rewarded trajectories become likelier, punished ones less likely; importance weights
+// are 1 on fresh tokens (behaviour = policy) and the metrics say so.
+TEST_P(TrainerTest, GrpoMovesThePolicyTowardsRewardedTrajectories) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 8, 16);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].group = "g";
+    batch[i].reward = i % 2 == 0 ? 1.0 : 0.0;
+  }
+  auto t = MakeTrainer(Options());
+  auto before = t->LogProbs(batch);
+  ASSERT_TRUE(before.ok());
+  auto m = t->Step(batch);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->logprob_diff_max, 0.0);  // deterministic: the engine's log-probs exactly
+  EXPECT_DOUBLE_EQ(m->is_weight_mean, 1.0);
+  EXPECT_EQ(m->clip_fraction, 0.0);
+  EXPECT_EQ(m->version, 1);
+  EXPECT_EQ(m->min_version, 0);
+  for (int s = 0; s < 4; ++s) ASSERT_TRUE(t->Step(batch).ok());
+  auto after = t->LogProbs(batch);
+  ASSERT_TRUE(after.ok());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    double delta = 0;
+    for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+      if (batch[i].loss_mask[j]) delta += (*after)[i][j] - (*before)[i][j];
+    }
+    if (batch[i].reward > 0) {
+      EXPECT_GT(delta, 0) << batch[i].id;
+    } else {
+      EXPECT_LT(delta, 0) << batch[i].id;
+    }
+  }
+}
+
+// Several optimizer steps per batch: the ratio against the proximal policy departs from 1, and
+// clipping engages.
+TEST_P(TrainerTest, MinibatchesClipAgainstTheProximalPolicy) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 8, 16);
+  for (size_t i = 0; i < batch.size(); ++i) batch[i].reward = i % 2;
+  TrainOptions o = Options();
+  o.minibatches = 4;
+  o.lr = 5e-2;
+  o.clip_low = o.clip_high = 0.01;
+  auto t = MakeTrainer(o);
+  auto m = t->Step(batch);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(t->step(), 4);
+  EXPECT_EQ(t->version(), 1);
+  EXPECT_GT(m->clip_fraction, 0.0);
+}
+
+// Off-policy tokens: behaviour log-probs from another policy are weighted by the truncated
+// importance ratio.
+TEST_P(TrainerTest, StaleTokensAreWeightedByTheTruncatedImportanceRatio) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 4, 16);
+  for (auto& b : batch) {
+    for (size_t j = 0; j < b.tokens.size(); ++j) {
+      if (b.loss_mask[j]) b.logprobs[j] -= 2.0f;  // the behaviour policy found them unlikely
+    }
+  }
+  TrainOptions o = Options();
+  o.tis_cap = 3.0;
+  auto t = MakeTrainer(o);
+  auto m = t->Step(batch);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // exp(2) = 7.4 > 3: every token's weight is truncated to the cap.
+  EXPECT_DOUBLE_EQ(m->is_truncated_fraction, 1.0);
+  EXPECT_NEAR(m->is_weight_mean, 3.0, 1e-6);
+  EXPECT_NEAR(m->logprob_diff_max, 2.0, 1e-5);
+}
+
+// The trained weights go to the engine (a weight update from the trainer's directory) and the
+// parity holds on the new weights: the synchronous RL loop in miniature.
+TEST_P(TrainerTest, TheEngineRunsTheTrainedWeightsWithTheTrainersLogProbs) {
+  auto e = MakeEngine(Path("v0"));
+  auto t = MakeTrainer(Options());
+  for (int round = 1; round <= 2; ++round) {
+    std::vector<Trajectory> batch = Rollouts(*e, 8, 12, 100 * round);
+    for (size_t i = 0; i < batch.size(); ++i) batch[i].reward = (i * 7 + round) % 3;
+    auto m = t->Step(batch);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(t->SaveModel(Path("live")).ok());
+    ASSERT_TRUE(
+        e->UpdateWeightsFromDisk(Path("live"), std::to_string(round), /*flush_cache=*/true).ok());
+    std::vector<Trajectory> fresh = Rollouts(*e, 6, 12, 100 * round + 50);
+    auto lp = t->LogProbs(fresh);
+    ASSERT_TRUE(lp.ok());
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      for (size_t j = 0; j < fresh[i].tokens.size(); ++j) {
+        if (fresh[i].loss_mask[j]) {
+          ASSERT_EQ((*lp)[i][j], fresh[i].logprobs[j]) << round;
+        }
+      }
+    }
+  }
+}
+
+// Resume is bit-exact: 2 steps, checkpoint, 2 more == resume from the checkpoint, 2 more.
+TEST_P(TrainerTest, ResumeFromACheckpointContinuesBitForBit) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> a = Rollouts(*e, 6, 12, 1), b = Rollouts(*e, 6, 12, 50);
+  TrainOptions o = Options();
+  o.weight_decay = 0.01;
+  auto t = MakeTrainer(o);
+  ASSERT_TRUE(t->Step(a).ok());
+  ASSERT_TRUE(t->Step(b).ok());
+  ASSERT_TRUE(t->SaveCheckpoint(Path("ckpt")).ok());
+  ASSERT_TRUE(t->Step(a).ok());
+  ASSERT_TRUE(t->Step(b).ok());
+  ASSERT_TRUE(t->SaveModel(Path("uninterrupted")).ok());
+
+  auto r = Trainer::Resume(Path("ckpt"), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->step(), 2);
+  EXPECT_EQ((*r)->version(), 2);
+  ASSERT_TRUE((*r)->Step(a).ok());
+  ASSERT_TRUE((*r)->Step(b).ok());
+  ASSERT_TRUE((*r)->SaveModel(Path("resumed")).ok());
+  auto x = engine::Checkpoint::Open(Path("uninterrupted"));
+  auto y = engine::Checkpoint::Open(Path("resumed"));
+  ASSERT_TRUE(x.ok() && y.ok());
+  ASSERT_EQ(x->tensors().size(), y->tensors().size());
+  for (const auto& [name, v] : x->tensors()) {
+    const auto& w = y->tensors().at(name);
+    ASSERT_EQ(v.bytes, w.bytes);
+    EXPECT_EQ(std::memcmp(v.data, w.data, v.bytes), 0) << name;
+  }
+  // A checkpoint that is not one.
+  EXPECT_FALSE(Trainer::Resume(Path("nowhere"), o).ok());
+  ASSERT_TRUE(WriteStringToFile(Path("ckpt/latest"), "../../etc\n").ok());
+  EXPECT_FALSE(Trainer::Resume(Path("ckpt"), o).ok());
+}
+
+TEST_P(TrainerTest, BadBatchesAreRefusedNamingTheTrajectoryAndNothingIsTrained) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> good = Rollouts(*e, 4, 8);
+  auto t = MakeTrainer(Options());
+  auto before = t->LogProbs(good);
+  ASSERT_TRUE(before.ok());
+  auto expect_refused = [&](std::vector<Trajectory> batch, const std::string& needle) {
+    auto m = t->Step(batch);
+    ASSERT_FALSE(m.ok()) << needle;
+    EXPECT_NE(std::string(m.status().message()).find(needle), std::string::npos) << m.status();
+  };
+  expect_refused({}, "empty batch");
+  {
+    auto b = good;
+    b[2].logprobs.pop_back();
+    expect_refused(b, "trajectory " + b[2].id + ": logprobs has");
+  }
+  {
+    auto b = good;
+    b[1].reward = std::nan("");
+    expect_refused(b, "trajectory " + b[1].id + ": reward is nan");
+  }
+  {
+    auto b = good;
+    b[0].tokens[3] = 9999;
+    expect_refused(b, "outside the vocabulary");
+  }
+  {
+    auto b = good;
+    b[3].loss_mask.assign(b[3].loss_mask.size(), 0);
+    expect_refused(b, "no token carries loss");
+  }
+  {
+    auto b = good;
+    b[3].id = b[0].id;
+    expect_refused(b, "appears twice");
+  }
+  {
+    auto b = good;
+    b[1].loss_mask[0] = 1;
+    expect_refused(b, "loss_mask[0] is 1");
+  }
+  if (spec_.moe) {
+    auto b = good;
+    b[0].routed_experts.pop_back();
+    expect_refused(b, "routed_experts has");
+    b = good;
+    b[1].routed_experts.clear();
+    expect_refused(b, "some trajectories carry routed_experts");
+  }
+  EXPECT_EQ(t->step(), 0);
+  auto after = t->LogProbs(good);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*before, *after);
+  // A reference of another shape.
+  engine::testing::TinyModelSpec other = spec_;
+  other.hidden = 32;
+  ASSERT_TRUE(engine::testing::WriteTinyModel(Path("other"), other).ok());
+  TrainOptions o = Options();
+  o.reference_dir = Path("other");
+  o.kl_coef = 0.1;
+  EXPECT_FALSE(Trainer::Create(o).ok());
+  o.reference_dir.clear();
+  EXPECT_EQ(Trainer::Create(o).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, TrainerTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Moe" : "Dense"; });
+
+TEST(TrajectoryTest, ParsesAndRefusesHostileLines) {
+  auto ok = ParseTrajectory(
+      R"({"id":"a","group":"g","tokens":[1,2,3],"loss_mask":[0,1,1],"logprobs":[0,-1,-2],"reward":1})",
+      "f:1");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tokens.size(), 3u);
+  auto round = ParseTrajectory(TrajectoryToJson(*ok), "f:2");
+  ASSERT_TRUE(round.ok());
+  EXPECT_EQ(round->tokens, ok->tokens);
+  EXPECT_EQ(round->logprobs, ok->logprobs);
+  for (const char* bad : {
+           "not json",
+           "[1,2]",
+           R"({"tokens":[1,2],"loss_mask":[0,1],"logprobs":[0,-1]})",  // no reward
+           R"({"tokens":[1,2],"loss_mask":[0,2],"logprobs":[0,-1],"reward":0})",
+           R"({"tokens":"12","loss_mask":[0,1],"logprobs":[0,-1],"reward":0})",
+           R"({"tokens":[1,2],"loss_mask":[0,1],"logprobs":[0,"x"],"reward":0})",
+           R"({"tokens":[1,2],"loss_mask":[0,1],"logprobs":[0,-1],"reward":0,"rewrad":1})",
+       }) {
+    EXPECT_FALSE(ParseTrajectory(bad, "f:3").ok()) << bad;
+  }
+}
+
+TEST(TrajectoryTest, GroupAdvantagesAreNormalisedWithinEachGroup) {
+  std::vector<Trajectory> b(5);
+  b[0].group = b[1].group = b[2].group = "x";
+  b[3].group = "y";
+  b[0].reward = 1, b[1].reward = 0, b[2].reward = 0, b[3].reward = 5, b[4].reward = 2;
+  b[4].advantage = 0.5;
+  auto a = GroupAdvantages(b, true);
+  double std = std::sqrt(((1 - 1.0 / 3) * (1 - 1.0 / 3) + 2 * (1.0 / 9)) / 2);
+  EXPECT_NEAR(a[0], (2.0 / 3) / (std + 1e-6), 1e-9);
+  EXPECT_NEAR(a[1], (-1.0 / 3) / (std + 1e-6), 1e-9);
+  EXPECT_EQ(a[3], 0.0);  // alone in its group: no signal
+  EXPECT_EQ(a[4], 0.5);  // given
+  auto d = GroupAdvantages(b, false);
+  EXPECT_NEAR(d[0], 2.0 / 3, 1e-12);
+}
+
+TEST(SafetensorsWriterTest, WritesWhatTheEngineReadsAndPublishesAtomically) {
+  auto dir = TempDir::Create("/tmp", "bragg-st-");
+  ASSERT_TRUE(dir.ok());
+  std::vector<float> a = {1, 2, 3, 4, 5, 6};
+  std::vector<uint16_t> b = {7, 8};
+  std::vector<TensorBytes> ts = {
+      {"a",
+       engine::TensorDType::kF32,
+       {2, 3},
+       {reinterpret_cast<const uint8_t*>(a.data()), a.size() * 4}},
+      {"b", engine::TensorDType::kBF16, {2}, {reinterpret_cast<const uint8_t*>(b.data()), 4}},
+  };
+  std::string staging = dir->path() + "/s";
+  ASSERT_TRUE(MakeDirs(staging).ok());
+  ASSERT_TRUE(WriteSafetensors(staging + "/m.safetensors", ts).ok());
+  auto bytes = ReadFileToString(staging + "/m.safetensors");
+  ASSERT_TRUE(bytes.ok());
+  auto views =
+      engine::ParseSafetensors(reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size(), "m");
+  ASSERT_TRUE(views.ok()) << views.status();
+  ASSERT_EQ(views->size(), 2u);
+  EXPECT_EQ(std::memcmp((*views)[0].data, a.data(), 24), 0);
+  // Size mismatch and duplicates are refused.
+  ts[1].shape = {3};
+  EXPECT_FALSE(WriteSafetensors(staging + "/x.safetensors", ts).ok());
+  ts[1] = ts[0];
+  EXPECT_FALSE(WriteSafetensors(staging + "/x.safetensors", ts).ok());
+  // Publishing over an existing directory swaps it whole.
+  std::string final_dir = dir->path() + "/final";
+  ASSERT_TRUE(MakeDirs(final_dir).ok());
+  ASSERT_TRUE(WriteStringToFile(final_dir + "/old", "x").ok());
+  ASSERT_TRUE(PublishDirectory(staging, final_dir).ok());
+  EXPECT_TRUE(std::filesystem::exists(final_dir + "/m.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(final_dir + "/old"));
+  EXPECT_FALSE(std::filesystem::exists(staging));
+}
+
+}  // namespace
+}  // namespace bragg::train
