@@ -96,9 +96,13 @@ class ExactAttention : public torch::autograd::Function<ExactAttention> {
 
 // One micro-batch: trajectories packed into one THD row. Each trace contributes its tokens but
 // the last (the last token predicts nothing), at positions 0..n-2.
+// With TrainOptions::padded every member's span is the micro-batch's longest trace (a padded
+// batch, for comparison): the padding positions hold token 0, carry no loss and, coming after
+// the trace's real tokens, are never attended to by them.
 struct PackedRow {
   std::vector<size_t> members;  // indices into the batch
   std::vector<int64_t> begin;   // per member: its first row in the packed tensors
+  std::vector<int64_t> span;    // per member: rows it occupies (its tokens - 1, or padded)
   int64_t tokens = 0;
 };
 
@@ -170,12 +174,16 @@ struct Trainer::Impl {
     pack::PackConfig pc;
     pc.dp = 1;
     pc.max_tokens = options.max_tokens;
+    pc.method = options.padded ? pack::Method::kPaddedBshd : pack::Method::kLpt;
     BRAGG_ASSIGN_OR_RETURN(pack::Plan plan, pack::PlanPacking(traces, pc));
     std::vector<PackedRow> rows;
     std::vector<bool> covered(batch.size(), false);
     for (const pack::MicroBatch& mb : plan.ranks.at(0).micro_batches) {
+      // THD: one row per micro-batch. Padded: the micro-batch's rows (one trace each) stacked,
+      // each padded to the longest.
+      PackedRow row;
+      int64_t longest = 0;
       for (const pack::Row& r : mb.rows) {
-        PackedRow row;
         for (int64_t id : r.trace_ids) {
           size_t i = static_cast<size_t>(id);
           if (i >= batch.size() || covered[i]) {
@@ -183,12 +191,17 @@ struct Trainer::Impl {
           }
           covered[i] = true;
           row.members.push_back(i);
-          row.begin.push_back(row.tokens);
-          row.tokens += static_cast<int64_t>(batch[i].tokens.size()) - 1;
+          longest = std::max<int64_t>(longest, static_cast<int64_t>(batch[i].tokens.size()) - 1);
         }
-        if (!row.members.empty()) {
-          rows.push_back(std::move(row));
-        }
+      }
+      for (size_t i : row.members) {
+        int64_t n = static_cast<int64_t>(batch[i].tokens.size()) - 1;
+        row.begin.push_back(row.tokens);
+        row.span.push_back(options.padded ? longest : n);
+        row.tokens += row.span.back();
+      }
+      if (!row.members.empty()) {
+        rows.push_back(std::move(row));
       }
     }
     for (size_t i : members) {
@@ -205,7 +218,7 @@ struct Trainer::Impl {
     const ModelConfig& c = m.config;
     const int64_t T = row.tokens;
     auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-    torch::Tensor ids = torch::empty({T}, i64), pos = torch::empty({T}, i64);
+    torch::Tensor ids = torch::zeros({T}, i64), pos = torch::empty({T}, i64);
     int64_t* pid = ids.data_ptr<int64_t>();
     int64_t* ppos = pos.data_ptr<int64_t>();
     std::vector<int64_t> spans;
@@ -214,12 +227,15 @@ struct Trainer::Impl {
     std::vector<torch::Tensor> replays;
     if (replay) {
       for (int l = 0; l < moe_layers; ++l) {
-        replays.push_back(torch::empty({T, k}, i64));
+        replays.push_back(torch::zeros({T, k}, i64));
       }
     }
     for (size_t j = 0; j < row.members.size(); ++j) {
       const Trajectory& t = batch[row.members[j]];
       int64_t n = static_cast<int64_t>(t.tokens.size()) - 1, b = row.begin[j];
+      for (int64_t i = n; i < row.span[j]; ++i) {
+        ppos[b + i] = i;
+      }
       for (int64_t i = 0; i < n; ++i) {
         pid[b + i] = t.tokens[i];
         ppos[b + i] = i;
@@ -232,7 +248,7 @@ struct Trainer::Impl {
         }
       }
       spans.push_back(b);
-      spans.push_back(n);
+      spans.push_back(row.span[j]);
     }
     ids = ids.to(m.device);
     pos = pos.to(m.device);
@@ -277,7 +293,7 @@ struct Trainer::Impl {
   }
 
   torch::Tensor Labels(std::span<const Trajectory> batch, const PackedRow& row) const {
-    torch::Tensor labels = torch::empty({row.tokens}, torch::kInt64);
+    torch::Tensor labels = torch::zeros({row.tokens}, torch::kInt64);
     int64_t* p = labels.data_ptr<int64_t>();
     for (size_t j = 0; j < row.members.size(); ++j) {
       const Trajectory& t = batch[row.members[j]];
@@ -304,7 +320,16 @@ struct Trainer::Impl {
     if (experts != nullptr) {
       *experts = f.experts;
     }
-    return LinearCrossEntropy(f.hidden, m.lm_head, Labels(batch, row).to(m.device), LceOptions());
+    torch::Tensor labels = Labels(batch, row).to(m.device);
+    if (!options.fused_cross_entropy) {
+      // The unfused path, for comparison: the [T, V] logits whole.
+      torch::Tensor logits = engine::Linear(f.hidden, m.lm_head, {}, options.deterministic)
+                                 .to(torch::kFloat32)
+                                 .div(static_cast<double>(static_cast<float>(options.temperature)));
+      torch::Tensor logp = torch::log_softmax(logits, -1);
+      return {logp.gather(1, labels.unsqueeze(1)).squeeze(1), -(logp.exp() * logp).sum(-1)};
+    }
+    return LinearCrossEntropy(f.hidden, m.lm_head, labels, LceOptions());
   }
 
   std::vector<size_t> All(size_t n) const {

@@ -56,6 +56,11 @@ struct TrainOptions {
   // Packing (bragg_pack): tokens per micro-batch; every micro-batch is one forward/backward.
   int64_t max_tokens = 8192;
   int64_t lce_token_chunk = 1024;  // rows per chunk of the fused linear cross-entropy
+
+  // For comparisons (bench/train): false computes the [T, V] logits whole (log_softmax); true
+  // pads every trace of a micro-batch to its longest (a BSHD batch) instead of packing.
+  bool fused_cross_entropy = true;
+  bool padded = false;
 };
 
 struct StepMetrics {

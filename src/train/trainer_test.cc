@@ -186,6 +186,27 @@ TEST_P(TrainerTest, PackingDoesNotChangeATracesLogProbs) {
     auto t = MakeTrainer(Options(det));
     auto packed = t->LogProbs(batch);
     ASSERT_TRUE(packed.ok()) << packed.status();
+    // A padded batch (every trace padded to its micro-batch's longest) computes the same.
+    TrainOptions po = Options(det);
+    po.padded = true;
+    auto padded = MakeTrainer(po)->LogProbs(batch);
+    ASSERT_TRUE(padded.ok()) << padded.status();
+    if (det) {
+      EXPECT_EQ(*padded, *packed);
+    }
+    // The unfused cross-entropy (whole logits) agrees to FP32 rounding.
+    TrainOptions uo = Options(det);
+    uo.fused_cross_entropy = false;
+    auto unfused = MakeTrainer(uo)->LogProbs(batch);
+    ASSERT_TRUE(unfused.ok()) << unfused.status();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+        EXPECT_NEAR((*unfused)[i][j], (*packed)[i][j], 1e-5 * std::max(1.0f, std::abs((*packed)[i][j])));
+        if (!det) {
+          EXPECT_NEAR((*padded)[i][j], (*packed)[i][j], 1e-5 * std::max(1.0f, std::abs((*packed)[i][j])));
+        }
+      }
+    }
     for (size_t i = 0; i < batch.size(); ++i) {
       auto alone = t->LogProbs(std::span<const Trajectory>(&batch[i], 1));
       ASSERT_TRUE(alone.ok());
