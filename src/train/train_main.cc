@@ -51,6 +51,12 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", c.checkpoint_every, "steps between checkpoints");
   app.add_flag("--resume", c.resume, "continue from --checkpoint-dir/latest");
   app.add_option("--metrics", c.metrics, "append one JSON line of metrics per step");
+  app.add_option("--world-size", o.world_size,
+                 "data-parallel ranks (processes given the same "
+                 "trajectories; gradients summed over them)");
+  app.add_option("--rank", o.rank, "this process's data-parallel rank");
+  app.add_option("--rendezvous", o.rendezvous,
+                 "where the ranks meet: file:PATH (one machine) or tcp:HOST:PORT (rank 0 listens)");
 
   bragg::train::TrainOptions lo;
   std::string lp_in, lp_out = "-";

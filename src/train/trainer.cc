@@ -15,6 +15,7 @@
 #include "engine/model/qwen3.h"
 #include "engine/str_cat.h"
 #include "pack/plan.h"
+#include "train/data_parallel.h"
 #include "train/kernels/linear_cross_entropy.h"
 #include "train/optim/offload_adamw.h"
 #include "train/safetensors_writer.h"
@@ -125,6 +126,7 @@ struct Trainer::Impl {
   qwen3::Weights w;
   std::unique_ptr<qwen3::Weights> reference;
   std::unique_ptr<OffloadAdamW> optimizer;
+  std::unique_ptr<DataParallel> dp;  // null with one rank
   int64_t step = 0;
   int64_t version = 0;
 
@@ -154,8 +156,10 @@ struct Trainer::Impl {
   }
 
   // bragg_pack's plan of `members` into micro-batches of at most options.max_tokens tokens.
+  // With `mine_only`, the micro-batches of this data-parallel rank; else all of them.
   Result<std::vector<PackedRow>> Plan(std::span<const Trajectory> batch,
-                                      const std::vector<size_t>& members) const {
+                                      const std::vector<size_t>& members,
+                                      bool mine_only = false) const {
     std::vector<pack::Trace> traces;
     traces.reserve(members.size());
     for (size_t i : members) {
@@ -172,36 +176,38 @@ struct Trainer::Impl {
       traces.push_back(tr);
     }
     pack::PackConfig pc;
-    pc.dp = 1;
+    pc.dp = mine_only ? options.world_size : 1;
     pc.max_tokens = options.max_tokens;
     pc.method = options.padded ? pack::Method::kPaddedBshd : pack::Method::kLpt;
     BRAGG_ASSIGN_OR_RETURN(pack::Plan plan, pack::PlanPacking(traces, pc));
     std::vector<PackedRow> rows;
     std::vector<bool> covered(batch.size(), false);
-    for (const pack::MicroBatch& mb : plan.ranks.at(0).micro_batches) {
-      // THD: one row per micro-batch. Padded: the micro-batch's rows (one trace each) stacked,
-      // each padded to the longest.
-      PackedRow row;
-      int64_t longest = 0;
-      for (const pack::Row& r : mb.rows) {
-        for (int64_t id : r.trace_ids) {
-          size_t i = static_cast<size_t>(id);
-          if (i >= batch.size() || covered[i]) {
-            return absl::InternalError(Cat("the packing plan names trace ", id, " wrongly"));
+    for (size_t rk = 0; rk < plan.ranks.size(); ++rk) {
+      for (const pack::MicroBatch& mb : plan.ranks[rk].micro_batches) {
+        // THD: one row per micro-batch. Padded: the micro-batch's rows (one trace each) stacked,
+        // each padded to the longest.
+        PackedRow row;
+        int64_t longest = 0;
+        for (const pack::Row& r : mb.rows) {
+          for (int64_t id : r.trace_ids) {
+            size_t i = static_cast<size_t>(id);
+            if (i >= batch.size() || covered[i]) {
+              return absl::InternalError(Cat("the packing plan names trace ", id, " wrongly"));
+            }
+            covered[i] = true;
+            row.members.push_back(i);
+            longest = std::max<int64_t>(longest, static_cast<int64_t>(batch[i].tokens.size()) - 1);
           }
-          covered[i] = true;
-          row.members.push_back(i);
-          longest = std::max<int64_t>(longest, static_cast<int64_t>(batch[i].tokens.size()) - 1);
         }
-      }
-      for (size_t i : row.members) {
-        int64_t n = static_cast<int64_t>(batch[i].tokens.size()) - 1;
-        row.begin.push_back(row.tokens);
-        row.span.push_back(options.padded ? longest : n);
-        row.tokens += row.span.back();
-      }
-      if (!row.members.empty()) {
-        rows.push_back(std::move(row));
+        for (size_t i : row.members) {
+          int64_t n = static_cast<int64_t>(batch[i].tokens.size()) - 1;
+          row.begin.push_back(row.tokens);
+          row.span.push_back(options.padded ? longest : n);
+          row.tokens += row.span.back();
+        }
+        if (!row.members.empty() && (!mine_only || static_cast<int>(rk) == options.rank)) {
+          rows.push_back(std::move(row));
+        }
       }
     }
     for (size_t i : members) {
@@ -412,6 +418,26 @@ struct Trainer::Impl {
     return r;
   }
 
+  // Sums every parameter's gradient over the ranks (one flat buffer, one collective); a rank
+  // without micro-batches contributes zeros.
+  Status AllReduceGrads() {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> flat;
+    for (auto& [name, p] : w.leaves) {
+      flat.push_back(p->grad().defined() ? p->grad().reshape({-1}).to(torch::kFloat32)
+                                         : torch::zeros({p->numel()}, torch::kFloat32));
+    }
+    std::vector<torch::Tensor> buf = {torch::cat(flat)};
+    BRAGG_RETURN_IF_ERROR(dp->AllReduceSum(buf));
+    int64_t off = 0;
+    for (auto& [name, p] : w.leaves) {
+      torch::Tensor g = buf[0].narrow(0, off, p->numel()).view(p->sizes()).to(p->scalar_type());
+      off += p->numel();
+      p->mutable_grad() = g.clone();
+    }
+    return absl::OkStatus();
+  }
+
   Result<StepMetrics> Step(std::span<const Trajectory> batch) {
     auto t0 = std::chrono::steady_clock::now();
     BRAGG_RETURN_IF_ERROR(CheckBatch(batch));
@@ -442,18 +468,19 @@ struct Trainer::Impl {
     }
     // Mini-batches: contiguous slices of the batch in its order (the rl controller shuffles).
     double sum_loss = 0, sum_pg = 0, sum_ent = 0, sum_kl = 0, sum_clip = 0, sum_w = 0,
-           sum_trunc = 0, max_diff = 0, grad_norm = 0;
+           sum_trunc = 0, max_diff = 0, grad_norm = 0, compute_s = 0;
     int64_t loss_tokens = 0;
     for (int mb = 0; mb < K; ++mb) {
       size_t lo = batch.size() * mb / K, hi = batch.size() * (mb + 1) / K;
       std::vector<size_t> members(hi - lo);
       std::iota(members.begin(), members.end(), lo);
-      BRAGG_ASSIGN_OR_RETURN(std::vector<PackedRow> rows, Plan(batch, members));
+      BRAGG_ASSIGN_OR_RETURN(std::vector<PackedRow> rows, Plan(batch, members, true));
       int64_t mb_tokens = 0;
       for (size_t i : members) {
         mb_tokens +=
             std::accumulate(batch[i].loss_mask.begin() + 1, batch[i].loss_mask.end(), int64_t{0});
       }
+      auto c0 = std::chrono::steady_clock::now();
       for (const PackedRow& row : rows) {
         RowTargets tg = Targets(batch, row, adv, proximal.empty() ? nullptr : &proximal);
         torch::Tensor mask = tg.mask.to(w.device);
@@ -505,7 +532,11 @@ struct Trainer::Impl {
         loss.backward();
         ++mt.micro_batches;
       }
+      compute_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
       loss_tokens += mb_tokens;
+      if (dp) {
+        BRAGG_RETURN_IF_ERROR(AllReduceGrads());
+      }
       BRAGG_ASSIGN_OR_RETURN(StepStats st, optimizer->Step());
       grad_norm = st.grad_norm;
       for (auto& [name, p] : w.leaves) {
@@ -514,6 +545,26 @@ struct Trainer::Impl {
       ++step;
     }
     ++version;
+    double seconds_max = compute_s, seconds_mean = compute_s;
+    if (dp) {
+      // Every rank's sums, and the largest difference and time.
+      std::vector<torch::Tensor> sums = {
+          torch::tensor({sum_loss, sum_pg, sum_ent, sum_kl, sum_clip, sum_w, sum_trunc,
+                         static_cast<double>(mt.micro_batches), compute_s},
+                        torch::kFloat64)};
+      std::vector<torch::Tensor> maxes = {torch::tensor({max_diff, compute_s}, torch::kFloat64)};
+      BRAGG_RETURN_IF_ERROR(dp->AllReduceSum(sums));
+      BRAGG_RETURN_IF_ERROR(dp->AllReduceMax(maxes));
+      const double* a = sums[0].data_ptr<double>();
+      sum_loss = a[0], sum_pg = a[1], sum_ent = a[2], sum_kl = a[3], sum_clip = a[4];
+      sum_w = a[5], sum_trunc = a[6];
+      mt.micro_batches = static_cast<int>(a[7]);
+      seconds_mean = a[8] / dp->world_size();
+      max_diff = maxes[0].data_ptr<double>()[0];
+      seconds_max = maxes[0].data_ptr<double>()[1];
+    }
+    mt.rank_seconds_max = seconds_max;
+    mt.rank_seconds_mean = seconds_mean;
     const double n = static_cast<double>(std::max<int64_t>(1, loss_tokens));
     mt.loss_tokens = loss_tokens;
     mt.loss = sum_loss / n;
@@ -569,6 +620,9 @@ struct Trainer::Impl {
   }
 
   Status SaveModel(const std::string& dir) const {
+    if (options.rank != 0) {
+      return absl::OkStatus();
+    }
     std::string staging = Cat(dir, ".tmp-", ::getpid());
     (void)RemoveTree(staging);
     BRAGG_RETURN_IF_ERROR(MakeDirs(staging));
@@ -577,6 +631,9 @@ struct Trainer::Impl {
   }
 
   Status SaveCheckpoint(const std::string& root) const {
+    if (options.rank != 0) {
+      return absl::OkStatus();
+    }
     std::string name = Cat("step-", step);
     std::string final_dir = Cat(root, "/", name);
     std::string staging = Cat(final_dir, ".tmp-", ::getpid());
@@ -627,6 +684,12 @@ Status CheckOptions(const TrainOptions& o) {
                o.lce_token_chunk);
   }
   if (o.kl_coef < 0 || o.entropy_coef < 0) return bad("kl_coef and entropy_coef must be >= 0");
+  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
+    return bad("rank ", o.rank, " of world size ", o.world_size, ": need 0 <= rank < world size");
+  }
+  if (o.world_size > 1 && o.rendezvous.empty()) {
+    return bad("world size ", o.world_size, " needs a rendezvous (file:PATH or tcp:HOST:PORT)");
+  }
   if (o.kl_coef > 0 && o.reference_dir.empty()) {
     return absl::FailedPreconditionError("kl_coef > 0 needs a reference model (--reference)");
   }
@@ -675,6 +738,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
     ao.chunk_elements = options.optimizer_chunk_elements;
     ao.max_grad_norm = options.max_grad_norm;
     BRAGG_ASSIGN_OR_RETURN(impl->optimizer, OffloadAdamW::Create(std::move(named), ao));
+    if (options.world_size > 1) {
+      BRAGG_ASSIGN_OR_RETURN(
+          impl->dp, DataParallel::Join(options.world_size, options.rank, options.rendezvous));
+    }
   } catch (const c10::Error& e) {
     return absl::InternalError(
         Cat("loading ", options.model_dir, ": ", e.what_without_backtrace()));

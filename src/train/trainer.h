@@ -61,6 +61,14 @@ struct TrainOptions {
   // pads every trace of a micro-batch to its longest (a BSHD batch) instead of packing.
   bool fused_cross_entropy = true;
   bool padded = false;
+
+  // Data parallelism: world_size trainers (processes, or threads), each given the same batches,
+  // each running its rank's share of bragg_pack's plan; gradients are summed over the ranks
+  // before every optimizer step, so every rank holds the same weights. rendezvous:
+  // "file:PATH" or "tcp:HOST:PORT" (data_parallel.h). Only rank 0 writes models and checkpoints.
+  int world_size = 1;
+  int rank = 0;
+  std::string rendezvous;
 };
 
 struct StepMetrics {
@@ -79,6 +87,9 @@ struct StepMetrics {
   double reward_mean = 0, advantage_abs_mean = 0;
   int64_t min_version = -1, max_version = -1;  // of the trained tokens (-1: not given)
   double seconds = 0, tokens_per_second = 0;
+  // Forward/backward seconds of the slowest rank and the mean over ranks (equal with one rank):
+  // how well the plan balanced the work.
+  double rank_seconds_max = 0, rank_seconds_mean = 0;
 };
 
 class Trainer {

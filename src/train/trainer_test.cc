@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <random>
+#include <thread>
 
 #include "common/fs.h"
 #include "engine/engine.h"
@@ -201,9 +202,11 @@ TEST_P(TrainerTest, PackingDoesNotChangeATracesLogProbs) {
     ASSERT_TRUE(unfused.ok()) << unfused.status();
     for (size_t i = 0; i < batch.size(); ++i) {
       for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
-        EXPECT_NEAR((*unfused)[i][j], (*packed)[i][j], 1e-5 * std::max(1.0f, std::abs((*packed)[i][j])));
+        EXPECT_NEAR((*unfused)[i][j], (*packed)[i][j],
+                    1e-5 * std::max(1.0f, std::abs((*packed)[i][j])));
         if (!det) {
-          EXPECT_NEAR((*padded)[i][j], (*packed)[i][j], 1e-5 * std::max(1.0f, std::abs((*packed)[i][j])));
+          EXPECT_NEAR((*padded)[i][j], (*packed)[i][j],
+                      1e-5 * std::max(1.0f, std::abs((*packed)[i][j])));
         }
       }
     }
@@ -376,6 +379,53 @@ TEST_P(TrainerTest, ResumeFromACheckpointContinuesBitForBit) {
   EXPECT_FALSE(Trainer::Resume(Path("nowhere"), o).ok());
   ASSERT_TRUE(WriteStringToFile(Path("ckpt/latest"), "../../etc\n").ok());
   EXPECT_FALSE(Trainer::Resume(Path("ckpt"), o).ok());
+}
+
+// Data parallelism (gloo): two ranks, each running its half of the plan, end every step with
+// the same weights, and those are the one-rank trainer's up to the order of the gradient sum.
+TEST_P(TrainerTest, DataParallelRanksHoldTheSameWeightsAsOneRank) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 10, 12);
+  auto single = MakeTrainer(Options());
+  for (int s = 0; s < 2; ++s) ASSERT_TRUE(single->Step(batch).ok());
+  std::vector<std::unique_ptr<Trainer>> ranks(2);
+  std::vector<StepMetrics> last(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      TrainOptions o = Options();
+      o.threads = 1;
+      o.world_size = 2;
+      o.rank = r;
+      o.rendezvous = "file:" + Path("rendezvous");
+      auto t = Trainer::Create(o);
+      ASSERT_TRUE(t.ok()) << t.status();
+      ranks[r] = std::move(*t);
+      for (int s = 0; s < 2; ++s) {
+        auto m = ranks[r]->Step(batch);
+        ASSERT_TRUE(m.ok()) << m.status();
+        last[r] = *m;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(ranks[0] && ranks[1]);
+  // Both ranks report the whole batch's metrics.
+  EXPECT_EQ(last[0].loss, last[1].loss);
+  EXPECT_GE(last[0].rank_seconds_max, last[0].rank_seconds_mean);
+  auto a = ranks[0]->LogProbs(batch), b = ranks[1]->LogProbs(batch), c = single->LogProbs(batch);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(*a, *b);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+      EXPECT_NEAR((*a)[i][j], (*c)[i][j], 1e-4 * std::max(1.0f, std::abs((*c)[i][j])));
+    }
+  }
+  // Only rank 0 writes.
+  ASSERT_TRUE(ranks[1]->SaveModel(Path("dp1")).ok());
+  EXPECT_FALSE(std::filesystem::exists(Path("dp1")));
+  ASSERT_TRUE(ranks[0]->SaveModel(Path("dp0")).ok());
+  EXPECT_TRUE(std::filesystem::exists(Path("dp0") + "/model.safetensors"));
 }
 
 TEST_P(TrainerTest, BadBatchesAreRefusedNamingTheTrajectoryAndNothingIsTrained) {
