@@ -91,7 +91,7 @@ def run_bragg(tmp_path, params, grads, cfg):
     grads.astype("<f4").tofile(tmp_path / "grads.bin")
     binary = os.environ.get("BRAGG_ADAMW_REPLAY")
     if not binary:
-        pytest.fail("BRAGG_ADAMW_REPLAY (the train_adamw_replay binary) is unset: run through ctest")
+        pytest.fail("BRAGG_ADAMW_REPLAY (train_adamw_replay) is unset: run through ctest")
     subprocess.run([binary, str(tmp_path)], check=True, timeout=120)
     state = np.fromfile(tmp_path / "state.bin", dtype="<f4").reshape(3, -1)
     norms = json.loads((tmp_path / "norms.json").read_text())["grad_norms"]
