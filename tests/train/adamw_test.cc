@@ -189,6 +189,27 @@ TEST(OffloadAdamW, ClippingEqualsClipGradNormThenAdamW) {
   ExpectBitwise(params, **opt, ref);
 }
 
+// A learning-rate schedule through set_lr(): torch reads group["lr"] at every step, so do we.
+TEST(OffloadAdamW, SetLrFollowsASchedule) {
+  AdamWOptions o;
+  o.chunk_elements = 1000;
+  NamedParams params = MakeParams();
+  ReferenceAdamW ref(params, o);
+  auto opt = OffloadAdamW::Create(params, o);
+  ASSERT_TRUE(opt.ok());
+  for (int step = 1; step <= 50; ++step) {
+    const double lr = 1e-3 * std::cos(step / 50.0) + 1e-5 * step;  // warm-up-and-decay-like
+    (*opt)->set_lr(lr);
+    ref.o.lr = lr;
+    auto grads = MakeGrads(step);
+    SetGrads(params, grads);
+    ASSERT_TRUE((*opt)->Step().ok());
+    ref.Step(grads);
+  }
+  EXPECT_EQ((*opt)->lr(), ref.o.lr);
+  ExpectBitwise(params, **opt, ref);
+}
+
 bool SkipP1OnEvenSteps(int step, size_t i) { return i == 1 && step % 2 == 0; }
 
 TEST(OffloadAdamW, ParamWithoutGradIsSkippedAsTorchDoes) {
@@ -417,6 +438,17 @@ TEST(OffloadAdamWHostile, BadParamsAreRefusedWithTheirName) {
   o.chunk_elements = 16;
   o.beta2 = 1.0;
   EXPECT_EQ(err({{"w", a}}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(OffloadAdamWHostile, CudaDeviceWithoutCudaIsAFailedPrecondition) {
+  if (torch::cuda::is_available()) {
+    GTEST_SKIP() << "this libtorch has CUDA and a GPU: the refusal cannot be seen here";
+  }
+  AdamWOptions o;
+  o.device = torch::Device(torch::kCUDA);
+  Status s = OffloadAdamW::Create({{"w", torch::zeros({4}).set_requires_grad(true)}}, o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("use the cpu device"), std::string::npos) << s;
 }
 
 TEST(OffloadAdamWHostile, ZeroElementParamsAreCarriedAlong) {

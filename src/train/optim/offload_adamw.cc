@@ -28,6 +28,13 @@ std::string ShapeString(at::IntArrayRef shape) {
 
 bool SupportedDtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
 
+// A tensor on `device`: "cuda" (no index) accepts any CUDA device, as torch's "cuda" means the
+// current one.
+bool OnDevice(const torch::Tensor& t, const torch::Device& device) {
+  return t.device().type() == device.type() &&
+         (!device.has_index() || t.device().index() == device.index());
+}
+
 Status CheckOptions(const AdamWOptions& o) {
   auto bad = [](std::string what) {
     return absl::InvalidArgumentError(absl::StrCat("AdamW options: ", what));
@@ -86,7 +93,7 @@ Result<std::unique_ptr<OffloadAdamW>> OffloadAdamW::Create(
     if (!t.defined()) {
       return bad("is an undefined tensor");
     }
-    if (t.device() != options.device) {
+    if (!OnDevice(t, options.device)) {
       return bad(absl::StrCat("is on ", t.device().str(), ", the optimizer's device is ",
                               options.device.str()));
     }
@@ -256,7 +263,7 @@ Result<StepStats> OffloadAdamW::Step() {
     if (!g.defined()) {
       continue;
     }
-    if (g.numel() != p.numel || g.device() != options_.device || !SupportedDtype(g.scalar_type())) {
+    if (g.numel() != p.numel || !OnDevice(g, options_.device) || !SupportedDtype(g.scalar_type())) {
       return absl::InvalidArgumentError(
           absl::StrCat("OffloadAdamW step: the grad of '", p.name, "' is ", ShapeString(g.sizes()),
                        " ", c10::toString(g.scalar_type()), " on ", g.device().str(), "; expected ",

@@ -66,11 +66,13 @@ class OffloadAdamW {
   OffloadAdamW& operator=(const OffloadAdamW&) = delete;
 
   // One AdamW step from each parameter's .grad(); a parameter without a grad is skipped as torch
-  // does (its state and its own step count stay). Writes the new master weights into the
-  // parameters, cast to their dtype. InvalidArgument for a grad of the wrong size, device or
-  // dtype; with clipping, FailedPrecondition for a NaN/inf global grad norm. On error nothing
-  // (state, step, parameters) has changed, except Internal (a torch error mid-stream), which
-  // leaves the state undefined.
+  // does (its state and its own step count stay); grads are read, never changed (a
+  // non-contiguous grad is first copied, on the device). Writes the new master weights into the
+  // parameters, cast to their dtype (the master wins over any change made to a parameter between
+  // steps). Without clipping a NaN grad goes into the state, as in torch. InvalidArgument for a
+  // grad of the wrong size, device or dtype; with clipping, FailedPrecondition for a NaN/inf global
+  // grad norm. On error nothing (state, step, parameters) has changed, except Internal (a torch
+  // error mid-stream), which leaves the state undefined.
   [[nodiscard]] Result<StepStats> Step();
 
   void set_lr(double lr) { options_.lr = lr; }
