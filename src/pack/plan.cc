@@ -281,12 +281,17 @@ bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> me
   }
   for (size_t j = 0; j < members.size(); ++j) {
     const balance::Item& it = seq[j];
+    // Selects, not jumps: which micro-batch is least loaded changes from item to item, and a
+    // jump on it mispredicted about once per item.
     int best = -1;
+    double best_load = std::numeric_limits<double>::infinity();
     for (int b = 0; b < m; ++b) {
-      if (it.tokens <= cap - tokens[static_cast<size_t>(b)] &&
-          (best < 0 || load[static_cast<size_t>(b)] < load[static_cast<size_t>(best)])) {
-        best = b;
-      }
+      const bool fits = it.tokens <= cap - tokens[static_cast<size_t>(b)];
+      const double here = fits ? load[static_cast<size_t>(b)]
+                                : std::numeric_limits<double>::infinity();
+      const bool better = here < best_load;
+      best_load = better ? here : best_load;
+      best = better ? b : best;
     }
     if (best < 0) {
       return false;
