@@ -118,28 +118,22 @@ class LoadTree {
   std::vector<int32_t> id_;
 };
 
-// Each item of `order` to the least-loaded bin with room (ties to the lower bin). Bins without
-// room for an item are set aside (load +inf) until an item fits them.
-std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> items,
-                                                       std::span<const int32_t> order, int bins,
-                                                       int64_t capacity) {
+// Each item of `seq`, in turn, to the least-loaded bin with room (ties to the lower bin): the
+// bin of every position. Bins without room for an item are set aside (load +inf) until an item
+// fits them.
+std::optional<std::vector<int32_t>> LeastLoadedSequence(std::span<const Item> seq, int bins,
+                                                        int64_t capacity) {
   LoadTree tree(bins);
   std::vector<int64_t> tokens(static_cast<size_t>(bins), 0);
   std::vector<double> load(static_cast<size_t>(bins), 0.0);
-  std::vector<int32_t> bin_of(items.size(), -1);
-  // Gather first: independent loads overlap, while loads inside the placement loop below would
-  // each wait on a cache miss.
-  std::vector<Item> seq(order.size());
-  for (size_t j = 0; j < order.size(); ++j) {
-    seq[j] = items[static_cast<size_t>(order[j])];
-  }
+  std::vector<int32_t> bin_at(seq.size());
   // Bins out of the tree because an item did not fit, by room left, most room on top. A bin
   // gets nothing while aside, so its room and load stay put; it comes back as soon as an item
   // fits it. Putting every skipped bin back after each item instead made near-full plans
   // quadratic (each item skipped the same full bins again): 3.7 million skips for 100,000
   // traces into 512 ranks whose capacity was 99.9% used.
   std::priority_queue<std::pair<int64_t, int32_t>> aside;
-  for (size_t j = 0; j < order.size(); ++j) {
+  for (size_t j = 0; j < seq.size(); ++j) {
     const Item& it = seq[j];
     while (!aside.empty() && aside.top().first >= it.tokens) {
       const int32_t bin = aside.top().second;
@@ -155,10 +149,29 @@ std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> ite
     if (b < 0) {
       return std::nullopt;
     }
-    bin_of[static_cast<size_t>(order[j])] = b;
+    bin_at[j] = b;
     tokens[static_cast<size_t>(b)] += it.tokens;
     load[static_cast<size_t>(b)] += it.cost;
     tree.Set(b, load[static_cast<size_t>(b)]);
+  }
+  return bin_at;
+}
+
+// Each item of `order` to the least-loaded bin with room: LeastLoadedSequence() of the items
+// gathered in that order, given back by item.
+std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> items,
+                                                       std::span<const int32_t> order, int bins,
+                                                       int64_t capacity) {
+  // Gather first: independent loads overlap, while loads inside the placement loop would each
+  // wait on a cache miss.
+  const std::vector<Item> seq = Gather(items, order);
+  auto bin_at = LeastLoadedSequence(seq, bins, capacity);
+  if (!bin_at) {
+    return std::nullopt;
+  }
+  std::vector<int32_t> bin_of(items.size(), -1);
+  for (size_t j = 0; j < order.size(); ++j) {
+    bin_of[static_cast<size_t>(order[j])] = (*bin_at)[j];
   }
   return bin_of;
 }
@@ -259,6 +272,19 @@ std::vector<int32_t> DecreasingTokenOrder(std::span<const Item> items) {
 std::optional<std::vector<int32_t>> Lpt(std::span<const Item> items, int bins, int64_t capacity) {
   const std::vector<int32_t> order = ByDecreasingCost(items);
   return LeastLoadedInOrder(items, order, bins, capacity);
+}
+
+std::vector<Item> Gather(std::span<const Item> items, std::span<const int32_t> order) {
+  std::vector<Item> seq(order.size());
+  for (size_t j = 0; j < order.size(); ++j) {
+    seq[j] = items[static_cast<size_t>(order[j])];
+  }
+  return seq;
+}
+
+std::optional<std::vector<int32_t>> LptSequence(std::span<const Item> seq, int bins,
+                                                int64_t capacity) {
+  return LeastLoadedSequence(seq, bins, capacity);
 }
 
 std::optional<std::vector<int32_t>> LptInOrder(std::span<const Item> items,

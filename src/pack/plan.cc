@@ -265,30 +265,28 @@ std::vector<std::vector<int32_t>> IdentityRankBins(int dp, int m) {
   return rank_bins;
 }
 
-// Splits one rank's traces (given in decreasing cost order) into m micro-batches: each to the
-// least-loaded micro-batch with room. m is small, so a linear scan beats a heap.
-bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> members, int m,
-               int64_t cap, std::vector<double>& load, std::vector<int64_t>& tokens,
-               std::vector<int32_t>& local, std::vector<balance::Item>& seq) {
-  load.assign(static_cast<size_t>(m), 0.0);
-  tokens.assign(static_cast<size_t>(m), 0);
-  local.resize(members.size());
-  // Gather first: independent loads overlap; inside the loop each would wait on a cache miss
-  // (the members are scattered over all traces).
-  seq.resize(members.size());
-  for (size_t j = 0; j < members.size(); ++j) {
-    seq[j] = items[static_cast<size_t>(members[j])];
-  }
-  for (size_t j = 0; j < members.size(); ++j) {
+// Splits every rank's traces into m micro-batches, each trace to its rank's least-loaded
+// micro-batch with room, in LPT order (`seq`, the items in `order`; rank_at[j] is the rank of
+// seq[j]). Ranks are independent, so one pass in LPT order serves all of them, reading the
+// sequence in order instead of gathering each rank's traces. m is small: a linear scan beats a
+// heap. Writes a.bin_of; false if some rank's traces do not fit.
+bool SplitRanks(std::span<const balance::Item> seq, std::span<const int32_t> order,
+                std::span<const int32_t> rank_at, int dp, int m, int64_t cap, Assignment& a) {
+  const size_t mm = static_cast<size_t>(m);
+  std::vector<double> load(static_cast<size_t>(dp) * mm, 0.0);
+  std::vector<int64_t> tokens(static_cast<size_t>(dp) * mm, 0);
+  for (size_t j = 0; j < seq.size(); ++j) {
     const balance::Item& it = seq[j];
+    const int32_t r = rank_at[j];
+    double* rank_load = &load[static_cast<size_t>(r) * mm];
+    int64_t* rank_tokens = &tokens[static_cast<size_t>(r) * mm];
     // Selects, not jumps: which micro-batch is least loaded changes from item to item, and a
     // jump on it mispredicted about once per item.
     int best = -1;
     double best_load = std::numeric_limits<double>::infinity();
     for (int b = 0; b < m; ++b) {
-      const bool fits = it.tokens <= cap - tokens[static_cast<size_t>(b)];
-      const double here = fits ? load[static_cast<size_t>(b)]
-                                : std::numeric_limits<double>::infinity();
+      const bool fits = it.tokens <= cap - rank_tokens[b];
+      const double here = fits ? rank_load[b] : std::numeric_limits<double>::infinity();
       const bool better = here < best_load;
       best_load = better ? here : best_load;
       best = better ? b : best;
@@ -296,9 +294,9 @@ bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> me
     if (best < 0) {
       return false;
     }
-    load[static_cast<size_t>(best)] += it.cost;
-    tokens[static_cast<size_t>(best)] += it.tokens;
-    local[j] = best;
+    rank_load[best] += it.cost;
+    rank_tokens[best] += it.tokens;
+    a.bin_of[static_cast<size_t>(order[j])] = best * dp + r;
   }
   return true;
 }
@@ -308,14 +306,15 @@ bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> me
 // each rank's traces into its micro-batches. Rank-level balance is what DP waits on; splitting
 // a balanced rank into equal micro-batches keeps every pipeline step alike across ranks. False
 // if the traces do not fit m micro-batches per rank (the caller tries m + 1); at max_m, raises
-// a.m instead until every rank's traces fit.
+// a.m instead until every rank's traces fit. `seq` holds the items in `order`.
 bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int64_t cap,
-               std::span<const int32_t> order, Assignment& a) {
+               std::span<const int32_t> order, std::span<const balance::Item> seq,
+               Assignment& a) {
   const int64_t rank_cap = cap == balance::kNoCapacity || cap > balance::kNoCapacity / m
                                ? balance::kNoCapacity
                                : cap * m;
-  auto rank_of = balance::LptInOrder(p.items, order, c.dp, rank_cap);
-  if (!rank_of) {
+  auto rank_at = balance::LptSequence(seq, c.dp, rank_cap);
+  if (!rank_at) {
     return false;
   }
   if (c.refine) {
@@ -324,49 +323,41 @@ bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int
       total += it.cost;
       largest = std::max(largest, it.cost);
     }
-    std::vector<std::vector<int32_t>> single(static_cast<size_t>(c.dp));
-    for (int r = 0; r < c.dp; ++r) {
-      single[static_cast<size_t>(r)] = {r};
+    const double stop_at = std::max(largest, total / c.dp) * (1 + 2e-3);
+    std::vector<double> rank_cost(static_cast<size_t>(c.dp), 0.0);
+    for (size_t j = 0; j < seq.size(); ++j) {
+      rank_cost[static_cast<size_t>((*rank_at)[j])] += seq[j].cost;
     }
-    balance::RefineBySwaps(p.items, *rank_of, single, rank_cap, 8 * c.dp + 64,
-                           std::max(largest, total / c.dp) * (1 + 2e-3));
-  }
-  // Members of each rank, still in decreasing cost order.
-  std::vector<int32_t> start(static_cast<size_t>(c.dp) + 1, 0);
-  for (int32_t r : *rank_of) {
-    ++start[static_cast<size_t>(r) + 1];
-  }
-  std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int32_t> members(order.size());
-  {
-    std::vector<int32_t> fill(start.begin(), start.end() - 1);
-    for (int32_t i : order) {
-      members[static_cast<size_t>(
-          fill[static_cast<size_t>((*rank_of)[static_cast<size_t>(i)])]++)] = i;
-    }
-  }
-  std::vector<double> load;
-  std::vector<int64_t> tokens;
-  std::vector<int32_t> local;
-  std::vector<balance::Item> seq;
-  a.bin_of.assign(p.items.size(), -1);
-  for (int r = 0; r < c.dp; ++r) {
-    std::span<const int32_t> mine(members.data() + start[static_cast<size_t>(r)],
-                                  members.data() + start[static_cast<size_t>(r) + 1]);
-    if (!SplitRank(p.items, mine, m, cap, load, tokens, local, seq)) {
-      if (m < max_m) {
-        // Balance the ranks again with room for one more micro-batch each: keeping this
-        // assignment, made under the tighter rank capacity, left ranks 3% apart.
-        return false;
+    // RefineBySwaps() would stop at once (it sums the same costs in another order, hence the
+    // margin, far above the rounding of a few hundred additions): skip handing it the ranks by
+    // trace, which takes a scattered write per trace.
+    if (*std::max_element(rank_cost.begin(), rank_cost.end()) > stop_at * (1 - 1e-9)) {
+      std::vector<int32_t> rank_of(p.items.size(), -1);
+      for (size_t j = 0; j < order.size(); ++j) {
+        rank_of[static_cast<size_t>(order[j])] = (*rank_at)[j];
       }
-      // Every trace fits alone, so m = |mine| always succeeds.
-      ++m;
-      r = -1;  // all ranks need the same count: start over with the larger m
-      continue;
+      std::vector<std::vector<int32_t>> single(static_cast<size_t>(c.dp));
+      for (int r = 0; r < c.dp; ++r) {
+        single[static_cast<size_t>(r)] = {r};
+      }
+      if (balance::RefineBySwaps(p.items, rank_of, single, rank_cap, 8 * c.dp + 64, stop_at) >
+          0) {
+        for (size_t j = 0; j < order.size(); ++j) {
+          (*rank_at)[j] = rank_of[static_cast<size_t>(order[j])];
+        }
+      }
     }
-    for (size_t j = 0; j < mine.size(); ++j) {
-      a.bin_of[static_cast<size_t>(mine[j])] = local[j] * c.dp + r;
+  }
+  a.bin_of.assign(p.items.size(), -1);
+  while (!SplitRanks(seq, order, *rank_at, c.dp, m, cap, a)) {
+    if (m < max_m) {
+      // Balance the ranks again with room for one more micro-batch each: keeping this
+      // assignment, made under the tighter rank capacity, left ranks 3% apart.
+      return false;
     }
+    // Every trace fits alone, so m = the most traces of a rank always succeeds; all ranks need
+    // the same count, so all are split again.
+    ++m;
   }
   a.m = m;
   a.rank_bins = IdentityRankBins(c.dp, m);
@@ -383,11 +374,13 @@ Result<Assignment> Assign(const Prepared& p, const PackConfig& c, int64_t row_al
   }
   const int64_t max_m = std::max<int64_t>(m, (n + c.dp - 1) / c.dp);
   std::vector<int32_t> order;
+  std::vector<balance::Item> seq;
   if (c.method == Method::kLpt) {
     // Model costs increase with tokens, so ordering by tokens is ordering by cost, from keys of
     // a few bits.
     order = p.explicit_costs ? balance::DecreasingCostOrder(p.items)
                              : balance::DecreasingTokenOrder(p.items);
+    seq = balance::Gather(p.items, order);
   }
   for (;; ++m) {
     if (static_cast<int64_t>(m) * c.dp > std::numeric_limits<int32_t>::max()) {
@@ -441,7 +434,7 @@ Result<Assignment> Assign(const Prepared& p, const PackConfig& c, int64_t row_al
       return a;
     }
     if (c.method == Method::kLpt) {
-      if (!AssignLpt(p, c, m, max_m, cap, order, a)) {
+      if (!AssignLpt(p, c, m, max_m, cap, order, seq, a)) {
         if (m >= max_m) {
           break;
         }
