@@ -150,7 +150,6 @@ class Padder {
 
 struct Prepared {
   std::vector<balance::Item> items;
-  std::vector<int64_t> padded;
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   int64_t longest_padded = 0;
@@ -169,7 +168,6 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
   const Padder pad(align);
   Prepared p;
   p.items.resize(traces.size());
-  p.padded.resize(traces.size());
   for (size_t i = 0; i < traces.size(); ++i) {
     const Trace& t = traces[i];
     if (t.length < 1 || t.length > kMaxRowTokens) {
@@ -192,7 +190,6 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
           "than max_tokens={}: raise max_tokens or split the trace over a larger CP size",
           i, t.id, t.length, padded, align, row_align, c.max_tokens));
     }
-    p.padded[i] = padded;
     p.items[i] = {.cost = t.cost >= 0 ? t.cost : c.cost.Cost(padded), .tokens = padded};
     p.explicit_costs |= t.cost >= 0;
     p.real_tokens += t.length;
@@ -536,7 +533,7 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
       } else {
         int64_t longest = 0;
         for (int32_t i : members) {
-          longest = std::max(longest, p.padded[static_cast<size_t>(i)]);
+          longest = std::max(longest, pad(traces[static_cast<size_t>(i)].length));
         }
         longest = AlignUp(longest, row_align);
         for (int32_t i : members) {
