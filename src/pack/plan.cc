@@ -153,6 +153,8 @@ struct Prepared {
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   int64_t longest_padded = 0;
+  double total_cost = 0;    // summed in trace order
+  double largest_cost = 0;
   bool explicit_costs = false;  // some trace gave its own cost
 };
 
@@ -191,6 +193,8 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
           i, t.id, t.length, padded, align, row_align, c.max_tokens));
     }
     p.items[i] = {.cost = t.cost >= 0 ? t.cost : c.cost.Cost(padded), .tokens = padded};
+    p.total_cost += p.items[i].cost;
+    p.largest_cost = std::max(p.largest_cost, p.items[i].cost);
     p.explicit_costs |= t.cost >= 0;
     p.real_tokens += t.length;
     p.padded_tokens += padded;
@@ -338,12 +342,7 @@ bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int
     return false;
   }
   if (c.refine) {
-    double total = 0, largest = 0;
-    for (const balance::Item& it : p.items) {
-      total += it.cost;
-      largest = std::max(largest, it.cost);
-    }
-    const double stop_at = std::max(largest, total / c.dp) * (1 + 2e-3);
+    const double stop_at = std::max(p.largest_cost, p.total_cost / c.dp) * (1 + 2e-3);
     std::vector<double> rank_cost(static_cast<size_t>(c.dp), 0.0);
     for (size_t j = 0; j < seq.size(); ++j) {
       rank_cost[static_cast<size_t>((*rank_at)[j])] += seq[j].cost;
@@ -577,14 +576,13 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
                                                  static_cast<double>(s.padded_tokens)
                                            : 0.0;
   s.max_over_mean = s.mean_rank_cost > 0 ? s.max_rank_cost / s.mean_rank_cost : 1.0;
-  double largest = 0;
-  for (const balance::Item& it : p.items) {
-    largest = std::max(largest, it.cost);
-  }
-  s.lower_bound = s.mean_rank_cost > 0 ? std::max(1.0, largest / s.mean_rank_cost) : 1.0;
-  for (size_t i = 0; i < traces.size(); ++i) {
-    if (s.mean_rank_cost > 0 && p.items[i].cost > s.mean_rank_cost) {
-      s.oversized_trace_ids.push_back(traces[i].id);
+  s.lower_bound =
+      s.mean_rank_cost > 0 ? std::max(1.0, p.largest_cost / s.mean_rank_cost) : 1.0;
+  if (s.mean_rank_cost > 0 && p.largest_cost > s.mean_rank_cost) {
+    for (size_t i = 0; i < traces.size(); ++i) {
+      if (p.items[i].cost > s.mean_rank_cost) {
+        s.oversized_trace_ids.push_back(traces[i].id);
+      }
     }
   }
   for (int step = 0; step < a.m; ++step) {
