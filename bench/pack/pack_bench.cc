@@ -72,8 +72,8 @@ std::vector<int64_t> HeavyTail(size_t n, uint64_t seed) {
   std::vector<int64_t> out(n);
   const size_t long_ones = n / 50;
   for (size_t i = 0; i < n; ++i) {
-    out[i] = i < long_ones ? tail(rng)
-                           : std::clamp<int64_t>(static_cast<int64_t>(body(rng)), 64, 19999);
+    out[i] =
+        i < long_ones ? tail(rng) : std::clamp<int64_t>(static_cast<int64_t>(body(rng)), 64, 19999);
   }
   std::shuffle(out.begin(), out.end(), rng);
   return out;
@@ -109,7 +109,8 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
       only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: pack_bench [--repeat N] [--csv FILE] [--quick] [--only SUBSTRING]\n");
+      std::fprintf(stderr,
+                   "usage: pack_bench [--repeat N] [--csv FILE] [--quick] [--only SUBSTRING]\n");
       return 2;
     }
   }
@@ -117,8 +118,8 @@ int main(int argc, char** argv) {
   std::vector<Dataset> datasets = {
       {fmt::format("lognormal {}k -> 512", big / 1000), MakeTraces(Lognormal(big, 1)), 512},
       {fmt::format("pareto {}k -> 512", big / 1000), MakeTraces(Pareto(big, 2)), 512},
-      {fmt::format("heavy-tail 2% 20-60K {}k -> 512", big / 1000),
-       MakeTraces(HeavyTail(big, 5)), 512},
+      {fmt::format("heavy-tail 2% 20-60K {}k -> 512", big / 1000), MakeTraces(HeavyTail(big, 5)),
+       512},
       {"lognormal 4096 -> 64", MakeTraces(Lognormal(4096, 3)), 64},
       {"pareto 4096 -> 64", MakeTraces(Pareto(4096, 4)), 64},
   };
@@ -210,11 +211,11 @@ int main(int argc, char** argv) {
       const double best_ms = *std::min_element(cell.wall_ms.begin(), cell.wall_ms.end());
       const char* dname = datasets[di].name.c_str();
       const char* vname = variants[vi].name.c_str();
-      std::printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %.4f | %.4f | %.4f | %.3f | %d | %.3f |\n",
-                  dname, vname, median(cell.wall_ms), p90(cell.wall_ms), best_ms,
-                  median(cell.cpu_ms), s.max_over_mean,
-                  s.lower_bound, s.max_over_mean / s.lower_bound, 100 * s.padding_fraction,
-                  s.micro_batches_per_rank, s.step_max_over_mean);
+      std::printf(
+          "| %s | %s | %.2f | %.2f | %.2f | %.2f | %.4f | %.4f | %.4f | %.3f | %d | %.3f |\n",
+          dname, vname, median(cell.wall_ms), p90(cell.wall_ms), best_ms, median(cell.cpu_ms),
+          s.max_over_mean, s.lower_bound, s.max_over_mean / s.lower_bound, 100 * s.padding_fraction,
+          s.micro_batches_per_rank, s.step_max_over_mean);
       if (csv) {
         // Every run's wall time, in run order, for the verdicts (bench/verdict.py judges the
         // spread, not the best).

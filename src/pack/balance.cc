@@ -34,10 +34,9 @@ inline std::pair<int, double> ArgMin8With(const double* k, int c, double v) {
   a3 = blend(a3, 6);
   __m128d m = _mm_min_pd(_mm_min_pd(a0, a1), _mm_min_pd(a2, a3));
   m = _mm_min_pd(m, _mm_shuffle_pd(m, m, 1));
-  const int mask = _mm_movemask_pd(_mm_cmpeq_pd(a0, m)) |
-                   (_mm_movemask_pd(_mm_cmpeq_pd(a1, m)) << 2) |
-                   (_mm_movemask_pd(_mm_cmpeq_pd(a2, m)) << 4) |
-                   (_mm_movemask_pd(_mm_cmpeq_pd(a3, m)) << 6);
+  const int mask =
+      _mm_movemask_pd(_mm_cmpeq_pd(a0, m)) | (_mm_movemask_pd(_mm_cmpeq_pd(a1, m)) << 2) |
+      (_mm_movemask_pd(_mm_cmpeq_pd(a2, m)) << 4) | (_mm_movemask_pd(_mm_cmpeq_pd(a3, m)) << 6);
   return {std::countr_zero(static_cast<unsigned>(mask)), _mm_cvtsd_f64(m)};
 #else
   int pos = 0;

@@ -153,7 +153,7 @@ struct Prepared {
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   int64_t longest_padded = 0;
-  double total_cost = 0;    // summed in trace order
+  double total_cost = 0;  // summed in trace order
   double largest_cost = 0;
   bool explicit_costs = false;  // some trace gave its own cost
 };
@@ -332,8 +332,7 @@ bool SplitRanks(std::span<const balance::Item> seq, std::span<const int32_t> ord
 // if the traces do not fit m micro-batches per rank (the caller tries m + 1); at max_m, raises
 // a.m instead until every rank's traces fit. `seq` holds the items in `order`.
 bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int64_t cap,
-               std::span<const int32_t> order, std::span<const balance::Item> seq,
-               Assignment& a) {
+               std::span<const int32_t> order, std::span<const balance::Item> seq, Assignment& a) {
   const int64_t rank_cap = cap == balance::kNoCapacity || cap > balance::kNoCapacity / m
                                ? balance::kNoCapacity
                                : cap * m;
@@ -359,8 +358,7 @@ bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int
       for (int r = 0; r < c.dp; ++r) {
         single[static_cast<size_t>(r)] = {r};
       }
-      if (balance::RefineBySwaps(p.items, rank_of, single, rank_cap, 8 * c.dp + 64, stop_at) >
-          0) {
+      if (balance::RefineBySwaps(p.items, rank_of, single, rank_cap, 8 * c.dp + 64, stop_at) > 0) {
         for (size_t j = 0; j < order.size(); ++j) {
           (*rank_at)[j] = rank_of[static_cast<size_t>(order[j])];
         }
@@ -576,8 +574,7 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
                                                  static_cast<double>(s.padded_tokens)
                                            : 0.0;
   s.max_over_mean = s.mean_rank_cost > 0 ? s.max_rank_cost / s.mean_rank_cost : 1.0;
-  s.lower_bound =
-      s.mean_rank_cost > 0 ? std::max(1.0, p.largest_cost / s.mean_rank_cost) : 1.0;
+  s.lower_bound = s.mean_rank_cost > 0 ? std::max(1.0, p.largest_cost / s.mean_rank_cost) : 1.0;
   if (s.mean_rank_cost > 0 && p.largest_cost > s.mean_rank_cost) {
     for (size_t i = 0; i < traces.size(); ++i) {
       if (p.items[i].cost > s.mean_rank_cost) {

@@ -176,8 +176,8 @@ std::vector<int64_t> HeavyTail(size_t n, uint64_t seed) {
   std::uniform_int_distribution<int64_t> tail(20000, 60000);
   std::vector<int64_t> lengths(n);
   for (size_t i = 0; i < n; ++i) {
-    lengths[i] = i < n / 50 ? tail(rng)
-                            : std::clamp<int64_t>(static_cast<int64_t>(body(rng)), 64, 19999);
+    lengths[i] =
+        i < n / 50 ? tail(rng) : std::clamp<int64_t>(static_cast<int64_t>(body(rng)), 64, 19999);
   }
   std::shuffle(lengths.begin(), lengths.end(), rng);
   return lengths;
