@@ -58,8 +58,9 @@ fi
   echo "Planning THD packing of synthetic RL trace lengths into DP ranks, every method side by"
   echo "side in one run. Lognormal: median 2048, sigma 1, clipped to 64..64K. Pareto: x_m 1024,"
   echo "alpha 1.5, clipped to 64..64K. Heavy-tail (the issue's mix): 98% lognormal (median 2048,"
-  echo "sigma 1, clipped to 64..20K), 2% uniform in 20K..60K, shuffled. max/mean = costliest rank / mean rank cost under"
-  echo "cost(s) = a*s + b*s^2 of a 4096-wide 32-layer model; LB = max(1, largest trace / mean)."
+  echo "sigma 1, clipped to 64..20K), 2% uniform in 20K..60K, shuffled. max/mean = costliest"
+  echo "rank / mean rank cost under cost(s) = a*s + b*s^2 of a 4096-wide 32-layer model;"
+  echo "LB = max(1, largest trace / mean)."
   echo "Padding counts every token added to align traces (FP8: 16) or rows (FP8 per row; BSHD)."
   echo
   echo "Command (from the repository root, after building the pack_bench target):"
