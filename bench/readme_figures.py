@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from verdict import MET, MISSED, TIE  # noqa: E402
 
 FIG = re.compile(r"<!-- fig:([a-z0-9-]+) -->(.*?)<!-- /fig -->", re.S)
-BIG = ("lognormal 100k -> 512", "pareto 100k -> 512")
+BIG = ("lognormal 100k -> 512", "pareto 100k -> 512", "heavy-tail 2% 20-60K 100k -> 512")
 
 
 def _load(data_dir, name):

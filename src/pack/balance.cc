@@ -7,81 +7,132 @@
 #include <queue>
 #include <utility>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace bragg::pack::balance {
 namespace {
 
-// Tournament (winner) tree over the bins' loads: the root holds the least-loaded bin, ties
-// going to the lower bin. Updating a leaf recomputes its path to the root: always log2(bins)
-// steps, about three times faster than a binary heap's sift-down for LPT's one-update-per-item
-// pattern. (GCC compiles Pull's minimum to a jump, mispredicted more often when loads differ
-// by little, as with FP8 aligned per row; neither an index select nor integer keys were faster
-// over both length sets of the benchmark.)
+// Position and value of the least of k[0..7] with k[c] read as v, the first one on ties. The
+// 8 keys are read before the caller stores v at k[c]: a 16-byte load over a pending 8-byte store
+// cannot be forwarded and would stall every level. SSE2 (every x86-64) does it without a branch;
+// the scalar loop elsewhere.
+inline std::pair<int, double> ArgMin8With(const double* k, int c, double v) {
+#if defined(__SSE2__)
+  __m128d a0 = _mm_loadu_pd(k), a1 = _mm_loadu_pd(k + 2);
+  __m128d a2 = _mm_loadu_pd(k + 4), a3 = _mm_loadu_pd(k + 6);
+  const __m128d vv = _mm_set1_pd(v);
+  const __m128d cc = _mm_set1_pd(static_cast<double>(c));
+  auto blend = [&](__m128d a, double lane0) {
+    const __m128d here = _mm_cmpeq_pd(_mm_set_pd(lane0 + 1, lane0), cc);
+    return _mm_or_pd(_mm_and_pd(here, vv), _mm_andnot_pd(here, a));
+  };
+  a0 = blend(a0, 0);
+  a1 = blend(a1, 2);
+  a2 = blend(a2, 4);
+  a3 = blend(a3, 6);
+  __m128d m = _mm_min_pd(_mm_min_pd(a0, a1), _mm_min_pd(a2, a3));
+  m = _mm_min_pd(m, _mm_shuffle_pd(m, m, 1));
+  const int mask =
+      _mm_movemask_pd(_mm_cmpeq_pd(a0, m)) | (_mm_movemask_pd(_mm_cmpeq_pd(a1, m)) << 2) |
+      (_mm_movemask_pd(_mm_cmpeq_pd(a2, m)) << 4) | (_mm_movemask_pd(_mm_cmpeq_pd(a3, m)) << 6);
+  return {std::countr_zero(static_cast<unsigned>(mask)), _mm_cvtsd_f64(m)};
+#else
+  int pos = 0;
+  double least = c == 0 ? v : k[0];
+  for (int j = 1; j < 8; ++j) {
+    const double x = j == c ? v : k[j];
+    if (x < least) {
+      least = x;
+      pos = j;
+    }
+  }
+  return {pos, least};
+#endif
+}
+
+// Tournament (winner) tree over the bins' loads, 8 children a node: the root holds the
+// least-loaded bin, ties going to the lower bin. Updating a leaf recomputes its path to the
+// root: log8(bins) steps of a branch-free minimum of 8 (ArgMin8With). The binary tree this
+// replaces took log2(bins) steps, each a compare-and-jump that mispredicted about half the time
+// (loads that differ by little): 512 bins are 3 levels instead of 9. Same choices as the
+// binary tree: every node holds the first least-loaded leaf of its subtree.
 class LoadTree {
  public:
+  static constexpr size_t kFan = 8;
+
   explicit LoadTree(int bins) {
-    while (leaves_ < static_cast<size_t>(bins)) {
-      leaves_ *= 2;
+    size_t width = kFan;
+    levels_ = 1;
+    while (width < static_cast<size_t>(bins)) {
+      width *= kFan;
+      ++levels_;
     }
-    key_.assign(2 * leaves_, std::numeric_limits<double>::infinity());
-    id_.assign(2 * leaves_, 0);
-    for (size_t i = 0; i < leaves_; ++i) {
-      id_[leaves_ + i] = static_cast<int32_t>(i);
-      if (i < static_cast<size_t>(bins)) {
-        key_[leaves_ + i] = 0.0;
-      }
+    // Level 0 is the leaves; level l has width / 8^l nodes, the root level one.
+    size_t total = 0;
+    for (size_t l = 0, w = width; l <= levels_; ++l, w /= kFan) {
+      offset_[l] = total;
+      total += std::max<size_t>(w, 1);
     }
-    for (size_t n = leaves_ - 1; n >= 1; --n) {
-      Pull(n);
+    key_.assign(total, kGone);
+    id_.assign(total, 0);
+    for (size_t i = 0; i < width; ++i) {
+      id_[i] = static_cast<int32_t>(i);
+    }
+    for (size_t i = 0; i < static_cast<size_t>(bins); ++i) {
+      Set(static_cast<int32_t>(i), 0.0);
     }
   }
   // The least-loaded bin, or -1 when every bin is set aside.
-  int32_t top_bin() const { return key_[1] == kGone ? -1 : id_[1]; }
-  double load(int32_t bin) const { return key_[leaves_ + static_cast<size_t>(bin)]; }
+  int32_t top_bin() const {
+    const size_t root = offset_[levels_];
+    return key_[root] == kGone ? -1 : id_[root];
+  }
+  double load(int32_t bin) const { return key_[static_cast<size_t>(bin)]; }
   void Set(int32_t bin, double load) {
-    size_t n = leaves_ + static_cast<size_t>(bin);
-    key_[n] = load;
-    for (n /= 2; n >= 1; n /= 2) {
-      Pull(n);
+    size_t g = static_cast<size_t>(bin);
+    double key = load;
+    int32_t id = bin;
+    for (size_t l = 0; l < levels_; ++l) {
+      const size_t first = offset_[l] + (g & ~(kFan - 1));
+      const int c = static_cast<int>(g & (kFan - 1));
+      const auto [pos, least] = ArgMin8With(&key_[first], c, key);
+      key_[offset_[l] + g] = key;
+      id_[offset_[l] + g] = id;
+      id = id_[first + static_cast<size_t>(pos)];  // a load, not a jump on pos == c
+      key = least;
+      g /= kFan;
     }
+    key_[offset_[levels_]] = key;
+    id_[offset_[levels_]] = id;
   }
 
   static constexpr double kGone = std::numeric_limits<double>::infinity();
 
  private:
-  void Pull(size_t n) {
-    const size_t l = 2 * n, r = 2 * n + 1;
-    const bool right = key_[r] < key_[l];
-    key_[n] = right ? key_[r] : key_[l];
-    id_[n] = right ? id_[r] : id_[l];
-  }
-
-  size_t leaves_ = 1;
+  size_t levels_ = 1;
+  size_t offset_[12] = {};  // 8^11 leaves are more than int32 bins
   std::vector<double> key_;
   std::vector<int32_t> id_;
 };
 
-// Each item of `order` to the least-loaded bin with room (ties to the lower bin). Bins without
-// room for an item are set aside (load +inf) until an item fits them.
-std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> items,
-                                                       std::span<const int32_t> order, int bins,
-                                                       int64_t capacity) {
+// Each item of `seq`, in turn, to the least-loaded bin with room (ties to the lower bin): the
+// bin of every position. Bins without room for an item are set aside (load +inf) until an item
+// fits them.
+std::optional<std::vector<int32_t>> LeastLoadedSequence(std::span<const Item> seq, int bins,
+                                                        int64_t capacity) {
   LoadTree tree(bins);
   std::vector<int64_t> tokens(static_cast<size_t>(bins), 0);
   std::vector<double> load(static_cast<size_t>(bins), 0.0);
-  std::vector<int32_t> bin_of(items.size(), -1);
-  // Gather first: independent loads overlap, while loads inside the placement loop below would
-  // each wait on a cache miss.
-  std::vector<Item> seq(order.size());
-  for (size_t j = 0; j < order.size(); ++j) {
-    seq[j] = items[static_cast<size_t>(order[j])];
-  }
+  std::vector<int32_t> bin_at(seq.size());
   // Bins out of the tree because an item did not fit, by room left, most room on top. A bin
   // gets nothing while aside, so its room and load stay put; it comes back as soon as an item
   // fits it. Putting every skipped bin back after each item instead made near-full plans
   // quadratic (each item skipped the same full bins again): 3.7 million skips for 100,000
   // traces into 512 ranks whose capacity was 99.9% used.
   std::priority_queue<std::pair<int64_t, int32_t>> aside;
-  for (size_t j = 0; j < order.size(); ++j) {
+  for (size_t j = 0; j < seq.size(); ++j) {
     const Item& it = seq[j];
     while (!aside.empty() && aside.top().first >= it.tokens) {
       const int32_t bin = aside.top().second;
@@ -97,10 +148,29 @@ std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> ite
     if (b < 0) {
       return std::nullopt;
     }
-    bin_of[static_cast<size_t>(order[j])] = b;
+    bin_at[j] = b;
     tokens[static_cast<size_t>(b)] += it.tokens;
     load[static_cast<size_t>(b)] += it.cost;
     tree.Set(b, load[static_cast<size_t>(b)]);
+  }
+  return bin_at;
+}
+
+// Each item of `order` to the least-loaded bin with room: LeastLoadedSequence() of the items
+// gathered in that order, given back by item.
+std::optional<std::vector<int32_t>> LeastLoadedInOrder(std::span<const Item> items,
+                                                       std::span<const int32_t> order, int bins,
+                                                       int64_t capacity) {
+  // Gather first: independent loads overlap, while loads inside the placement loop would each
+  // wait on a cache miss.
+  const std::vector<Item> seq = Gather(items, order);
+  auto bin_at = LeastLoadedSequence(seq, bins, capacity);
+  if (!bin_at) {
+    return std::nullopt;
+  }
+  std::vector<int32_t> bin_of(items.size(), -1);
+  for (size_t j = 0; j < order.size(); ++j) {
+    bin_of[static_cast<size_t>(order[j])] = (*bin_at)[j];
   }
   return bin_of;
 }
@@ -112,9 +182,9 @@ std::vector<int32_t> Iota(size_t n) {
 }
 
 // Indices by increasing key, equal keys by increasing index. LSD radix sort over only the bits
-// where keys differ, 11 bits a pass: stable, and its 2,048 counters stay in L1 (16-bit digits'
-// 256 KiB of counters and scattered writes cost more than the extra passes). Several times
-// faster than a comparison sort on 100k items; token keys of up to 64K need two passes.
+// where keys differ, at most 13 bits a pass: stable, and its <= 8,192 counters stay in L1
+// (16-bit digits' 256 KiB of counters and scattered writes cost more than the extra passes).
+// Several times faster than a comparison sort on 100k items.
 std::vector<int32_t> RadixOrder(std::vector<uint64_t> key) {
   const size_t n = key.size();
   std::vector<int32_t> idx(n);
@@ -142,15 +212,21 @@ std::vector<int32_t> RadixOrder(std::vector<uint64_t> key) {
   }
   const int lo = std::countr_zero(differ);
   const int hi = 64 - std::countl_zero(differ);
-  constexpr int kBits = 11;
-  constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1;
-  std::vector<uint64_t> key2(n);
+  // Digits of at most 13 bits, as few passes as that allows, the bits shared evenly: token keys
+  // padded to 16 that differ in 12 or 13 bits take one pass instead of two.
+  constexpr int kMaxBits = 13;
+  const int passes = (hi - lo + kMaxBits - 1) / kMaxBits;
+  const int bits = (hi - lo + passes - 1) / passes;
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  // The last pass moves only the indices: its keys are not read again.
+  std::vector<uint64_t> key2(passes > 1 ? n : 0);
   std::vector<int32_t> idx2(n);
-  std::vector<uint32_t> count(size_t{1} << kBits);
-  for (int shift = lo; shift < hi; shift += kBits) {
+  std::vector<uint32_t> count(size_t{1} << bits);
+  for (int shift = lo; shift < hi; shift += bits) {
+    const bool last = shift + bits >= hi;
     std::fill(count.begin(), count.end(), 0);
     for (size_t i = 0; i < n; ++i) {
-      ++count[(key[i] >> shift) & kMask];
+      ++count[(key[i] >> shift) & mask];
     }
     uint32_t sum = 0;
     for (uint32_t& c : count) {
@@ -158,12 +234,18 @@ std::vector<int32_t> RadixOrder(std::vector<uint64_t> key) {
       c = sum;
       sum += here;
     }
-    for (size_t i = 0; i < n; ++i) {
-      const uint32_t pos = count[(key[i] >> shift) & kMask]++;
-      key2[pos] = key[i];
-      idx2[pos] = idx[i];
+    if (last) {
+      for (size_t i = 0; i < n; ++i) {
+        idx2[count[(key[i] >> shift) & mask]++] = idx[i];
+      }
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t pos = count[(key[i] >> shift) & mask]++;
+        key2[pos] = key[i];
+        idx2[pos] = idx[i];
+      }
+      key.swap(key2);
     }
-    key.swap(key2);
     idx.swap(idx2);
   }
   return idx;
@@ -197,6 +279,20 @@ std::vector<int32_t> DecreasingTokenOrder(std::span<const Item> items) {
 std::optional<std::vector<int32_t>> Lpt(std::span<const Item> items, int bins, int64_t capacity) {
   const std::vector<int32_t> order = ByDecreasingCost(items);
   return LeastLoadedInOrder(items, order, bins, capacity);
+}
+
+std::vector<Item> Gather(std::span<const Item> items, std::span<const int32_t> order) {
+  std::vector<Item> seq;
+  seq.reserve(order.size());  // not seq(n): zeroing 16 bytes per item first cost a pass
+  for (int32_t i : order) {
+    seq.push_back(items[static_cast<size_t>(i)]);
+  }
+  return seq;
+}
+
+std::optional<std::vector<int32_t>> LptSequence(std::span<const Item> seq, int bins,
+                                                int64_t capacity) {
+  return LeastLoadedSequence(seq, bins, capacity);
 }
 
 std::optional<std::vector<int32_t>> LptInOrder(std::span<const Item> items,
@@ -313,18 +409,31 @@ int RefineBySwaps(std::span<const Item> items, std::span<int32_t> bin_of,
   }
   std::vector<double> bin_cost(nbins, 0.0);
   std::vector<int64_t> bin_tokens(nbins, 0);
-  std::vector<std::vector<int32_t>> members(nbins);
-  std::vector<size_t> slot(items.size(), 0);  // position of an item in members[bin]
+  std::vector<int32_t> count(nbins, 0);
   for (size_t i = 0; i < items.size(); ++i) {
     const size_t b = static_cast<size_t>(bin_of[i]);
     bin_cost[b] += items[i].cost;
     bin_tokens[b] += items[i].tokens;
-    slot[i] = members[b].size();
-    members[b].push_back(static_cast<int32_t>(i));
+    ++count[b];
   }
   std::vector<double> rank_cost(dp, 0.0);
   for (size_t b = 0; b < nbins; ++b) {
     rank_cost[static_cast<size_t>(rank_of_bin[b])] += bin_cost[b];
+  }
+  // Most plans are within stop_at after LPT: return before building the member lists, which
+  // cost more than the check (a vector per bin, one push per item).
+  if (*std::max_element(rank_cost.begin(), rank_cost.end()) <= stop_at) {
+    return 0;
+  }
+  std::vector<std::vector<int32_t>> members(nbins);
+  for (size_t b = 0; b < nbins; ++b) {
+    members[b].reserve(static_cast<size_t>(count[b]));
+  }
+  std::vector<size_t> slot(items.size(), 0);  // position of an item in members[bin]
+  for (size_t i = 0; i < items.size(); ++i) {
+    const size_t b = static_cast<size_t>(bin_of[i]);
+    slot[i] = members[b].size();
+    members[b].push_back(static_cast<int32_t>(i));
   }
   auto remove = [&](int32_t i) {
     const size_t b = static_cast<size_t>(bin_of[static_cast<size_t>(i)]);

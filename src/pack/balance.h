@@ -38,6 +38,15 @@ std::optional<std::vector<int32_t>> LptInOrder(std::span<const Item> items,
                                                std::span<const int32_t> order, int bins,
                                                int64_t capacity);
 
+// items[order[j]] for every j: the items in the order LptSequence() takes them.
+std::vector<Item> Gather(std::span<const Item> items, std::span<const int32_t> order);
+
+// LptInOrder() over items already gathered in LPT order (seq[j] is the j-th item placed): the
+// bin of every position of `seq` rather than of every item, so that a caller that keeps the
+// sequence reads and writes it in order. nullopt when some item fits in no bin.
+std::optional<std::vector<int32_t>> LptSequence(std::span<const Item> seq, int bins,
+                                                int64_t capacity);
+
 // Arrival order, item i to bin i mod bins, or the next bin (cyclically) with room.
 std::optional<std::vector<int32_t>> RoundRobin(std::span<const Item> items, int bins,
                                                int64_t capacity);

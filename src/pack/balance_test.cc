@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -40,6 +41,70 @@ TEST(LptTest, RespectsCapacityOrFails) {
   // The costly item must be alone: capacity forces both cheap ones together.
   EXPECT_NE((*ok)[0], (*ok)[1]);
   EXPECT_EQ((*ok)[1], (*ok)[2]);
+}
+
+// The least-loaded choice in its plainest form: a scan of every bin, the first least-loaded bin
+// with room, set-aside bins and all. Lpt() must choose exactly this, at every tree shape (bin
+// counts around the 8-ary tree's level sizes), with equal costs (ties), with zero costs, and
+// with capacities tight enough that bins fill and are set aside.
+std::optional<std::vector<int32_t>> ScanLpt(std::span<const Item> items, int bins,
+                                            int64_t capacity) {
+  const std::vector<int32_t> order = DecreasingCostOrder(items);
+  std::vector<double> load(static_cast<size_t>(bins), 0);
+  std::vector<int64_t> tokens(static_cast<size_t>(bins), 0);
+  std::vector<int32_t> bin_of(items.size(), -1);
+  for (int32_t i : order) {
+    const Item& it = items[static_cast<size_t>(i)];
+    int best = -1;
+    for (int b = 0; b < bins; ++b) {
+      if (it.tokens <= capacity - tokens[static_cast<size_t>(b)] &&
+          (best < 0 || load[static_cast<size_t>(b)] < load[static_cast<size_t>(best)])) {
+        best = b;
+      }
+    }
+    if (best < 0) {
+      return std::nullopt;
+    }
+    bin_of[static_cast<size_t>(i)] = best;
+    load[static_cast<size_t>(best)] += it.cost;
+    tokens[static_cast<size_t>(best)] += it.tokens;
+  }
+  return bin_of;
+}
+
+TEST(LptTest, ChoosesWhatAScanOfEveryBinChooses) {
+  std::mt19937_64 rng(7);
+  int compared = 0, failed_alike = 0;
+  for (int bins : {1, 2, 7, 8, 9, 63, 64, 65, 100, 511, 512, 513, 4097}) {
+    for (int shape = 0; shape < 4; ++shape) {
+      const size_t n = static_cast<size_t>(bins) * 3 + 5;
+      std::vector<Item> items(n);
+      for (Item& it : items) {
+        const int64_t tokens = std::uniform_int_distribution<int64_t>(1, 64)(rng);
+        // 0: distinct costs; 1: few distinct costs (many ties); 2: zero costs; 3: cost of tokens.
+        const double cost = shape == 0   ? std::uniform_real_distribution<double>(0, 1)(rng)
+                            : shape == 1 ? static_cast<double>(tokens % 4)
+                            : shape == 2 ? 0.0
+                                         : static_cast<double>(tokens * tokens);
+        it = {cost, tokens};
+      }
+      for (int64_t capacity : {kNoCapacity, int64_t{140}, int64_t{110}}) {
+        const auto want = ScanLpt(items, bins, capacity);
+        const auto got = Lpt(items, bins, capacity);
+        ASSERT_EQ(got.has_value(), want.has_value())
+            << "bins " << bins << " shape " << shape << " capacity " << capacity;
+        if (want.has_value()) {
+          EXPECT_EQ(*got, *want) << "bins " << bins << " shape " << shape << " capacity "
+                                 << capacity;
+          ++compared;
+        } else {
+          ++failed_alike;
+        }
+      }
+    }
+  }
+  EXPECT_GT(compared, 100);
+  EXPECT_GT(failed_alike, 0) << "no capacity was tight enough to fail: tighten them";
 }
 
 TEST(BaselinesTest, RoundRobinAndGreedyPlaceEveryItem) {

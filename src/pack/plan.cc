@@ -133,12 +133,28 @@ Status ValidateConfig(const PackConfig& c) {
   return absl::OkStatus();
 }
 
+// n padded to a multiple of `align`; a mask instead of a division when align is a power of two
+// (FP8's 16, 2*cp*tp of power-of-two sizes): a division per trace was a tenth of building rows.
+class Padder {
+ public:
+  explicit Padder(int64_t align)
+      : align_(align), mask_((align & (align - 1)) == 0 ? align - 1 : -1) {}
+  int64_t operator()(int64_t n) const {
+    return mask_ >= 0 ? (n + mask_) & ~mask_ : AlignUp(n, align_);
+  }
+
+ private:
+  int64_t align_;
+  int64_t mask_;  // align - 1, or -1 when align is not a power of two
+};
+
 struct Prepared {
   std::vector<balance::Item> items;
-  std::vector<int64_t> padded;
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   int64_t longest_padded = 0;
+  double total_cost = 0;  // summed in trace order
+  double largest_cost = 0;
   bool explicit_costs = false;  // some trace gave its own cost
 };
 
@@ -151,9 +167,9 @@ int64_t Capacity(const PackConfig& c, int64_t row_align) {
 Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int64_t align,
                          int64_t row_align) {
   const int64_t cap = Capacity(c, row_align);
+  const Padder pad(align);
   Prepared p;
   p.items.resize(traces.size());
-  p.padded.resize(traces.size());
   for (size_t i = 0; i < traces.size(); ++i) {
     const Trace& t = traces[i];
     if (t.length < 1 || t.length > kMaxRowTokens) {
@@ -169,15 +185,16 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
           fmt::format("trace {} (id {}) has {} loss tokens but only {} tokens", i, t.id,
                       t.loss_tokens, t.length));
     }
-    const int64_t padded = AlignUp(t.length, align);
+    const int64_t padded = pad(t.length);
     if (padded > cap) {
       return absl::InvalidArgumentError(fmt::format(
           "trace {} (id {}) has length {} ({} padded to {}, its row to a multiple of {}), more "
           "than max_tokens={}: raise max_tokens or split the trace over a larger CP size",
           i, t.id, t.length, padded, align, row_align, c.max_tokens));
     }
-    p.padded[i] = padded;
     p.items[i] = {.cost = t.cost >= 0 ? t.cost : c.cost.Cost(padded), .tokens = padded};
+    p.total_cost += p.items[i].cost;
+    p.largest_cost = std::max(p.largest_cost, p.items[i].cost);
     p.explicit_costs |= t.cost >= 0;
     p.real_tokens += t.length;
     p.padded_tokens += padded;
@@ -188,44 +205,51 @@ Result<Prepared> Prepare(std::span<const Trace> traces, const PackConfig& c, int
 
 // The row of `members`, its total padded up to a multiple of row_align (the extra tokens
 // lengthen the last trace's padded span, and its cost when that comes from the cost model).
-Row MakeRow(std::span<const Trace> traces, const Prepared& p, std::span<const int32_t> members,
-            const PackConfig& c, int64_t row_align) {
+// Reads only `traces` (one cache line per member, the members being spread over all traces):
+// padded lengths and model costs are recomputed as Prepare() computed them, bit for bit.
+Row MakeRow(std::span<const Trace> traces, std::span<const int32_t> members, const PackConfig& c,
+            const Padder& pad, int64_t row_align) {
   Row row;
-  row.trace_ids.reserve(members.size());
-  row.cu_seqlens.reserve(members.size() + 1);
-  row.cu_seqlens_padded.reserve(members.size() + 1);
-  row.cu_seqlens.push_back(0);
-  row.cu_seqlens_padded.push_back(0);
-  int64_t real = 0, padded = 0;
+  const size_t n = members.size();
+  row.trace_ids.resize(n);
+  row.cu_seqlens.resize(n + 1);
+  row.cu_seqlens_padded.resize(n + 1);
+  int64_t* ids = row.trace_ids.data();
+  int32_t* cu = row.cu_seqlens.data();
+  int32_t* cu_padded = row.cu_seqlens_padded.data();
+  cu[0] = 0;
+  cu_padded[0] = 0;
+  int64_t real = 0, padded = 0, loss = 0, longest = 0;
+  double cost = 0;
   // A row's members are spread over all traces: ask for the next ones' data early.
   constexpr size_t kAhead = 8;
-  for (size_t k = 0; k < members.size(); ++k) {
-    if (k + kAhead < members.size()) {
-      const size_t f = static_cast<size_t>(members[k + kAhead]);
-      __builtin_prefetch(&traces[f]);
-      __builtin_prefetch(&p.padded[f]);
-      __builtin_prefetch(&p.items[f]);
+  for (size_t k = 0; k < n; ++k) {
+    if (k + kAhead < n) {
+      __builtin_prefetch(&traces[static_cast<size_t>(members[k + kAhead])]);
     }
-    const int32_t i = members[k];
-    const Trace& t = traces[static_cast<size_t>(i)];
-    row.trace_ids.push_back(t.id);
+    const Trace& t = traces[static_cast<size_t>(members[k])];
+    const int64_t span = pad(t.length);
+    ids[k] = t.id;
     real += t.length;
-    padded += p.padded[static_cast<size_t>(i)];
-    row.cu_seqlens.push_back(static_cast<int32_t>(real));
-    row.cu_seqlens_padded.push_back(static_cast<int32_t>(padded));
-    row.max_seqlen =
-        std::max(row.max_seqlen, static_cast<int32_t>(p.padded[static_cast<size_t>(i)]));
-    row.loss_tokens += t.loss_tokens >= 0 ? t.loss_tokens : t.length - 1;
-    row.cost += p.items[static_cast<size_t>(i)].cost;
+    padded += span;
+    cu[k + 1] = static_cast<int32_t>(real);
+    cu_padded[k + 1] = static_cast<int32_t>(padded);
+    longest = std::max(longest, span);
+    loss += t.loss_tokens >= 0 ? t.loss_tokens : t.length - 1;
+    cost += t.cost >= 0 ? t.cost : c.cost.Cost(span);
   }
+  row.max_seqlen = static_cast<int32_t>(longest);
+  row.loss_tokens = loss;
+  row.cost = cost;
   const int64_t total = AlignUp(padded, row_align);
-  if (total != padded && !members.empty()) {
-    const size_t last = static_cast<size_t>(members.back());
-    const int64_t last_span = p.padded[last] + (total - padded);
+  if (total != padded && n > 0) {
+    const Trace& last = traces[static_cast<size_t>(members.back())];
+    const int64_t last_padded = pad(last.length);
+    const int64_t last_span = last_padded + (total - padded);
     row.cu_seqlens_padded.back() = static_cast<int32_t>(total);
     row.max_seqlen = std::max(row.max_seqlen, static_cast<int32_t>(last_span));
-    if (traces[last].cost < 0) {
-      row.cost += c.cost.Cost(last_span) - p.items[last].cost;
+    if (last.cost < 0) {
+      row.cost += c.cost.Cost(last_span) - c.cost.Cost(last_padded);
     }
   }
   row.real_tokens = real;
@@ -265,35 +289,38 @@ std::vector<std::vector<int32_t>> IdentityRankBins(int dp, int m) {
   return rank_bins;
 }
 
-// Splits one rank's traces (given in decreasing cost order) into m micro-batches: each to the
-// least-loaded micro-batch with room. m is small, so a linear scan beats a heap.
-bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> members, int m,
-               int64_t cap, std::vector<double>& load, std::vector<int64_t>& tokens,
-               std::vector<int32_t>& local, std::vector<balance::Item>& seq) {
-  load.assign(static_cast<size_t>(m), 0.0);
-  tokens.assign(static_cast<size_t>(m), 0);
-  local.resize(members.size());
-  // Gather first: independent loads overlap; inside the loop each would wait on a cache miss
-  // (the members are scattered over all traces).
-  seq.resize(members.size());
-  for (size_t j = 0; j < members.size(); ++j) {
-    seq[j] = items[static_cast<size_t>(members[j])];
-  }
-  for (size_t j = 0; j < members.size(); ++j) {
+// Splits every rank's traces into m micro-batches, each trace to its rank's least-loaded
+// micro-batch with room, in LPT order (`seq`, the items in `order`; rank_at[j] is the rank of
+// seq[j]). Ranks are independent, so one pass in LPT order serves all of them, reading the
+// sequence in order instead of gathering each rank's traces. m is small: a linear scan beats a
+// heap. Writes a.bin_of; false if some rank's traces do not fit.
+bool SplitRanks(std::span<const balance::Item> seq, std::span<const int32_t> order,
+                std::span<const int32_t> rank_at, int dp, int m, int64_t cap, Assignment& a) {
+  const size_t mm = static_cast<size_t>(m);
+  std::vector<double> load(static_cast<size_t>(dp) * mm, 0.0);
+  std::vector<int64_t> tokens(static_cast<size_t>(dp) * mm, 0);
+  for (size_t j = 0; j < seq.size(); ++j) {
     const balance::Item& it = seq[j];
+    const int32_t r = rank_at[j];
+    double* rank_load = &load[static_cast<size_t>(r) * mm];
+    int64_t* rank_tokens = &tokens[static_cast<size_t>(r) * mm];
+    // Selects, not jumps: which micro-batch is least loaded changes from item to item, and a
+    // jump on it mispredicted about once per item.
     int best = -1;
+    double best_load = std::numeric_limits<double>::infinity();
     for (int b = 0; b < m; ++b) {
-      if (it.tokens <= cap - tokens[static_cast<size_t>(b)] &&
-          (best < 0 || load[static_cast<size_t>(b)] < load[static_cast<size_t>(best)])) {
-        best = b;
-      }
+      const bool fits = it.tokens <= cap - rank_tokens[b];
+      const double here = fits ? rank_load[b] : std::numeric_limits<double>::infinity();
+      const bool better = here < best_load;
+      best_load = better ? here : best_load;
+      best = better ? b : best;
     }
     if (best < 0) {
       return false;
     }
-    load[static_cast<size_t>(best)] += it.cost;
-    tokens[static_cast<size_t>(best)] += it.tokens;
-    local[j] = best;
+    rank_load[best] += it.cost;
+    rank_tokens[best] += it.tokens;
+    a.bin_of[static_cast<size_t>(order[j])] = best * dp + r;
   }
   return true;
 }
@@ -303,65 +330,51 @@ bool SplitRank(std::span<const balance::Item> items, std::span<const int32_t> me
 // each rank's traces into its micro-batches. Rank-level balance is what DP waits on; splitting
 // a balanced rank into equal micro-batches keeps every pipeline step alike across ranks. False
 // if the traces do not fit m micro-batches per rank (the caller tries m + 1); at max_m, raises
-// a.m instead until every rank's traces fit.
+// a.m instead until every rank's traces fit. `seq` holds the items in `order`.
 bool AssignLpt(const Prepared& p, const PackConfig& c, int m, int64_t max_m, int64_t cap,
-               std::span<const int32_t> order, Assignment& a) {
+               std::span<const int32_t> order, std::span<const balance::Item> seq, Assignment& a) {
   const int64_t rank_cap = cap == balance::kNoCapacity || cap > balance::kNoCapacity / m
                                ? balance::kNoCapacity
                                : cap * m;
-  auto rank_of = balance::LptInOrder(p.items, order, c.dp, rank_cap);
-  if (!rank_of) {
+  auto rank_at = balance::LptSequence(seq, c.dp, rank_cap);
+  if (!rank_at) {
     return false;
   }
   if (c.refine) {
-    double total = 0, largest = 0;
-    for (const balance::Item& it : p.items) {
-      total += it.cost;
-      largest = std::max(largest, it.cost);
+    const double stop_at = std::max(p.largest_cost, p.total_cost / c.dp) * (1 + 2e-3);
+    std::vector<double> rank_cost(static_cast<size_t>(c.dp), 0.0);
+    for (size_t j = 0; j < seq.size(); ++j) {
+      rank_cost[static_cast<size_t>((*rank_at)[j])] += seq[j].cost;
     }
-    std::vector<std::vector<int32_t>> single(static_cast<size_t>(c.dp));
-    for (int r = 0; r < c.dp; ++r) {
-      single[static_cast<size_t>(r)] = {r};
-    }
-    balance::RefineBySwaps(p.items, *rank_of, single, rank_cap, 8 * c.dp + 64,
-                           std::max(largest, total / c.dp) * (1 + 2e-3));
-  }
-  // Members of each rank, still in decreasing cost order.
-  std::vector<int32_t> start(static_cast<size_t>(c.dp) + 1, 0);
-  for (int32_t r : *rank_of) {
-    ++start[static_cast<size_t>(r) + 1];
-  }
-  std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int32_t> members(order.size());
-  {
-    std::vector<int32_t> fill(start.begin(), start.end() - 1);
-    for (int32_t i : order) {
-      members[static_cast<size_t>(
-          fill[static_cast<size_t>((*rank_of)[static_cast<size_t>(i)])]++)] = i;
-    }
-  }
-  std::vector<double> load;
-  std::vector<int64_t> tokens;
-  std::vector<int32_t> local;
-  std::vector<balance::Item> seq;
-  a.bin_of.assign(p.items.size(), -1);
-  for (int r = 0; r < c.dp; ++r) {
-    std::span<const int32_t> mine(members.data() + start[static_cast<size_t>(r)],
-                                  members.data() + start[static_cast<size_t>(r) + 1]);
-    if (!SplitRank(p.items, mine, m, cap, load, tokens, local, seq)) {
-      if (m < max_m) {
-        // Balance the ranks again with room for one more micro-batch each: keeping this
-        // assignment, made under the tighter rank capacity, left ranks 3% apart.
-        return false;
+    // RefineBySwaps() would stop at once (it sums the same costs in another order, hence the
+    // margin, far above the rounding of a few hundred additions): skip handing it the ranks by
+    // trace, which takes a scattered write per trace.
+    if (*std::max_element(rank_cost.begin(), rank_cost.end()) > stop_at * (1 - 1e-9)) {
+      std::vector<int32_t> rank_of(p.items.size(), -1);
+      for (size_t j = 0; j < order.size(); ++j) {
+        rank_of[static_cast<size_t>(order[j])] = (*rank_at)[j];
       }
-      // Every trace fits alone, so m = |mine| always succeeds.
-      ++m;
-      r = -1;  // all ranks need the same count: start over with the larger m
-      continue;
+      std::vector<std::vector<int32_t>> single(static_cast<size_t>(c.dp));
+      for (int r = 0; r < c.dp; ++r) {
+        single[static_cast<size_t>(r)] = {r};
+      }
+      if (balance::RefineBySwaps(p.items, rank_of, single, rank_cap, 8 * c.dp + 64, stop_at) > 0) {
+        for (size_t j = 0; j < order.size(); ++j) {
+          (*rank_at)[j] = rank_of[static_cast<size_t>(order[j])];
+        }
+      }
     }
-    for (size_t j = 0; j < mine.size(); ++j) {
-      a.bin_of[static_cast<size_t>(mine[j])] = local[j] * c.dp + r;
+  }
+  a.bin_of.assign(p.items.size(), -1);
+  while (!SplitRanks(seq, order, *rank_at, c.dp, m, cap, a)) {
+    if (m < max_m) {
+      // Balance the ranks again with room for one more micro-batch each: keeping this
+      // assignment, made under the tighter rank capacity, left ranks 3% apart.
+      return false;
     }
+    // Every trace fits alone, so m = the most traces of a rank always succeeds; all ranks need
+    // the same count, so all are split again.
+    ++m;
   }
   a.m = m;
   a.rank_bins = IdentityRankBins(c.dp, m);
@@ -378,11 +391,13 @@ Result<Assignment> Assign(const Prepared& p, const PackConfig& c, int64_t row_al
   }
   const int64_t max_m = std::max<int64_t>(m, (n + c.dp - 1) / c.dp);
   std::vector<int32_t> order;
+  std::vector<balance::Item> seq;
   if (c.method == Method::kLpt) {
     // Model costs increase with tokens, so ordering by tokens is ordering by cost, from keys of
     // a few bits.
     order = p.explicit_costs ? balance::DecreasingCostOrder(p.items)
                              : balance::DecreasingTokenOrder(p.items);
+    seq = balance::Gather(p.items, order);
   }
   for (;; ++m) {
     if (static_cast<int64_t>(m) * c.dp > std::numeric_limits<int32_t>::max()) {
@@ -436,7 +451,7 @@ Result<Assignment> Assign(const Prepared& p, const PackConfig& c, int64_t row_al
       return a;
     }
     if (c.method == Method::kLpt) {
-      if (!AssignLpt(p, c, m, max_m, cap, order, a)) {
+      if (!AssignLpt(p, c, m, max_m, cap, order, seq, a)) {
         if (m >= max_m) {
           break;
         }
@@ -490,6 +505,7 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
     }
   }
 
+  const Padder pad(align);
   Plan plan;
   plan.config = config;
   plan.ranks.resize(static_cast<size_t>(config.dp));
@@ -502,7 +518,7 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
                                        flat.data() + start[static_cast<size_t>(b) + 1]);
       MicroBatch mb;
       if (!bshd) {
-        mb.rows.push_back(MakeRow(traces, p, members, config, row_align));
+        mb.rows.push_back(MakeRow(traces, members, config, pad, row_align));
         if (mb.rows[0].total_tokens > kMaxRowTokens) {
           return absl::InvalidArgumentError(fmt::format(
               "a packed row would hold {} tokens, over the int32 limit of cu_seqlens; use "
@@ -514,11 +530,11 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
       } else {
         int64_t longest = 0;
         for (int32_t i : members) {
-          longest = std::max(longest, p.padded[static_cast<size_t>(i)]);
+          longest = std::max(longest, pad(traces[static_cast<size_t>(i)].length));
         }
         longest = AlignUp(longest, row_align);
         for (int32_t i : members) {
-          Row row = MakeRow(traces, p, std::span<const int32_t>(&i, 1), config, 1);
+          Row row = MakeRow(traces, std::span<const int32_t>(&i, 1), config, pad, 1);
           row.cu_seqlens_padded.back() = static_cast<int32_t>(longest);
           row.max_seqlen = static_cast<int32_t>(longest);
           row.total_tokens = longest;
@@ -558,14 +574,12 @@ Result<Plan> PlanPacking(std::span<const Trace> traces, const PackConfig& config
                                                  static_cast<double>(s.padded_tokens)
                                            : 0.0;
   s.max_over_mean = s.mean_rank_cost > 0 ? s.max_rank_cost / s.mean_rank_cost : 1.0;
-  double largest = 0;
-  for (const balance::Item& it : p.items) {
-    largest = std::max(largest, it.cost);
-  }
-  s.lower_bound = s.mean_rank_cost > 0 ? std::max(1.0, largest / s.mean_rank_cost) : 1.0;
-  for (size_t i = 0; i < traces.size(); ++i) {
-    if (s.mean_rank_cost > 0 && p.items[i].cost > s.mean_rank_cost) {
-      s.oversized_trace_ids.push_back(traces[i].id);
+  s.lower_bound = s.mean_rank_cost > 0 ? std::max(1.0, p.largest_cost / s.mean_rank_cost) : 1.0;
+  if (s.mean_rank_cost > 0 && p.largest_cost > s.mean_rank_cost) {
+    for (size_t i = 0; i < traces.size(); ++i) {
+      if (p.items[i].cost > s.mean_rank_cost) {
+        s.oversized_trace_ids.push_back(traces[i].id);
+      }
     }
   }
   for (int step = 0; step < a.m; ++step) {
