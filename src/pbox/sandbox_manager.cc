@@ -137,8 +137,9 @@ Status SandboxManager::Validate(const SandboxSettings& s) const {
 }
 
 Result<std::shared_ptr<Sandbox>> SandboxManager::Create(const std::string& session_id,
-                                                        const SandboxSettings& requested) {
-  return CreateImpl(session_id, requested, {});
+                                                        const SandboxSettings& requested,
+                                                        const CallerGone& caller_gone) {
+  return CreateImpl(session_id, requested, {.caller_gone = caller_gone});
 }
 
 Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& session_id,
@@ -240,6 +241,11 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
       (void)sandbox->Destroy();
       return Annotate(st, "creating the workdir");
     }
+  }
+  if (options.publish && options.caller_gone && options.caller_gone()) {
+    (void)sandbox->Destroy();
+    return absl::CancelledError(fmt::format(
+        "the caller went away while sandbox {} was being created; it was destroyed", id));
   }
   bool orphaned = false;
   if (options.publish) {

@@ -57,19 +57,30 @@ class SandboxManager {
                                   const CpuSet& cpus = CpuSet());
   void CloseSession(const std::string& session_id);
 
-  // ResourceExhausted at once when max_sandboxes are live or being created.
+  // Asked once new sandboxes are ready, just before they are published: true when whoever asked
+  // for them has gone away (its call was cancelled: the client died, or gave up). Called on
+  // the thread that called Create or Clone; may be empty (never gone).
+  using CallerGone = std::function<bool()>;
+
+  // ResourceExhausted at once when max_sandboxes are live or being created. Cancelled, with the
+  // new sandbox destroyed, when `caller_gone` says so once it is ready: nobody could learn its
+  // id (a detached one would hold a slot until its idle TTL, a session's one would join a
+  // session whose client is dead).
   Result<std::shared_ptr<Sandbox>> Create(const std::string& session_id,
-                                          const SandboxSettings& requested);
+                                          const SandboxSettings& requested,
+                                          const CallerGone& caller_gone = {});
   // Clones `source_id` `count` times (sandbox_manager_clone.cc; docs/pbox.md "Cloning"):
   // freezes its writable layer into a frozen layer under `layers_dir` (set_layers_dir) and
   // starts `count` sandboxes on it, with the source's settings where `overrides` leaves a
   // field zero or empty (env and labels merge over the source's). The clones join
   // `session_id`, or the source's session when it is empty; a source of another session
   // is PermissionDenied. All or nothing: ResourceExhausted when `count` more sandboxes
-  // do not fit, and on any failure every clone made so far is destroyed.
+  // do not fit, and on any failure every clone made so far is destroyed; Cancelled when
+  // `caller_gone` (as in Create) says so once they are ready.
   Result<std::vector<std::shared_ptr<Sandbox>>> Clone(const std::string& session_id,
                                                       const std::string& source_id, uint32_t count,
-                                                      const SandboxSettings& overrides);
+                                                      const SandboxSettings& overrides,
+                                                      const CallerGone& caller_gone = {});
   // Where frozen layers are copied; Clone is FailedPrecondition until it is set.
   void set_layers_dir(std::string dir) { layers_dir_ = std::move(dir); }
 
@@ -91,7 +102,8 @@ class SandboxManager {
   struct CreateOptions {
     std::shared_ptr<const FrozenLayer> frozen;  // a clone's layers
     bool admitted = false;                      // the caller already counted it in creating_
-    bool publish = true;  // false: returned unregistered, for the caller to publish
+    bool publish = true;     // false: returned unregistered, for the caller to publish
+    CallerGone caller_gone;  // asked before publishing (see Create)
   };
   Result<std::shared_ptr<Sandbox>> CreateImpl(const std::string& session_id,
                                               const SandboxSettings& requested,

@@ -47,7 +47,7 @@ constexpr auto kCloneFlushTimeout = std::chrono::seconds(10);
 
 Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
     const std::string& session_id, const std::string& source_id, uint32_t count,
-    const SandboxSettings& overrides) {
+    const SandboxSettings& overrides, const CallerGone& caller_gone) {
   auto t0 = std::chrono::steady_clock::now();
   if (count == 0) {
     return absl::InvalidArgumentError("clone count must be at least 1");
@@ -169,6 +169,9 @@ Result<std::vector<std::shared_ptr<Sandbox>>> SandboxManager::Clone(
   }
   if (failed.ok() && made.size() != count) {
     failed = absl::InternalError("clone ended without a sandbox");
+  }
+  if (failed.ok() && caller_gone && caller_gone()) {
+    failed = absl::CancelledError("the caller went away while the clones were being created");
   }
   if (failed.ok()) {
     std::lock_guard<std::mutex> lock(mu_);

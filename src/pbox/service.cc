@@ -371,7 +371,9 @@ grpc::Status PboxService::CreateSandbox(grpc::ServerContext* ctx,
   if (!slot.ok()) {
     return Refuse(client, slot.status());
   }
-  auto sb = manager_->Create(req->session_id(), SettingsOf(req->spec()));
+  // A caller that is gone (dead, or past its deadline) would never learn the new sandbox's id.
+  auto sb = manager_->Create(req->session_id(), SettingsOf(req->spec()),
+                             [ctx] { return ctx->IsCancelled(); });
   if (!sb.ok()) {
     if (sb.status().code() == absl::StatusCode::kResourceExhausted) {
       return Refuse(client, sb.status());
@@ -397,7 +399,7 @@ grpc::Status PboxService::CloneSandbox(grpc::ServerContext* ctx, const v1::Clone
   }
   // Unset fields (zero, empty) keep the source's settings.
   auto clones = manager_->Clone(req->session_id(), req->sandbox_id(), req->count(),
-                                SettingsOf(req->overrides()));
+                                SettingsOf(req->overrides()), [ctx] { return ctx->IsCancelled(); });
   if (!clones.ok()) {
     if (clones.status().code() == absl::StatusCode::kResourceExhausted) {
       return Refuse(client, clones.status());

@@ -33,6 +33,8 @@ from typing import Dict, List
 import pytest
 
 import pbox
+import pbox.errors
+from pbox._proto import pbox_pb2 as pb
 
 AGENT_KILLS = int(os.environ.get("PBOX_CHAOS_AGENT_KILLS", "100"))
 CLIENT_KILLS = int(os.environ.get("PBOX_CHAOS_CLIENT_KILLS", "100"))
@@ -132,6 +134,30 @@ def _wait_clean(agent, parent_dirs: List[str], what: str) -> None:
                         f"processes naming the state dir {strays}, gVisor bundles {bundles}\n"
                         f"{agent.log()}")
         time.sleep(0.02)
+
+
+def _wait_session_ended(c: pbox.Client, session_id: str, what: str) -> None:
+    """Waits until the agent has ended `session_id`: a create in it is then FailedPrecondition.
+
+    An empty list alone does not say so: a create of the dead client may still be under way in
+    the agent (unlisted until it is made), and the agent may not have read the broken stream yet,
+    so that create may still join the session and be listed a moment later (until the session
+    ends and takes it). Once the session has ended, none of its sandboxes is listed any more and
+    none can join it. While it is still open, each probe adds a sandbox to it, which its end must
+    take too."""
+    spec = pb.SandboxSpec(memory_bytes=64 << 20, disk_bytes=16 << 20)
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            c._unary("CreateSandbox", pb.CreateSandboxRequest(session_id=session_id, spec=spec))
+        except pbox.errors.FailedPrecondition:
+            return
+        except pbox.errors.ResourceExhausted:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: session {session_id} still open {DEADLINE_S} s after its "
+                        f"client was SIGKILLed; it holds {c.list(session_id)}")
+        time.sleep(0.01)
 
 
 def _check_new_sandbox_works(c: pbox.Client) -> None:
@@ -247,11 +273,11 @@ def test_client_sigkill_mid_operation(make_agent) -> None:
             proc.wait()
             proc.stdout.close()
             proc.stderr.close()
-            # The session's stream breaks; the agent must end the lease and destroy its sandboxes.
-            deadline = time.monotonic() + DEADLINE_S
-            while c.list() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert c.list() == [], f"client kill {i}: the dead session's sandboxes remain"
+            # The session's stream breaks; the agent must end the lease and destroy its sandboxes,
+            # those created concurrently with the kill too.
+            _wait_session_ended(c, session_id, f"client kill {i} (seed {SEED})")
+            left = c.list()
+            assert left == [], f"client kill {i}: the dead session's sandboxes remain: {left}"
             _wait_clean(agent, parent_dirs, f"client kill {i} (seed {SEED})")
             assert agent.alive(), agent.log()
             assert c.health().serving
