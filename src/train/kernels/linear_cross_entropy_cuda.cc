@@ -140,11 +140,18 @@ Status ChunkLogits(cublasHandle_t blas, const float* h, const float* weight, int
       "SGEMM (logits)");
 }
 
+// The workspace: the chunk's logits, then (256-byte aligned, for the 8-byte atomic) the label
+// check's flag.
+int64_t LabelFlagOffset(int64_t T, int64_t V, const LinearCrossEntropyCudaOptions& o) {
+  int64_t logits = std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float));
+  return (logits + 255) / 256 * 256;
+}
+
 }  // namespace
 
 int64_t LinearCrossEntropyCudaWorkspaceBytes(int64_t T, int64_t V,
                                              const LinearCrossEntropyCudaOptions& o) {
-  return std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float)) + 256;
+  return LabelFlagOffset(T, V, o) + 256;
 }
 
 Status LinearCrossEntropyForwardCuda(const float* hidden, const float* weight,
@@ -158,8 +165,7 @@ Status LinearCrossEntropyForwardCuda(const float* hidden, const float* weight,
   ScopedDeviceBuffer ws;
   BRAGG_RETURN_IF_ERROR(ws.Allocate(LinearCrossEntropyCudaWorkspaceBytes(T, V, o), stream));
   float* logits = ws.as<float>();
-  auto* first_bad = reinterpret_cast<unsigned long long*>(
-      ws.as<char>() + std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float)));
+  auto* first_bad = reinterpret_cast<unsigned long long*>(ws.as<char>() + LabelFlagOffset(T, V, o));
   BRAGG_RETURN_IF_ERROR(CheckLabels(labels, T, V, first_bad, stream));
   ScopedCublas blas;
   BRAGG_RETURN_IF_ERROR(blas.Init(stream));
@@ -190,8 +196,7 @@ Status LinearCrossEntropyBackwardCuda(const float* hidden, const float* weight,
   ScopedDeviceBuffer ws;
   BRAGG_RETURN_IF_ERROR(ws.Allocate(LinearCrossEntropyCudaWorkspaceBytes(T, V, o), stream));
   float* g = ws.as<float>();
-  auto* first_bad = reinterpret_cast<unsigned long long*>(
-      ws.as<char>() + std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float)));
+  auto* first_bad = reinterpret_cast<unsigned long long*>(ws.as<char>() + LabelFlagOffset(T, V, o));
   BRAGG_RETURN_IF_ERROR(CheckLabels(labels, T, V, first_bad, stream));
   ScopedCublas blas;
   BRAGG_RETURN_IF_ERROR(blas.Init(stream));
