@@ -157,12 +157,13 @@ int main(int argc, char** argv) {
   std::vector<int64_t> tokens{8192, 2048};
   std::vector<int64_t> naive_tokens{2048, 1024};
   app.add_option("--child", child, "internal: run one case (fused|naive) and print its record");
-  app.add_option("--tokens", tokens, "T for the fused op, one per vocabulary");
+  app.add_option("--tokens", tokens, "T for the fused op, one per vocabulary")->delimiter(',');
   app.add_option("--child-tokens", T, "internal: T of the --child case");
   app.add_option("--hidden", H, "H");
-  app.add_option("--vocabs", vocabs, "vocabulary sizes");
+  app.add_option("--vocabs", vocabs, "vocabulary sizes")->delimiter(',');
   app.add_option("--naive-tokens", naive_tokens,
-                 "T for the naive path (and a like-for-like fused run), one per vocabulary");
+                 "T for the naive path (and a like-for-like fused run), one per vocabulary")
+      ->delimiter(',');
   app.add_option("--token-chunk", chunk, "rows per chunk of the fused op");
   app.add_option("--vocab-chunk", vocab_chunk, "columns per chunk (0: whole vocabulary)");
   app.add_option("--vocab", one_vocab, "internal: V of the --child case");

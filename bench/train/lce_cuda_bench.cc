@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> vocabs{32768, 151936};
   app.add_option("--tokens", T, "T");
   app.add_option("--hidden", H, "H");
-  app.add_option("--vocabs", vocabs, "vocabulary sizes");
+  app.add_option("--vocabs", vocabs, "vocabulary sizes")->delimiter(',');
   app.add_option("--token-chunk", chunk, "rows per chunk");
   app.add_option("--iters", iters, "timed iterations (after one warm-up)");
   CLI11_PARSE(app, argc, argv);

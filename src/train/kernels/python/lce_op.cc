@@ -14,13 +14,9 @@
 
 namespace {
 
-std::tuple<torch::Tensor, torch::Tensor> LinearCrossEntropyOp(const torch::Tensor& hidden,
-                                                              const torch::Tensor& weight,
-                                                              const torch::Tensor& labels,
-                                                              int64_t token_chunk,
-                                                              int64_t vocab_chunk,
-                                                              double temperature,
-                                                              bool deterministic) {
+std::tuple<torch::Tensor, torch::Tensor> LinearCrossEntropyOp(
+    const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& labels,
+    int64_t token_chunk, int64_t vocab_chunk, double temperature, bool deterministic) {
   bragg::train::LinearCrossEntropyOutput out = bragg::train::LinearCrossEntropy(
       hidden, weight, labels, {token_chunk, vocab_chunk, temperature, deterministic});
   return {out.logprobs, out.entropy};
