@@ -5,6 +5,7 @@
 // each case; inputs, outputs and cuBLAS's own workspace are outside it. JSON on stdout, a table
 // on stderr. Needs a GPU (exit 77 without one, as a ctest skip).
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -71,6 +72,11 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, 0));
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
+  cublasHandle_t blas = nullptr;
+  if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "cublasCreate failed\n");
+    return 1;
+  }
 
   nlohmann::json records = nlohmann::json::array();
   std::mt19937 rng(1);
@@ -87,7 +93,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&gh, T * H * 4));
     CHECK_CUDA(cudaMalloc(&gw, V * H * 4));
     for (int64_t c : {chunk, T}) {
-      LinearCrossEntropyCudaOptions o{c, 1.0f};
+      LinearCrossEntropyCudaOptions o{c, 1.0f, blas};
       auto once = [&](float* fwd_ms, float* bwd_ms) {
         cudaEvent_t e0, e1, e2;
         CHECK_CUDA(cudaEventCreate(&e0));

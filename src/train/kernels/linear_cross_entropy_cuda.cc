@@ -38,18 +38,24 @@ Status CublasError(cublasStatus_t s, const char* what) {
 }
 
 // A cuBLAS handle bound to one stream, in plain FP32 (no TF32: the CPU op is the reference).
+// The caller's handle, or one of our own destroyed at scope exit.
 class ScopedCublas {
  public:
   ScopedCublas() = default;
   ScopedCublas(const ScopedCublas&) = delete;
   ScopedCublas& operator=(const ScopedCublas&) = delete;
   ~ScopedCublas() {
-    if (handle_ != nullptr) {
+    if (owned_) {
       cublasDestroy(handle_);
     }
   }
-  Status Init(cudaStream_t stream) {
-    BRAGG_RETURN_IF_ERROR(CublasError(cublasCreate(&handle_), "cublasCreate"));
+  Status Init(void* callers, cudaStream_t stream) {
+    if (callers != nullptr) {
+      handle_ = static_cast<cublasHandle_t>(callers);
+    } else {
+      BRAGG_RETURN_IF_ERROR(CublasError(cublasCreate(&handle_), "cublasCreate"));
+      owned_ = true;
+    }
     BRAGG_RETURN_IF_ERROR(CublasError(cublasSetStream(handle_, stream), "cublasSetStream"));
     return CublasError(cublasSetMathMode(handle_, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
   }
@@ -57,6 +63,7 @@ class ScopedCublas {
 
  private:
   cublasHandle_t handle_ = nullptr;
+  bool owned_ = false;
 };
 
 // Stream-ordered device memory, freed (on its stream) when it goes out of scope.
@@ -168,7 +175,7 @@ Status LinearCrossEntropyForwardCuda(const float* hidden, const float* weight,
   auto* first_bad = reinterpret_cast<unsigned long long*>(ws.as<char>() + LabelFlagOffset(T, V, o));
   BRAGG_RETURN_IF_ERROR(CheckLabels(labels, T, V, first_bad, stream));
   ScopedCublas blas;
-  BRAGG_RETURN_IF_ERROR(blas.Init(stream));
+  BRAGG_RETURN_IF_ERROR(blas.Init(o.cublas_handle, stream));
   for (int64_t r0 = 0; r0 < T; r0 += o.token_chunk) {
     const int64_t n = std::min(o.token_chunk, T - r0);
     BRAGG_RETURN_IF_ERROR(ChunkLogits(blas.get(), hidden + r0 * H, weight, n, H, V, logits));
@@ -199,7 +206,7 @@ Status LinearCrossEntropyBackwardCuda(const float* hidden, const float* weight,
   auto* first_bad = reinterpret_cast<unsigned long long*>(ws.as<char>() + LabelFlagOffset(T, V, o));
   BRAGG_RETURN_IF_ERROR(CheckLabels(labels, T, V, first_bad, stream));
   ScopedCublas blas;
-  BRAGG_RETURN_IF_ERROR(blas.Init(stream));
+  BRAGG_RETURN_IF_ERROR(blas.Init(o.cublas_handle, stream));
   const float one = 1.0f, zero = 0.0f;
   for (int64_t r0 = 0; r0 < T; r0 += o.token_chunk) {
     const int64_t n = std::min(o.token_chunk, T - r0);
