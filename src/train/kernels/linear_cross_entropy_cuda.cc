@@ -38,18 +38,24 @@ Status CublasError(cublasStatus_t s, const char* what) {
 }
 
 // A cuBLAS handle bound to one stream, in plain FP32 (no TF32: the CPU op is the reference).
+// The caller's handle, or one of our own destroyed at scope exit.
 class ScopedCublas {
  public:
   ScopedCublas() = default;
   ScopedCublas(const ScopedCublas&) = delete;
   ScopedCublas& operator=(const ScopedCublas&) = delete;
   ~ScopedCublas() {
-    if (handle_ != nullptr) {
+    if (owned_) {
       cublasDestroy(handle_);
     }
   }
-  Status Init(cudaStream_t stream) {
-    BRAGG_RETURN_IF_ERROR(CublasError(cublasCreate(&handle_), "cublasCreate"));
+  Status Init(void* callers, cudaStream_t stream) {
+    if (callers != nullptr) {
+      handle_ = static_cast<cublasHandle_t>(callers);
+    } else {
+      BRAGG_RETURN_IF_ERROR(CublasError(cublasCreate(&handle_), "cublasCreate"));
+      owned_ = true;
+    }
     BRAGG_RETURN_IF_ERROR(CublasError(cublasSetStream(handle_, stream), "cublasSetStream"));
     return CublasError(cublasSetMathMode(handle_, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
   }
@@ -57,6 +63,7 @@ class ScopedCublas {
 
  private:
   cublasHandle_t handle_ = nullptr;
+  bool owned_ = false;
 };
 
 // Stream-ordered device memory, freed (on its stream) when it goes out of scope.
@@ -140,11 +147,18 @@ Status ChunkLogits(cublasHandle_t blas, const float* h, const float* weight, int
       "SGEMM (logits)");
 }
 
+// The workspace: the chunk's logits, then (256-byte aligned, for the 8-byte atomic) the label
+// check's flag.
+int64_t LabelFlagOffset(int64_t T, int64_t V, const LinearCrossEntropyCudaOptions& o) {
+  int64_t logits = std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float));
+  return (logits + 255) / 256 * 256;
+}
+
 }  // namespace
 
 int64_t LinearCrossEntropyCudaWorkspaceBytes(int64_t T, int64_t V,
                                              const LinearCrossEntropyCudaOptions& o) {
-  return std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float)) + 256;
+  return LabelFlagOffset(T, V, o) + 256;
 }
 
 Status LinearCrossEntropyForwardCuda(const float* hidden, const float* weight,
@@ -158,11 +172,10 @@ Status LinearCrossEntropyForwardCuda(const float* hidden, const float* weight,
   ScopedDeviceBuffer ws;
   BRAGG_RETURN_IF_ERROR(ws.Allocate(LinearCrossEntropyCudaWorkspaceBytes(T, V, o), stream));
   float* logits = ws.as<float>();
-  auto* first_bad = reinterpret_cast<unsigned long long*>(
-      ws.as<char>() + std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float)));
+  auto* first_bad = reinterpret_cast<unsigned long long*>(ws.as<char>() + LabelFlagOffset(T, V, o));
   BRAGG_RETURN_IF_ERROR(CheckLabels(labels, T, V, first_bad, stream));
   ScopedCublas blas;
-  BRAGG_RETURN_IF_ERROR(blas.Init(stream));
+  BRAGG_RETURN_IF_ERROR(blas.Init(o.cublas_handle, stream));
   for (int64_t r0 = 0; r0 < T; r0 += o.token_chunk) {
     const int64_t n = std::min(o.token_chunk, T - r0);
     BRAGG_RETURN_IF_ERROR(ChunkLogits(blas.get(), hidden + r0 * H, weight, n, H, V, logits));
@@ -190,11 +203,10 @@ Status LinearCrossEntropyBackwardCuda(const float* hidden, const float* weight,
   ScopedDeviceBuffer ws;
   BRAGG_RETURN_IF_ERROR(ws.Allocate(LinearCrossEntropyCudaWorkspaceBytes(T, V, o), stream));
   float* g = ws.as<float>();
-  auto* first_bad = reinterpret_cast<unsigned long long*>(
-      ws.as<char>() + std::min(o.token_chunk, T) * V * static_cast<int64_t>(sizeof(float)));
+  auto* first_bad = reinterpret_cast<unsigned long long*>(ws.as<char>() + LabelFlagOffset(T, V, o));
   BRAGG_RETURN_IF_ERROR(CheckLabels(labels, T, V, first_bad, stream));
   ScopedCublas blas;
-  BRAGG_RETURN_IF_ERROR(blas.Init(stream));
+  BRAGG_RETURN_IF_ERROR(blas.Init(o.cublas_handle, stream));
   const float one = 1.0f, zero = 0.0f;
   for (int64_t r0 = 0; r0 < T; r0 += o.token_chunk) {
     const int64_t n = std::min(o.token_chunk, T - r0);

