@@ -118,4 +118,11 @@ Status RunLogProbs(const TrainOptions& options, const std::string& trajectories,
   return ok ? absl::OkStatus() : absl::InternalError(Cat("writing ", out, " failed"));
 }
 
+Status RunGradients(const TrainOptions& options, const std::string& trajectories,
+                    const std::string& out) {
+  BRAGG_ASSIGN_OR_RETURN(std::vector<Trajectory> all, ReadTrajectories(trajectories));
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(options));
+  return trainer->SaveGradients(all, out);
+}
+
 }  // namespace bragg::train

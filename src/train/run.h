@@ -31,6 +31,10 @@ Status RunTraining(const RunConfig& config);
 Status RunLogProbs(const TrainOptions& options, const std::string& trajectories,
                    const std::string& out);
 
+// Writes the objective's gradient on the whole trajectory file to `out` (safetensors).
+Status RunGradients(const TrainOptions& options, const std::string& trajectories,
+                    const std::string& out);
+
 std::string MetricsToJson(const StepMetrics& m);
 
 }  // namespace bragg::train

@@ -1,5 +1,6 @@
 // bragg-train --model DIR --trajectories FILE.jsonl [--out DIR] [--objective grpo|sft] ...
 // bragg-train logprobs --model DIR --trajectories FILE.jsonl [--output FILE]
+// bragg-train gradients --model DIR --trajectories FILE.jsonl --output G.safetensors
 // GRPO/PPO and supervised training of Qwen3 models on packed trajectories (docs/train.md).
 
 #include <CLI/CLI.hpp>
@@ -64,11 +65,24 @@ int main(int argc, char** argv) {
   AddModelOptions(logprobs, &lo, /*required=*/true);
   logprobs->add_option("--trajectories", lp_in, "JSONL of trajectories")->required();
   logprobs->add_option("--output", lp_out, "JSONL out (- : stdout)");
+  bragg::train::TrainOptions go;
+  std::string g_in, g_out, g_objective = "sft";
+  CLI::App* grads = app.add_subcommand(
+      "gradients", "the objective's gradient on a trajectory file, as safetensors (no step)");
+  AddModelOptions(grads, &go, /*required=*/true);
+  grads->add_option("--trajectories", g_in, "JSONL of trajectories")->required();
+  grads->add_option("--output", g_out, "safetensors file to write")->required();
+  grads->add_option("--objective", g_objective, "grpo | sft")
+      ->check(CLI::IsMember({"grpo", "sft"}));
   app.require_subcommand(0, 1);
   CLI11_PARSE(app, argc, argv);
   bragg::Status s;
   if (logprobs->parsed()) {
     s = bragg::train::RunLogProbs(lo, lp_in, lp_out);
+  } else if (grads->parsed()) {
+    auto obj = bragg::train::ParseObjective(g_objective);
+    s = obj.ok() ? (go.objective = *obj, bragg::train::RunGradients(go, g_in, g_out))
+                 : obj.status();
   } else {
     auto obj = bragg::train::ParseObjective(objective);
     s = obj.ok() ? (o.objective = *obj, bragg::train::RunTraining(c)) : obj.status();

@@ -127,6 +127,7 @@ struct Trainer::Impl {
   std::unique_ptr<qwen3::Weights> reference;
   std::unique_ptr<OffloadAdamW> optimizer;
   std::unique_ptr<DataParallel> dp;  // null with one rank
+  bool gradients_only = false;       // Step accumulates gradients and stops (SaveGradients)
   int64_t step = 0;
   int64_t version = 0;
 
@@ -462,7 +463,10 @@ struct Trainer::Impl {
     // The proximal policy: with several optimizer steps per batch, the policy before the first
     // (computed now); with one, the current policy itself (detached in the loss).
     std::vector<std::vector<float>> proximal;
-    const int K = std::max(1, std::min<int>(options.minibatches, static_cast<int>(batch.size())));
+    const int K =
+        gradients_only
+            ? 1
+            : std::max(1, std::min<int>(options.minibatches, static_cast<int>(batch.size())));
     if (grpo && K > 1) {
       BRAGG_ASSIGN_OR_RETURN(proximal, LogProbs(batch));
     }
@@ -537,6 +541,9 @@ struct Trainer::Impl {
       if (dp) {
         BRAGG_RETURN_IF_ERROR(AllReduceGrads());
       }
+      if (gradients_only) {
+        continue;
+      }
       BRAGG_ASSIGN_OR_RETURN(StepStats st, optimizer->Step());
       grad_norm = st.grad_norm;
       for (auto& [name, p] : w.leaves) {
@@ -544,7 +551,9 @@ struct Trainer::Impl {
       }
       ++step;
     }
-    ++version;
+    if (!gradients_only) {
+      ++version;
+    }
     double seconds_max = compute_s, seconds_mean = compute_s;
     if (dp) {
       // Every rank's sums, and the largest difference and time.
@@ -581,6 +590,45 @@ struct Trainer::Impl {
     mt.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     mt.tokens_per_second = static_cast<double>(mt.tokens) / std::max(1e-9, mt.seconds);
     return mt;
+  }
+
+  // The objective's gradient on `batch` by Hugging Face parameter name (FP32), no step taken.
+  Status SaveGradients(std::span<const Trajectory> batch, const std::string& path) {
+    gradients_only = true;
+    Result<StepMetrics> m = Step(batch);
+    gradients_only = false;
+    BRAGG_RETURN_IF_ERROR(m.status());
+    torch::NoGradGuard no_grad;
+    std::map<const void*, std::string> leaf_of;  // storage of every leaf
+    std::vector<torch::Tensor> keep;
+    std::vector<TensorBytes> tensors;
+    for (const auto& [name, param] : w.params) {
+      // The gradient of a view (gate, up) is the same view of its fused leaf's gradient.
+      torch::Tensor g;
+      for (auto& [lname, leaf] : w.leaves) {
+        const char* base = static_cast<const char*>(leaf->data_ptr());
+        const char* at = static_cast<const char*>(param->data_ptr());
+        if (at >= base && at < base + leaf->nbytes()) {
+          int64_t offset = (at - base) / static_cast<int64_t>(leaf->element_size());
+          torch::Tensor lg = leaf->grad().defined() ? leaf->grad() : torch::zeros_like(*leaf);
+          g = lg.reshape({-1}).narrow(0, offset, param->numel()).view(param->sizes());
+          break;
+        }
+      }
+      if (!g.defined()) {
+        return absl::InternalError(Cat("no gradient found for ", name));
+      }
+      torch::Tensor t = g.to(torch::kCPU, torch::kFloat32).contiguous();
+      keep.push_back(t);
+      tensors.push_back(
+          {name, engine::TensorDType::kF32, t.sizes().vec(),
+           std::span<const uint8_t>(static_cast<const uint8_t*>(t.data_ptr()), t.nbytes())});
+    }
+    Status s = WriteSafetensors(path, tensors);
+    for (auto& [name, p] : w.leaves) {
+      p->mutable_grad() = torch::Tensor();
+    }
+    return s;
   }
 
   // The current weights as tensors in the dtypes of the files they were loaded from.
@@ -812,6 +860,13 @@ Result<std::vector<std::vector<int32_t>>> Trainer::RoutedExperts(
 }
 
 Status Trainer::SaveModel(const std::string& dir) const { return impl_->SaveModel(dir); }
+Status Trainer::SaveGradients(std::span<const Trajectory> batch, const std::string& path) {
+  try {
+    return impl_->SaveGradients(batch, path);
+  } catch (const c10::Error& e) {
+    return absl::InternalError(Cat("gradients: ", e.what_without_backtrace()));
+  }
+}
 Status Trainer::SaveCheckpoint(const std::string& root) const {
   BRAGG_RETURN_IF_ERROR(MakeDirs(root));
   return impl_->SaveCheckpoint(root);

@@ -120,6 +120,10 @@ class Trainer {
   // loaded, model.safetensors in the dtypes it was loaded from) that bragg-engine loads or
   // takes as a weight update; published atomically (safetensors_writer.h).
   Status SaveModel(const std::string& dir) const;
+  // Writes the objective's gradient on `batch` (no optimizer step; nothing changes) as a
+  // safetensors file of FP32 tensors named as the model's Hugging Face parameters: for checks
+  // against other implementations (tests/train).
+  Status SaveGradients(std::span<const Trajectory> batch, const std::string& path);
   // Writes `root`/step-N (model, optimizer state, trainer.json) and points `root`/latest at it;
   // Resume(root) continues from latest.
   Status SaveCheckpoint(const std::string& root) const;
