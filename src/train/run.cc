@@ -80,11 +80,13 @@ Status RunTraining(const RunConfig& c) {
                  static_cast<long long>(m.step), static_cast<long long>(m.version), m.loss,
                  m.reward_mean, m.entropy, m.clip_fraction, m.is_weight_mean, m.grad_norm,
                  static_cast<long long>(m.tokens), m.tokens_per_second);
-    if (metrics.is_open()) {
-      metrics << MetricsToJson(m) << "\n" << std::flush;
-    }
+    // The checkpoint first: a metrics line stands for a step a resume will not redo (with a
+    // checkpoint every step).
     if (!c.checkpoint_dir.empty() && c.checkpoint_every > 0 && (s + 1) % c.checkpoint_every == 0) {
       BRAGG_RETURN_IF_ERROR(trainer->SaveCheckpoint(c.checkpoint_dir));
+    }
+    if (metrics.is_open()) {
+      metrics << MetricsToJson(m) << "\n" << std::flush;
     }
   }
   if (!c.checkpoint_dir.empty()) {
