@@ -17,7 +17,7 @@
 #include "engine/model/checkpoint.h"
 #include "engine/model/model.h"
 #include "engine/sampler.h"
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 #include "spdlog/spdlog.h"
 
 namespace bragg::engine {

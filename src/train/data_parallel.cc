@@ -5,11 +5,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::train {
 
-using engine::Cat;
 
 struct DataParallel::Impl {
   c10::intrusive_ptr<c10d::Store> store;

@@ -4,11 +4,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::train {
 
-using engine::Cat;
 
 std::string MetricsToJson(const StepMetrics& m) {
   nlohmann::json j = {{"step", m.step},

@@ -12,11 +12,10 @@
 
 #include "common/fs.h"
 #include "common/unique_fd.h"
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::train {
 
-using engine::Cat;
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include "engine/model/checkpoint.h"
 #include "engine/model/linear.h"
 #include "engine/model/qwen3.h"
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 #include "pack/plan.h"
 #include "train/data_parallel.h"
 #include "train/kernels/linear_cross_entropy.h"
@@ -23,7 +23,6 @@
 namespace bragg::train {
 namespace {
 
-using engine::Cat;
 using engine::ModelConfig;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;

@@ -5,11 +5,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::train {
 
-using engine::Cat;
 
 Status Validate(const Trajectory& t, int64_t vocab_size, int moe_layers, int top_k,
                 int num_experts) {

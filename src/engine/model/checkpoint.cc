@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "common/unique_fd.h"
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::engine {
 namespace {

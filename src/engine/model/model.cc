@@ -9,7 +9,7 @@
 
 #include "engine/model/linear.h"
 #include "engine/model/qwen3.h"
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::engine {
 namespace {

@@ -2,7 +2,7 @@
 
 // The Qwen3 transformer (dense and MoE) on libtorch, with its KV cache in fixed-size blocks.
 // This header names no torch type (pimpl), so the scheduler and tests compile without libtorch's
-// headers; model.cc is the one translation unit that includes them.
+// headers; model.cc and qwen3.cc (the arithmetic it shares with the trainer) include them.
 //
 // Not thread-safe: the engine thread alone calls Forward and the weight methods.
 

@@ -8,7 +8,7 @@
 #include <limits>
 
 #include "engine/model/linear.h"
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::engine::qwen3 {
 namespace {

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "engine/str_cat.h"
+#include "common/str_cat.h"
 
 namespace bragg::engine::testing {
 namespace {
