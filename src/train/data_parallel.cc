@@ -9,7 +9,6 @@
 
 namespace bragg::train {
 
-
 struct DataParallel::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;

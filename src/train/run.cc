@@ -8,7 +8,6 @@
 
 namespace bragg::train {
 
-
 std::string MetricsToJson(const StepMetrics& m) {
   nlohmann::json j = {{"step", m.step},
                       {"version", m.version},

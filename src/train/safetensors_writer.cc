@@ -11,11 +11,10 @@
 #include <set>
 
 #include "common/fs.h"
-#include "common/unique_fd.h"
 #include "common/str_cat.h"
+#include "common/unique_fd.h"
 
 namespace bragg::train {
-
 
 namespace {
 

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   CLI::App app{"bragg-train: GRPO/PPO and supervised training on packed trajectories"};
   bragg::train::RunConfig c;
   bragg::train::TrainOptions& o = c.train;
-  std::string objective = "grpo";
+  std::string objective = "grpo", recompute = "none";
   AddModelOptions(&app, &o, /*required=*/false);
   app.add_option("--trajectories", c.trajectories, "JSONL of trajectories (required)");
   app.add_option("--out", c.out, "write the trained model here (Hugging Face directory)");
@@ -46,6 +46,10 @@ int main(int argc, char** argv) {
   app.add_option("--entropy-coef", o.entropy_coef, "entropy bonus");
   app.add_flag("!--no-std-normalization", o.normalize_std,
                "GRPO advantages without dividing by the group's std");
+  app.add_option("--recompute", recompute,
+                 "activations recomputed in backward: none | "
+                 "selective (each layer's MLP half) | full (whole layers)")
+      ->check(CLI::IsMember({"none", "selective", "full"}));
   app.add_option("--optimizer-chunk", o.optimizer_chunk_elements,
                  "FP32 elements per streamed optimizer chunk");
   app.add_option("--checkpoint-dir", c.checkpoint_dir, "write checkpoints here");
@@ -85,7 +89,16 @@ int main(int argc, char** argv) {
                  : obj.status();
   } else {
     auto obj = bragg::train::ParseObjective(objective);
-    s = obj.ok() ? (o.objective = *obj, bragg::train::RunTraining(c)) : obj.status();
+    auto rec = bragg::train::ParseRecompute(recompute);
+    if (!obj.ok()) {
+      s = obj.status();
+    } else if (!rec.ok()) {
+      s = rec.status();
+    } else {
+      o.objective = *obj;
+      o.recompute = *rec;
+      s = bragg::train::RunTraining(c);
+    }
   }
   if (!s.ok()) {
     std::fprintf(stderr, "bragg-train: %s\n", s.ToString().c_str());

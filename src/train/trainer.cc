@@ -1,19 +1,21 @@
 #include "train/trainer.h"
 
+#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
 
 #include "common/fs.h"
+#include "common/str_cat.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/linear.h"
 #include "engine/model/qwen3.h"
-#include "common/str_cat.h"
 #include "pack/plan.h"
 #include "train/data_parallel.h"
 #include "train/kernels/linear_cross_entropy.h"
@@ -94,6 +96,32 @@ class ExactAttention : public torch::autograd::Function<ExactAttention> {
   }
 };
 
+// Activation recomputation (the reentrant form of torch.utils.checkpoint): forward runs the block
+// without building a graph and keeps only its input; backward runs it again with a graph and
+// backpropagates through it, so the parameters' gradients accumulate as usual and the input's is
+// returned. The block (a closure) must outlive the backward pass: Impl::blocks holds it.
+using Block = std::function<torch::Tensor(const torch::Tensor&)>;
+class Recomputed : public torch::autograd::Function<Recomputed> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, const Block* block) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
+    return (*block)(x);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    torch::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const Block* block = reinterpret_cast<const Block*>(ctx->saved_data["block"].toInt());
+    torch::Tensor y;
+    {
+      torch::AutoGradMode enable(true);
+      y = (*block)(x);
+    }
+    torch::autograd::backward({y}, {grads[0]});
+    return {x.grad(), torch::Tensor()};
+  }
+};
+
 // One micro-batch: trajectories packed into one THD row. Each trace contributes its tokens but
 // the last (the last token predicts nothing), at positions 0..n-2.
 // With TrainOptions::padded every member's span is the micro-batch's longest trace (a padded
@@ -113,6 +141,14 @@ struct Forwarded {
 
 }  // namespace
 
+Result<Recompute> ParseRecompute(std::string_view name) {
+  if (name == "none") return Recompute::kNone;
+  if (name == "selective") return Recompute::kSelective;
+  if (name == "full") return Recompute::kFull;
+  return absl::InvalidArgumentError(
+      Cat("unknown recomputation \"", name, "\" (none, selective or full)"));
+}
+
 Result<Objective> ParseObjective(std::string_view name) {
   if (name == "grpo") return Objective::kGrpo;
   if (name == "sft") return Objective::kSft;
@@ -127,6 +163,8 @@ struct Trainer::Impl {
   std::unique_ptr<OffloadAdamW> optimizer;
   std::unique_ptr<DataParallel> dp;  // null with one rank
   bool gradients_only = false;       // Step accumulates gradients and stops (SaveGradients)
+  // The recomputed blocks of the micro-batch in flight (their closures live until its backward).
+  mutable std::vector<std::unique_ptr<Block>> blocks;
   int64_t step = 0;
   int64_t version = 0;
 
@@ -258,40 +296,72 @@ struct Trainer::Impl {
     }
     ids = ids.to(m.device);
     pos = pos.to(m.device);
-    auto [cos, sin] = qwen3::RopeTables(pos, m.inv_freq, m.dtype);
+    torch::Tensor cos, sin;
+    std::tie(cos, sin) = qwen3::RopeTables(pos, m.inv_freq, m.dtype);
     const bool det = options.deterministic;
     const int64_t nh = c.num_attention_heads, kvh = c.num_key_value_heads, hd = c.head_dim;
     Forwarded out;
     torch::Tensor h = m.embed.index_select(0, ids);
+    blocks.clear();
+    const bool grad = torch::GradMode::is_enabled();
+    const Recompute recompute = grad ? options.recompute : Recompute::kNone;
     for (size_t li = 0; li < m.layers.size(); ++li) {
       const qwen3::Layer& L = m.layers[li];
-      torch::Tensor x = qwen3::RmsNorm(h, L.ln1, c.rms_norm_eps);
-      torch::Tensor q = engine::Linear(x, L.wq, L.bq, det).view({T, nh, hd});
-      torch::Tensor kk = engine::Linear(x, L.wk, L.bk, det).view({T, kvh, hd});
-      torch::Tensor v = engine::Linear(x, L.wv, L.bv, det).view({T, kvh, hd});
-      q = qwen3::Rope(qwen3::RmsNorm(q, L.q_norm, c.rms_norm_eps), cos, sin);
-      kk = qwen3::Rope(qwen3::RmsNorm(kk, L.k_norm, c.rms_norm_eps), cos, sin);
-      torch::Tensor attn;
-      if (det) {
-        attn = ExactAttention::apply(q, kk, v, &c, spans);
-      } else {
-        std::vector<torch::Tensor> parts;
-        for (size_t s = 0; s < spans.size(); s += 2) {
-          parts.push_back(AttendTrace(q.narrow(0, spans[s], spans[s + 1]),
-                                      kk.narrow(0, spans[s], spans[s + 1]),
-                                      v.narrow(0, spans[s], spans[s + 1])));
+      const int ml = m.moe_layer_index[li];
+      // The halves capture by value: a recomputed one runs again in backward, after Forward
+      // has returned.
+      torch::Tensor layer_replay = replay && ml >= 0 ? replays[ml] : torch::Tensor();
+      auto experts = std::make_shared<torch::Tensor>();
+      auto attention = [&c, det, T, nh, kvh, hd, cos, sin, spans,
+                        L = &L](const torch::Tensor& hin) {
+        torch::Tensor x = qwen3::RmsNorm(hin, L->ln1, c.rms_norm_eps);
+        torch::Tensor q = engine::Linear(x, L->wq, L->bq, det).view({T, nh, hd});
+        torch::Tensor kk = engine::Linear(x, L->wk, L->bk, det).view({T, kvh, hd});
+        torch::Tensor v = engine::Linear(x, L->wv, L->bv, det).view({T, kvh, hd});
+        q = qwen3::Rope(qwen3::RmsNorm(q, L->q_norm, c.rms_norm_eps), cos, sin);
+        kk = qwen3::Rope(qwen3::RmsNorm(kk, L->k_norm, c.rms_norm_eps), cos, sin);
+        torch::Tensor attn;
+        if (det) {
+          attn = ExactAttention::apply(q, kk, v, &c, spans);
+        } else {
+          std::vector<torch::Tensor> parts;
+          for (size_t s = 0; s < spans.size(); s += 2) {
+            parts.push_back(AttendTrace(q.narrow(0, spans[s], spans[s + 1]),
+                                        kk.narrow(0, spans[s], spans[s + 1]),
+                                        v.narrow(0, spans[s], spans[s + 1])));
+          }
+          attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
         }
-        attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
+        return hin + engine::Linear(attn, L->wo, L->bo, det);
+      };
+      // The MLP half (norm, MLP or experts) adds its output to its input.
+      auto mlp = [&c, det, L = &L, layer_replay, experts](const torch::Tensor& hin) {
+        torch::Tensor x = qwen3::RmsNorm(hin, L->ln2, c.rms_norm_eps);
+        if (L->moe) {
+          return hin + qwen3::Moe(c, *L, x, det, experts.get(),
+                                  layer_replay.defined() ? &layer_replay : nullptr);
+        }
+        return hin + qwen3::SwiGlu(x, L->w_gate_up, L->w_down, det);
+      };
+      switch (recompute) {
+        case Recompute::kNone:
+          h = mlp(attention(h));
+          break;
+        case Recompute::kSelective:
+          // Keep the attention half's activations; recompute the MLP half (norm, SwiGLU or the
+          // experts' intermediates: the memory-heavy, cheap part).
+          h = attention(h);
+          blocks.push_back(std::make_unique<Block>(mlp));
+          h = Recomputed::apply(h, blocks.back().get());
+          break;
+        case Recompute::kFull:
+          blocks.push_back(std::make_unique<Block>(
+              [attention, mlp](const torch::Tensor& hin) { return mlp(attention(hin)); }));
+          h = Recomputed::apply(h, blocks.back().get());
+          break;
       }
-      h = h + engine::Linear(attn, L.wo, L.bo, det);
-      x = qwen3::RmsNorm(h, L.ln2, c.rms_norm_eps);
       if (L.moe) {
-        torch::Tensor idx;
-        int ml = m.moe_layer_index[li];
-        h = h + qwen3::Moe(c, L, x, det, &idx, replay ? &replays[ml] : nullptr);
-        out.experts.push_back(idx);
-      } else {
-        h = h + qwen3::SwiGlu(x, L.w_gate_up, L.w_down, det);
+        out.experts.push_back(*experts);
       }
     }
     out.hidden = qwen3::RmsNorm(h, m.final_norm, c.rms_norm_eps);
@@ -750,6 +820,15 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   qwen3::ConfigureCpuRuntime(options.threads);
+  // Unlike the engine's decode steps (small GEMMs between many small ops, where BLAS threads
+  // under torch's only spin), a training step's GEMMs are large: BLAS gets the threads.
+  // Process-wide (an engine in the same process then has them too; its results do not change:
+  // OpenBLAS splits rows and columns among threads, not the sums, and train_test holds the
+  // parity with an in-process engine).
+  using SetThreads = void (*)(int);
+  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set(options.threads > 0 ? options.threads : torch::get_num_threads());
+  }
   try {
     BRAGG_ASSIGN_OR_RETURN(impl->checkpoint, engine::Checkpoint::Open(options.model_dir));
     torch::Dtype dt = options.bf16 ? torch::kBFloat16 : torch::kFloat32;

@@ -25,6 +25,16 @@ enum class Objective {
 };
 Result<Objective> ParseObjective(std::string_view name);  // "grpo" | "sft"
 
+// Activations recomputed in backward instead of kept from forward.
+enum class Recompute {
+  kNone,
+  // Each layer's MLP half (its norm, the SwiGLU or the experts' intermediates: memory-heavy
+  // and cheap) is recomputed; the attention half's activations are kept.
+  kSelective,
+  kFull,  // each whole layer is recomputed from its input
+};
+Result<Recompute> ParseRecompute(std::string_view name);  // "none" | "selective" | "full"
+
 struct TrainOptions {
   std::string model_dir;      // Hugging Face directory (what bragg-engine and bragg-reshard read)
   std::string reference_dir;  // optional: the KL reference policy (same shapes)
@@ -61,6 +71,7 @@ struct TrainOptions {
   // pads every trace of a micro-batch to its longest (a BSHD batch) instead of packing.
   bool fused_cross_entropy = true;
   bool padded = false;
+  Recompute recompute = Recompute::kNone;
 
   // Data parallelism: world_size trainers (processes, or threads), each given the same batches,
   // each running its rank's share of bragg_pack's plan; gradients are summed over the ranks

@@ -9,7 +9,6 @@
 
 namespace bragg::train {
 
-
 Status Validate(const Trajectory& t, int64_t vocab_size, int moe_layers, int top_k,
                 int num_experts) {
   auto bad = [&](auto&&... parts) {
