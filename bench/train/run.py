@@ -271,7 +271,8 @@ def section(data, plotted):
              "median (min-max) over the runs.",
              f"- Load average (1/5/15 min): {data['load_start']} at the start, "
              f"{data['load_end']} at the end; other work on this shared 2-core machine "
-             "(other builds) counts in both systems' numbers.",
+             "(other builds) counts in both systems' numbers, and the spread of the step times "
+             "over the runs (below) is mostly that load.",
              f"- Measured {data['date']}, {data['wall_s']:.0f} s in all."]
     for n in data["notes"]:
         lines.append(f"- Note: {n}")
@@ -295,7 +296,8 @@ def section(data, plotted):
     lines += ["", "### Peak memory of a step: fused against unfused cross-entropy", "",
               f"`train_step_bench --measure-memory`, a fresh process per configuration, on a "
               f"random dense Qwen3 with Qwen3's vocabulary (`{' '.join(MEMORY_MODEL)}`: "
-              f"{f['parameters']:,} parameters, {f['parameters'] * 4 / 2**20:,.0f} MiB of fp32 "
+              f"{f['thd']['parameters']:,} parameters, {f['thd']['parameters'] * 4 / 2**20:,.0f} MiB of "
+              "fp32 "
               f"weights) and {f['trajectories']} trajectories of {f['tokens']:,} tokens in all, "
               f"micro-batches of at most {MEMORY_MAX_TOKENS} tokens (THD, "
               f"{f['thd']['micro_batches']} micro-batch(es)), one step; measured: the peak "
@@ -329,6 +331,10 @@ def section(data, plotted):
     for r in o["models"]:
         lines.append(f"| {r['model']} | {r['parameters']:,} | {mib(r['full_device_bytes'])} | "
                      f"{mib(r['offload_device_bytes'])} | {mib(r['offload_host_state_bytes'])} |")
+    lines += ["", "The workspace is 32 bytes per parameter up to two chunks, the resident state "
+              "and grads 16: offload keeps less on the device only past 2 x chunk_elements "
+              f"parameters ({2 * o['chunk_elements']:,} at this chunk size), as for the memory "
+              "model; for the small speed model it keeps more."]
     lines += ["", "Raw results, commands and machine: `docs/data/train.json`.", "", END, ""]
     return "\n".join(lines)
 
@@ -367,7 +373,14 @@ def main():
     ap.add_argument("--budget-s", type=int, default=240,
                     help="the speed part's time; repeats stop when another would pass it")
     ap.add_argument("--no-doc", action="store_true", help="write neither docs/ nor the chart")
+    ap.add_argument("--render", metavar="JSON",
+                    help="measure nothing: write the section (and chart) from a train.json")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as fh:
+            data = json.load(fh)
+        write_outputs(data, write_json=False)
+        return
     build = os.path.abspath(args.build)
     bench = os.path.join(build, "bench/train/train_step_bench")
     if not os.access(bench, os.X_OK):
@@ -499,16 +512,21 @@ def main():
     if args.no_doc:
         print(json.dumps(data, indent=1))
         return
-    os.makedirs(os.path.join(ROOT, "docs/data"), exist_ok=True)
-    with open(os.path.join(ROOT, "docs/data/train.json"), "w") as fh:
-        json.dump(data, fh, indent=1)
-        fh.write("\n")
-    plotted = plot(summary, os.path.join(ROOT, "docs/img/train_step.png"))
+    write_outputs(data, write_json=True)
+
+
+def write_outputs(data, write_json):
+    if write_json:
+        os.makedirs(os.path.join(ROOT, "docs/data"), exist_ok=True)
+        with open(os.path.join(ROOT, "docs/data/train.json"), "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.write("\n")
+    plotted = plot(data["summary"], os.path.join(ROOT, "docs/img/train_step.png"))
     if not plotted:
         log("python3-matplotlib missing: no chart")
     write_doc(os.path.join(ROOT, "docs/benchmarks.md"), section(data, plotted))
-    log(f"wrote docs/data/train.json and the train section of docs/benchmarks.md in "
-        f"{data['wall_s']:.0f} s")
+    log(f"wrote {'docs/data/train.json and ' if write_json else ''}the train section of "
+        "docs/benchmarks.md")
 
 
 if __name__ == "__main__":
