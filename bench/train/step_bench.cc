@@ -19,6 +19,7 @@
 // Prints one JSON object on stdout; progress on stderr.
 
 #include <sys/resource.h>
+#include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -30,7 +31,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-#include <torch/torch.h>
 
 #include "engine/testing/tiny_model.h"
 #include "train/optim/offload_adamw.h"
@@ -232,13 +232,10 @@ int main(int argc, char** argv) {
     std::cerr << "train_step_bench: --measure-memory takes one layout per process\n";
     return 2;
   }
-  json out = {{"threads", threads},
-              {"max_tokens", max_tokens},
-              {"trajectories", batch->size()},
-              {"tokens", real_tokens},
-              {"fused_cross_entropy", !unfused},
-              {"steps", steps},
-              {"warmup", warmup}};
+  json out = {
+      {"threads", threads},    {"max_tokens", max_tokens},        {"trajectories", batch->size()},
+      {"tokens", real_tokens}, {"fused_cross_entropy", !unfused}, {"steps", steps},
+      {"warmup", warmup}};
   for (const std::string& name : names) {
     if (name != "thd" && name != "padded") {
       std::cerr << "train_step_bench: unknown layout " << name << " (thd or padded)\n";
@@ -268,8 +265,7 @@ int main(int argc, char** argv) {
       micro_batches = m->micro_batches;
       std::cerr << "train_step_bench: " << name << (unfused ? " unfused" : "") << " step " << i
                 << (i < warmup ? " (warm-up)" : "") << ": " << s << " s, "
-                << static_cast<double>(real_tokens) / s << " tokens/s, loss " << m->loss
-                << "\n";
+                << static_cast<double>(real_tokens) / s << " tokens/s, loss " << m->loss << "\n";
       if (i >= warmup) {
         runs.push_back(s);
       }
