@@ -5,6 +5,7 @@ per target, with its goal, peer, measured value, verdict and date, read from doc
   pack.json          bench/pack/run.sh (make bench)
   pbox_bench.json    bench/pbox/run.py (make bench)
   engine.json        bench/engine/run.py (make bench; left out while absent)
+  train.json         bench/train/run.py (make bench; left out while absent)
   manual_targets.json  targets whose tables are manual runs, kept by hand (their date and command)
 
 Verdicts follow bench/verdict.py: generated ones are copied from the data; a manual entry with
@@ -94,6 +95,13 @@ def engine_rows(data):
     return rows
 
 
+def train_rows(data):
+    date = str(data.get("date", "")).split(" ")[0]
+    return [{"part": "train", "goal": t["goal"], "peer": t.get("peer", ""),
+             "measured": t["measured"], "verdict": t["verdict"],
+             "date": f"{date} (make bench)"} for t in data.get("targets", [])]
+
+
 def manual_rows(data):
     rows = []
     for t in data["targets"]:
@@ -111,14 +119,15 @@ def rows_from(data_dir):
     """Every summary row, the generated parts first. Raises on a malformed data file."""
     rows, found = [], 0
     for name, fn in (("pack.json", pack_rows), ("pbox_bench.json", pbox_rows),
-                     ("engine.json", engine_rows), ("manual_targets.json", manual_rows)):
+                     ("engine.json", engine_rows), ("train.json", train_rows),
+                     ("manual_targets.json", manual_rows)):
         data = load(os.path.join(data_dir, name))
         if data is not None:
             found += 1
             rows += fn(data)
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
-                                "engine.json, manual_targets.json)")
+                                "engine.json, train.json, manual_targets.json)")
     for r in rows:
         if r["verdict"] not in (MET, MISSED, TIE):
             raise ValueError(f"{r['part']}: {r['goal']}: verdict {r['verdict']!r} is not one "
