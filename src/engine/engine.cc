@@ -13,11 +13,11 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/str_cat.h"
 #include "engine/kv_cache.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/model.h"
 #include "engine/sampler.h"
-#include "common/str_cat.h"
 #include "spdlog/spdlog.h"
 
 namespace bragg::engine {

@@ -720,10 +720,7 @@ struct Trainer::Impl {
     std::vector<TensorBytes> tensors;
     for (const auto& [name, param] : w.params) {
       engine::TensorDType dt = w.file_dtypes.at(name);
-      torch::Dtype td = dt == engine::TensorDType::kBF16  ? torch::kBFloat16
-                        : dt == engine::TensorDType::kF16 ? torch::kFloat16
-                                                          : torch::kFloat32;
-      torch::Tensor t = param->detach().to(torch::kCPU, td).contiguous();
+      torch::Tensor t = param->detach().to(torch::kCPU, qwen3::TorchDType(dt)).contiguous();
       keep.push_back(t);
       TensorBytes b;
       b.name = name;

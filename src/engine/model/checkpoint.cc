@@ -13,8 +13,8 @@
 #include <set>
 #include <sstream>
 
-#include "common/unique_fd.h"
 #include "common/str_cat.h"
+#include "common/unique_fd.h"
 
 namespace bragg::engine {
 namespace {

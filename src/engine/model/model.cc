@@ -7,9 +7,9 @@
 #include <cstring>
 #include <map>
 
+#include "common/str_cat.h"
 #include "engine/model/linear.h"
 #include "engine/model/qwen3.h"
-#include "common/str_cat.h"
 
 namespace bragg::engine {
 namespace {
@@ -17,24 +17,7 @@ namespace {
 namespace F = torch::nn::functional;
 using torch::indexing::Slice;
 
-torch::Dtype TorchDType(TensorDType t) {
-  switch (t) {
-    case TensorDType::kF32:
-      return torch::kFloat32;
-    case TensorDType::kBF16:
-      return torch::kBFloat16;
-    case TensorDType::kF16:
-      return torch::kFloat16;
-  }
-  return torch::kFloat32;
-}
-
-// A view of mapped bytes as a tensor (no copy; valid while the checkpoint is open).
-torch::Tensor Borrow(const TensorView& v) {
-  return torch::from_blob(const_cast<uint8_t*>(v.data), v.shape,
-                          torch::TensorOptions().dtype(TorchDType(v.dtype)));
-}
-
+using qwen3::Borrow;
 using qwen3::Layer;
 
 // One layer's KV cache: [blocks * block_size, kvh, hd].

@@ -7,31 +7,13 @@
 #include <cmath>
 #include <limits>
 
-#include "engine/model/linear.h"
 #include "common/str_cat.h"
+#include "engine/model/linear.h"
 
 namespace bragg::engine::qwen3 {
 namespace {
 
 using torch::indexing::Slice;
-
-torch::Dtype TorchDType(TensorDType t) {
-  switch (t) {
-    case TensorDType::kF32:
-      return torch::kFloat32;
-    case TensorDType::kBF16:
-      return torch::kBFloat16;
-    case TensorDType::kF16:
-      return torch::kFloat16;
-  }
-  return torch::kFloat32;
-}
-
-// A view of mapped bytes as a tensor (no copy; valid while the checkpoint is open).
-torch::Tensor Borrow(const TensorView& v) {
-  return torch::from_blob(const_cast<uint8_t*>(v.data), v.shape,
-                          torch::TensorOptions().dtype(TorchDType(v.dtype)));
-}
 
 // Replaces *gate and *up ([I, H] each) by views of one [2I, H] tensor holding both.
 void Fuse(torch::Tensor* gate, torch::Tensor* up, torch::Tensor* fused) {
@@ -68,6 +50,23 @@ class Loader {
 };
 
 }  // namespace
+
+torch::Dtype TorchDType(TensorDType t) {
+  switch (t) {
+    case TensorDType::kF32:
+      return torch::kFloat32;
+    case TensorDType::kBF16:
+      return torch::kBFloat16;
+    case TensorDType::kF16:
+      return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+torch::Tensor Borrow(const TensorView& v) {
+  return torch::from_blob(const_cast<uint8_t*>(v.data), v.shape,
+                          torch::TensorOptions().dtype(TorchDType(v.dtype)));
+}
 
 Status Weights::Load(const Checkpoint& ck, torch::Device dev, torch::Dtype dt) {
   config = ck.config();

@@ -55,6 +55,12 @@ struct Weights {
   int num_moe_layers() const;
 };
 
+// The torch dtype of a checkpoint dtype.
+torch::Dtype TorchDType(TensorDType t);
+// A view of a checkpoint tensor's mapped bytes as a tensor: no copy; valid while the checkpoint
+// is open.
+torch::Tensor Borrow(const TensorView& v);
+
 // Process-wide settings for torch on the CPU, as the engine and the trainer both want them:
 // `threads` intra-op threads (0: torch's default), OpenBLAS single-threaded under them (torch
 // parallelises around BLAS calls; a multi-threaded OpenBLAS under them oversubscribes the cores:
