@@ -60,6 +60,13 @@ MEMORY_MODEL = ["--vocab", "151936", "--hidden", "64", "--intermediate", "192", 
 MEMORY_TRAJ = ["--count", "6", "--median-len", "300", "--sigma", "0.5", "--min-len", "32",
                "--max-len", "2048", "--long", "1"]
 MEMORY_MAX_TOKENS = 4096
+# Recomputation: a model whose activations, not its logits, dominate a step's memory (more,
+# wider layers; a small vocabulary), and 8 traces of 1024 tokens in one micro-batch.
+RECOMPUTE_MODEL = ["--vocab", "4096", "--hidden", "256", "--intermediate", "1024", "--layers",
+                   "6", "--heads", "8", "--kv-heads", "2", "--head-dim", "32"]
+RECOMPUTE_TRAJ = ["--count", "8", "--median-len", "1024", "--sigma", "0.01", "--min-len", "1024",
+                  "--max-len", "1024", "--long", "0"]
+RECOMPUTE_MAX_TOKENS = 8192
 
 
 def log(msg):
@@ -209,6 +216,20 @@ def memory(bench, model, traj, pin, env, threads):
     return out, argvs
 
 
+def recomputation(bench, model, traj, pin, env, threads):
+    """none, selective and full recomputation, each in a fresh process: peak RSS and step time."""
+    out = {}
+    argvs = []
+    for name in ("none", "selective", "full"):
+        argv = pin + [bench, "--model", model, "--trajectories", traj, "--layouts", "thd",
+                      "--steps", "1", "--warmup", "1", "--threads", str(threads),
+                      "--max-tokens", str(RECOMPUTE_MAX_TOKENS), "--measure-memory",
+                      "--recompute", name]
+        argvs.append(argv)
+        out[name] = run_json(argv, env, f"recomputation {name}")
+    return out, argvs
+
+
 def plot(summary, path):
     try:
         import matplotlib
@@ -335,6 +356,30 @@ def section(data, plotted):
               "and grads 16: offload keeps less on the device only past 2 x chunk_elements "
               f"parameters ({2 * o['chunk_elements']:,} at this chunk size), as for the memory "
               "model; for the small speed model it keeps more."]
+    rec = data.get("recompute")
+    if rec:
+        n = rec["none"]
+        lines += ["", "### Activation recomputation: peak memory and step time", "",
+                  "`train_step_bench --measure-memory --recompute MODE`, a fresh process per "
+                  f"mode, on a random dense Qwen3 whose activations dominate (`"
+                  f"{' '.join(RECOMPUTE_MODEL)}`: {n['thd']['parameters']:,} parameters) and "
+                  f"{n['trajectories']} traces of {n['tokens'] // max(1, n['trajectories']):,} "
+                  f"tokens ({n['tokens']:,} in all, {n['thd']['micro_batches']} micro-batch(es)), "
+                  "one step after a warm-up step; one run each. Selective recomputes each "
+                  "layer's MLP half (norm, SwiGLU or the experts' intermediates) and keeps the "
+                  "attention half's activations; full recomputes whole layers from their input. "
+                  "The gradients are the same bits in every mode (train_test, "
+                  "`RecomputationChangesNoGradient`).", "",
+                  "| recomputation | step's own peak (difference) | vs none | step s | vs none |",
+                  "|---|---:|---:|---:|---:|"]
+        base_mem = n["thd"]["vm_hwm_kb"] - n["thd"]["vm_hwm_loaded_kb"]
+        base_s = n["thd"]["median_step_seconds"]
+        for name in ("none", "selective", "full"):
+            r = rec[name]["thd"]
+            step_kb = r["vm_hwm_kb"] - r["vm_hwm_loaded_kb"]
+            lines.append(f"| {name} | {mib(step_kb * 1024)} | {step_kb / max(1, base_mem):.2f}x | "
+                         f"{fmt(r['median_step_seconds'])} | "
+                         f"{r['median_step_seconds'] / max(1e-9, base_s):.2f}x |")
     lines += ["", "Raw results, commands and machine: `docs/data/train.json`.", "", END, ""]
     return "\n".join(lines)
 
@@ -416,9 +461,15 @@ def main():
                 pin + [bench, "--model", mmodel, "--write-trajectories", mtraj,
                        "--threads", str(args.threads), "--max-tokens",
                        str(MEMORY_MAX_TOKENS)] + MEMORY_TRAJ]
+        rmodel, rtraj = os.path.join(tmp, "recompute-model"), os.path.join(tmp, "recompute.jsonl")
+        prep += [[bench, "--write-model", rmodel] + RECOMPUTE_MODEL,
+                 pin + [bench, "--model", rmodel, "--write-trajectories", rtraj,
+                        "--threads", str(args.threads), "--max-tokens",
+                        str(RECOMPUTE_MAX_TOKENS)] + RECOMPUTE_TRAJ]
         for argv in prep:
             log(show(argv))
             subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
+        rec, rec_argvs = recomputation(bench, rmodel, rtraj, pin, env, args.threads)
         # The memory part first: it is short, and the speed part's repeats are what the budget
         # bounds.
         mem, mem_argvs = memory(bench, mmodel, mtraj, pin, env, args.threads)
@@ -489,6 +540,7 @@ def main():
         "load_start": load_start, "load_end": loadavg(),
         "command": "/usr/bin/python3 " + " ".join(shlex.quote(x) for x in cmd),
         "commands": [show(a) for a in prep] + [show(a) for a in mem_argvs]
+                    + [show(a) for a in rec_argvs]
                     + [show(a) for a in argvs if a],
         "machine": {"cpu_model": cpu_model(), "nproc": os.cpu_count(),
                     "kernel": platform.release(), "pinned_cpus": cpus, "threads": args.threads,
@@ -507,7 +559,7 @@ def main():
                   "peer_model_class": first_peer.get("model_class"),
                   "peer_attn": first_peer.get("attn_implementation")},
         "runs": runs, "summary": summary, "targets": targets, "memory": mem,
-        "optimizer": optimizer,
+        "optimizer": optimizer, "recompute": rec,
     }
     if args.no_doc:
         print(json.dumps(data, indent=1))

@@ -11,7 +11,7 @@
 //       the GRPO ratio is 1), rewards random per group of 4; JSONL (TrajectoryToJson)
 //   train_step_bench --model DIR --trajectories FILE [--layouts thd,padded] [--steps 3]
 //                    [--warmup 1] [--threads 2] [--max-tokens 8192] [--unfused]
-//                    [--measure-memory]
+//                    [--measure-memory] [--recompute none|selective|full]
 //       times Trainer::Step per layout; tokens/s counts the trajectories' tokens (never padding).
 //       --measure-memory: one layout only, in this fresh process; adds the peak RSS (VmHWM)
 //       after loading and after the steps, and the optimizer's computed device/host bytes.
@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
   int threads = 2, steps = 3, warmup = 1;
   int64_t max_tokens = 8192;
   bool unfused = false, measure_memory = false;
+  std::string recompute = "none";
   bragg::engine::testing::TinyModelSpec spec;
   spec.moe = false;
   spec.vocab = 4096;
@@ -201,6 +202,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "torch threads");
   app.add_option("--max-tokens", max_tokens, "tokens per micro-batch");
   app.add_flag("--unfused", unfused, "whole [T, V] logits + log_softmax");
+  app.add_option("--recompute", recompute, "none | selective | full (TrainOptions::recompute)");
   app.add_flag("--measure-memory", measure_memory, "report peak RSS (one layout per process)");
   CLI11_PARSE(app, argc, argv);
 
@@ -235,7 +237,11 @@ int main(int argc, char** argv) {
   json out = {
       {"threads", threads},    {"max_tokens", max_tokens},        {"trajectories", batch->size()},
       {"tokens", real_tokens}, {"fused_cross_entropy", !unfused}, {"steps", steps},
-      {"warmup", warmup}};
+      {"warmup", warmup},      {"recompute", recompute}};
+  auto recompute_mode = bragg::train::ParseRecompute(recompute);
+  if (!recompute_mode.ok()) {
+    return Fail("--recompute", recompute_mode.status());
+  }
   for (const std::string& name : names) {
     if (name != "thd" && name != "padded") {
       std::cerr << "train_step_bench: unknown layout " << name << " (thd or padded)\n";
@@ -248,6 +254,7 @@ int main(int argc, char** argv) {
     o.lr = 1e-6;
     o.padded = name == "padded";
     o.fused_cross_entropy = !unfused;
+    o.recompute = *recompute_mode;
     auto trainer = Trainer::Create(o);
     if (!trainer.ok()) {
       return Fail("loading " + model, trainer.status());

@@ -1,6 +1,5 @@
 #include "train/trainer.h"
 
-#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -817,15 +816,9 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   qwen3::ConfigureCpuRuntime(options.threads);
-  // Unlike the engine's decode steps (small GEMMs between many small ops, where BLAS threads
-  // under torch's only spin), a training step's GEMMs are large: BLAS gets the threads.
-  // Process-wide (an engine in the same process then has them too; its results do not change:
-  // OpenBLAS splits rows and columns among threads, not the sums, and train_test holds the
-  // parity with an in-process engine).
-  using SetThreads = void (*)(int);
-  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    set(options.threads > 0 ? options.threads : torch::get_num_threads());
-  }
+  // OpenBLAS stays single-threaded under torch's threads here too (ConfigureCpuRuntime): with
+  // it on the trainer's threads a step took 2x as long, its idle threads spinning (measured on
+  // train_step_bench's speed set, 2 cores: 1.2-2.4 s against 0.65-0.75 s a step).
   try {
     BRAGG_ASSIGN_OR_RETURN(impl->checkpoint, engine::Checkpoint::Open(options.model_dir));
     torch::Dtype dt = options.bf16 ? torch::kBFloat16 : torch::kFloat32;
