@@ -301,8 +301,12 @@ struct Trainer::Impl {
     const int64_t nh = c.num_attention_heads, kvh = c.num_key_value_heads, hd = c.head_dim;
     Forwarded out;
     torch::Tensor h = m.embed.index_select(0, ids);
-    blocks.clear();
     const bool grad = torch::GradMode::is_enabled();
+    if (grad) {
+      // Only a forward with a graph recomputes; one without (the KL reference's, inside a
+      // step) must leave the policy's closures alone until its backward.
+      blocks.clear();
+    }
     const Recompute recompute = grad ? options.recompute : Recompute::kNone;
     for (size_t li = 0; li < m.layers.size(); ++li) {
       const qwen3::Layer& L = m.layers[li];

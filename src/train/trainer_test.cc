@@ -311,6 +311,22 @@ TEST_P(TrainerTest, RecomputationChangesNoGradient) {
   ASSERT_TRUE(full->Step(batch).ok());
   ASSERT_TRUE(plain->Step(batch).ok());
   EXPECT_EQ(*full->LogProbs(batch), *plain->LogProbs(batch));
+  // With a KL reference (whose forward runs inside the step, without a graph).
+  o.reference_dir = Path("v0");
+  o.kl_coef = 0.1;
+  auto with_kl = MakeTrainer(o);
+  TrainOptions p = Options();
+  p.reference_dir = Path("v0");
+  p.kl_coef = 0.1;
+  auto plain_kl = MakeTrainer(p);
+  for (int s = 0; s < 2; ++s) {
+    auto a = with_kl->Step(batch);
+    auto b = plain_kl->Step(batch);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->loss, b->loss);
+    EXPECT_EQ(a->kl, b->kl);
+  }
+  EXPECT_GT(with_kl->Step(batch)->kl, 0.0);
 }
 
 // Several optimizer steps per batch: the ratio against the proximal policy departs from 1, and
