@@ -590,7 +590,9 @@ struct Trainer::Impl {
               torch::NoGradGuard ng;
               ref = TokenLogProbs(*reference, batch, row, replay).logprobs;
             }
-            torch::Tensor d = ref - logp;
+            // Only loss tokens: on a prompt token the two models may disagree by more than
+            // exp() holds in float, and inf times a zero mask is NaN (in the gradient too).
+            torch::Tensor d = torch::where(mask > 0, ref - logp, torch::zeros_like(logp));
             torch::Tensor k3 = torch::exp(d) - d - 1;
             per_token = per_token + options.kl_coef * k3;
             sum_kl += (k3.detach() * mask).sum().item<double>();
