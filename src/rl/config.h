@@ -1,0 +1,147 @@
+#pragma once
+
+// bragg-rl's configuration: one TOML file (docs/rl.md "Configuration"). Every key is listed
+// here with its default; a key not listed, a value of the wrong type or out of range is refused
+// by LoadConfig with a message naming the key (InvalidArgument), before anything is started.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace bragg::rl {
+
+// [run]
+struct RunConfig {
+  std::string dir = "rl-run";  // outputs: metrics.jsonl, checkpoints/, models/, plots
+  uint64_t seed = 1;
+  int64_t steps = 100;        // training steps (after the warm start)
+  int64_t max_staleness = 2;  // no trained token older than this many versions; 0: synchronous
+  double time_limit_s = 0;    // stop after this much wall-clock (0: none)
+  // Stop early once the mean sampled reward of the last `target_window` steps reaches this
+  // (0: never).
+  double target_reward = 0;
+  int64_t target_window = 3;
+  int64_t checkpoint_every = 10;  // trainer checkpoints (for --resume) every N steps
+};
+
+// [model.init]: a random Qwen3 / Qwen3-MoE of this shape when [model] path is empty.
+struct ModelInit {
+  bool moe = true;
+  int64_t hidden = 64;
+  int64_t intermediate = 128;
+  int layers = 2;
+  int heads = 4;
+  int kv_heads = 2;
+  int64_t head_dim = 16;
+  int experts = 4;
+  int top_k = 2;
+  int64_t moe_intermediate = 64;
+  int64_t context = 512;
+  float std = 0.02f;
+  uint64_t seed = 1;
+};
+
+// [model]
+struct ModelConfig {
+  std::string path;  // Hugging Face directory to start from; empty: written from [model.init]
+  std::optional<ModelInit> init;
+};
+
+// [tokenizer]: a character-level vocabulary (the engine takes token ids; bragg-rl turns the
+// tools' text into ids with it).
+struct TokenizerConfig {
+  // JSON list of token strings: token i is entry i. Encoding is greedy longest match.
+  std::string vocab;
+};
+
+// [task]: what a rollout is. The tool server and verifier run in the rollout's sandbox.
+struct TaskConfig {
+  std::string prompts;       // JSONL: {"prompt": "...", "meta": {...}} per line
+  std::string eval_prompts;  // optional: held-out prompts, scored greedily every eval_every steps
+  std::string files;         // optional: a directory uploaded to /task in the prepared sandbox
+  std::string image;         // pbox image ("": the agent's default)
+  // Long-lived tool server (docs/rl.md "Tool protocol"): reads one JSON line per model turn on
+  // stdin, answers one JSON line.
+  std::vector<std::string> tool_server;
+  // Reads the rollout (JSON on stdin), prints its reward (a number) on stdout.
+  std::vector<std::string> verifier;
+  int max_turns = 4;
+  int64_t max_new_tokens = 32;  // per turn
+  int64_t max_tokens = 512;     // whole trajectory (prompt + every turn + observations)
+  std::vector<std::string> stop = {"\n"};  // tokens that end a model turn
+  double tool_timeout_s = 10;
+  int64_t sandbox_memory_mb = 256;
+  int64_t sandbox_pids = 64;
+  // Prompts are drawn balanced over this meta key's values ("": uniformly over prompts).
+  std::string balance_by;
+  int64_t eval_every = 0;  // greedy eval on eval_prompts every N steps (0: only at the end)
+};
+
+// [sampling]
+struct SamplingConfig {
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int group_size = 8;  // rollouts per prompt (a GRPO group)
+};
+
+// [warm_start]: optional supervised steps before RL, on trajectories in bragg-train's JSONL.
+struct WarmStartConfig {
+  std::string traces;
+  int64_t steps = 0;
+  int64_t batch = 32;
+  double lr = 1e-3;
+};
+
+// [train]
+struct TrainConfig {
+  double lr = 1e-4;
+  int64_t groups_per_step = 8;  // GRPO groups per training step
+  int minibatches = 1;
+  double clip_low = 0.2, clip_high = 0.28;
+  double tis_cap = 2.0;
+  double kl_coef = 0;
+  double entropy_coef = 0;
+  double max_grad_norm = 1.0;
+  bool normalize_std = true;
+  int threads = 1;
+  int64_t max_tokens = 8192;  // tokens per packed micro-batch
+  bool deterministic = true;  // the engine's batch-invariant arithmetic on both sides
+};
+
+// [fleet]
+struct FleetConfig {
+  int engines = 2;                       // local bragg-engine processes bragg-rl starts
+  std::vector<std::string> engine_urls;  // or: existing SGLang-API servers (then engines = 0)
+  std::string gateway;                   // existing bragg-gateway URL; "": bragg-rl starts one
+  int engine_threads = 1;
+  int64_t kv_cache_tokens = 65536;
+  std::string pbox;      // pbox endpoint ("": $PBOX_ENDPOINT, else the default socket)
+  int concurrency = 32;  // rollouts in flight at most
+  std::string bin_dir;   // where bragg-engine and bragg-gateway are ("": next to bragg-rl)
+};
+
+struct Config {
+  std::string path;      // the file read
+  std::string base_dir;  // relative paths in the file are relative to its directory
+  RunConfig run;
+  ModelConfig model;
+  TokenizerConfig tokenizer;
+  TaskConfig task;
+  SamplingConfig sampling;
+  WarmStartConfig warm_start;
+  TrainConfig train;
+  FleetConfig fleet;
+};
+
+// Reads and checks `path`. Relative paths in it (model.path, tokenizer.vocab, task.prompts,
+// task.eval_prompts, task.files, warm_start.traces, run.dir) are resolved against its
+// directory. InvalidArgument naming file, key and what is wrong.
+Result<Config> LoadConfig(const std::string& path);
+// The same from text; relative paths resolve against `base_dir`.
+Result<Config> ParseConfig(const std::string& text, const std::string& base_dir,
+                           const std::string& name = "config");
+
+}  // namespace bragg::rl
