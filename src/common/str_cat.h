@@ -10,6 +10,19 @@
 #include <iterator>
 #include <string>
 
+#include "absl/strings/string_view.h"
+
+#if !defined(ABSL_USES_STD_STRING_VIEW)
+// Status::message() is an absl::string_view: formatted as its characters.
+template <>
+struct fmt::formatter<absl::string_view> : fmt::formatter<fmt::string_view> {
+  template <typename FormatContext>
+  auto format(absl::string_view s, FormatContext& ctx) const {
+    return fmt::formatter<fmt::string_view>::format(fmt::string_view(s.data(), s.size()), ctx);
+  }
+};
+#endif
+
 namespace bragg {
 
 template <typename... Args>

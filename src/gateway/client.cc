@@ -45,6 +45,9 @@ Result<TurnResult> RolloutClient::Generate(const std::string& rollout_id,
                                            const json& sampling_params) {
   json body = {
       {"input_ids", input_ids}, {"sampling_params", sampling_params}, {"routing_key", rollout_id}};
+  if (options_.return_logprob) {
+    body["return_logprob"] = true;
+  }
   RoutedExpertsAssembler* assembler = nullptr;
   size_t start_len = 0;
   if (options_.return_routed_experts) {

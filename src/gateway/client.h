@@ -31,6 +31,8 @@ struct ClientOptions {
   bool return_routed_experts = false;
   // true: ask for the suffix only and reassemble; false: ask for the whole array every turn.
   bool delta_routed_experts = true;
+  // Ask for meta_info.output_token_logprobs (the behaviour policy's log-probs, for training).
+  bool return_logprob = false;
   int read_timeout_s = 600;
 };
 

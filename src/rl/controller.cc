@@ -1,0 +1,1130 @@
+#include "rl/controller.h"
+
+#include <absl/strings/numbers.h>
+#include <absl/strings/strip.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <httplib.h>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/process.h"
+#include "common/str_cat.h"
+#include "engine/testing/tiny_model.h"
+#include "gateway/client.h"
+#include "pbox/client/client.h"
+#include "rl/rollout.h"
+#include "rl/tool_server.h"
+#include "rl/vocab.h"
+#include "train/trainer.h"
+
+namespace bragg::rl {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// ---- prompts ----------------------------------------------------------------------------
+
+Result<std::vector<Prompt>> LoadPrompts(const std::string& path, const std::string& balance_by) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(Cat(path, ": cannot read"));
+  }
+  std::vector<Prompt> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) {
+      continue;
+    }
+    json j = json::parse(line, nullptr, false);
+    if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string()) {
+      return absl::InvalidArgumentError(
+          Cat(path, ":", n, ": expected {\"prompt\": \"...\", \"meta\": {...}}"));
+    }
+    Prompt p;
+    p.text = j["prompt"].get<std::string>();
+    if (p.text.empty()) {
+      return absl::InvalidArgumentError(Cat(path, ":", n, ": the prompt is empty"));
+    }
+    json meta = j.value("meta", json::object());
+    p.meta_json = meta.dump();
+    if (!balance_by.empty()) {
+      if (!meta.is_object() || !meta.contains(balance_by)) {
+        return absl::InvalidArgumentError(
+            Cat(path, ":", n, ": meta has no \"", balance_by, "\" (task.balance_by)"));
+      }
+      const json& k = meta[balance_by];
+      p.balance_key = k.is_string() ? k.get<std::string>() : k.dump();
+    }
+    out.push_back(std::move(p));
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(Cat(path, ": no prompts"));
+  }
+  return out;
+}
+
+// Draws prompts uniformly over the balance key's values, then uniformly within one.
+class PromptSampler {
+ public:
+  PromptSampler(const std::vector<Prompt>* prompts, uint64_t seed) : prompts_(prompts), rng_(seed) {
+    for (size_t i = 0; i < prompts->size(); ++i) {
+      classes_[(*prompts)[i].balance_key].push_back(i);
+    }
+    for (auto& [k, v] : classes_) {
+      keys_.push_back(k);
+    }
+  }
+  const Prompt& Next() {
+    const auto& members = classes_[keys_[rng_() % keys_.size()]];
+    return (*prompts_)[members[rng_() % members.size()]];
+  }
+
+ private:
+  const std::vector<Prompt>* prompts_;
+  std::mt19937_64 rng_;
+  std::map<std::string, std::vector<size_t>> classes_;
+  std::vector<std::string> keys_;
+};
+
+Result<int64_t> ModelContext(const std::string& model_dir) {
+  BRAGG_ASSIGN_OR_RETURN(std::string text, ReadFileToString(model_dir + "/config.json"));
+  json j = json::parse(text, nullptr, false);
+  if (!j.is_object()) {
+    return absl::InvalidArgumentError(Cat(model_dir, "/config.json is not a JSON object"));
+  }
+  return j.value("max_position_embeddings", int64_t{1} << 30);
+}
+
+// ---- the fleet: local engines and gateway ---------------------------------------------------
+
+struct Server {
+  ChildProcess process;
+  std::string url;
+  std::string name;
+};
+
+// Starts a server that prints "listening on URL" first; its stderr goes to `log`. The child is
+// killed when bragg-rl dies (setpriv --pdeathsig), so a killed controller leaves no engines.
+Result<Server> StartServer(const std::string& name, std::vector<std::string> argv,
+                           const std::string& log) {
+  argv.insert(argv.begin(), {"setpriv", "--pdeathsig", "KILL", "--"});
+  BRAGG_ASSIGN_OR_RETURN(Pipe out, MakePipe());
+  BRAGG_ASSIGN_OR_RETURN(UniqueFd err, OpenFile(log, O_WRONLY | O_CREAT | O_APPEND, 0644));
+  SpawnOptions so;
+  so.stdout_fd = out.write.get();
+  so.stderr_fd = err.get();
+  BRAGG_ASSIGN_OR_RETURN(ChildProcess child, Spawn(argv, so));
+  out.write.Reset();
+  std::string line;
+  auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (line.find('\n') == std::string::npos) {
+    int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    deadline - Clock::now())
+                                    .count());
+    if (left <= 0) {
+      return absl::DeadlineExceededError(Cat(name, " did not start within 120 s; see ", log));
+    }
+    struct pollfd p = {out.read.get(), POLLIN, 0};
+    if (::poll(&p, 1, left) <= 0) {
+      continue;
+    }
+    char buf[512];
+    ssize_t n = ::read(out.read.get(), buf, sizeof buf);
+    if (n <= 0) {
+      return absl::UnavailableError(Cat(name, " exited before listening; see ", log));
+    }
+    line.append(buf, static_cast<size_t>(n));
+  }
+  line.resize(line.find('\n'));
+  const std::string prefix = "listening on ";
+  if (line.rfind(prefix, 0) != 0) {
+    return absl::UnavailableError(Cat(name, " printed ", json(line).dump(), "; see ", log));
+  }
+  return Server{std::move(child), line.substr(prefix.size()), name};
+}
+
+// ---- the controller -------------------------------------------------------------------------
+
+struct Group {
+  int64_t index = 0;
+  std::string id;
+  const Prompt* prompt = nullptr;
+  int64_t admitted_at = 0;  // the trainer's version when it was admitted
+  std::vector<std::string> sandboxes;
+  std::vector<RolloutResult> results;
+  int pending = 0;
+};
+
+struct Task {
+  std::shared_ptr<Group> group;
+  int member = 0;
+};
+
+// Counters of one step's interval (reset when the step's line is written).
+struct Interval {
+  int64_t generated_tokens = 0;
+  int64_t later_prompt_tokens = 0, later_cached_tokens = 0;
+  std::vector<double> tool_ms;
+  int64_t tool_failures = 0;
+  int64_t sandbox_failures = 0;
+  double generate_s = 0, tools_s = 0, verify_s = 0;
+  std::map<std::string, int64_t> dropped;  // reason -> rollouts
+};
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) {
+    return 0;
+  }
+  std::sort(v.begin(), v.end());
+  size_t i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+class Controller {
+ public:
+  Controller(const Config& cfg, const RunOptions& opt) : cfg_(cfg), opt_(opt) {}
+  ~Controller() { StopWorkers(); }
+
+  Status Run();
+
+ private:
+  Status Prepare();
+  Status WarmStart(const std::string& from, const std::string& to);
+  Status StartFleet(const std::string& model_dir, int64_t version);
+  Status PrepareSandboxes();
+  Result<std::vector<std::string>> CloneSandboxes(uint32_t count);
+  Status PushWeights(int64_t version);
+  void Worker(int index);
+  bool TakeTask(Task* task);
+  void RunTask(const Task& task, gateway::RolloutClient* client, double temperature);
+  void StopWorkers();
+  // Greedy success over `prompts` (one rollout each, temperature 0), run beside anything else.
+  Result<double> Evaluate(const std::vector<Prompt>& prompts, const std::string& label);
+  void Metric(const json& j);
+  void OnGenerate(int delta);
+  // bragg-engine / bragg-gateway: in fleet.bin_dir (or RunOptions::bin_dir), else next to
+  // bragg-rl or in the build tree's sibling folder, else on PATH.
+  std::string Binary(const std::string& name) const {
+    std::error_code ec;
+    for (const std::string& dir : {bin_dir_, bin_dir_ + "/../engine", bin_dir_ + "/../gateway"}) {
+      if (!bin_dir_.empty() && fs::exists(dir + "/" + name, ec)) {
+        return fs::weakly_canonical(dir + "/" + name, ec).string();
+      }
+    }
+    return name;
+  }
+  std::string ModelDir(int64_t version) const {
+    return Cat(cfg_.run.dir, "/models/v", version);
+  }
+
+  const Config& cfg_;
+  const RunOptions opt_;
+  std::string bin_dir_;
+  Vocab vocab_;
+  std::vector<int32_t> stop_ids_;
+  std::vector<Prompt> prompts_, eval_prompts_;
+  std::unique_ptr<PromptSampler> sampler_;
+  std::string incarnation_;
+
+  std::vector<Server> servers_;
+  std::string gateway_url_;
+
+  std::unique_ptr<pbox::client::Client> pbox_;
+  std::unique_ptr<pbox::client::Session> session_;
+  std::string prepared_;  // the sandbox every rollout's sandbox is cloned from
+
+  std::unique_ptr<train::Trainer> trainer_;
+  std::ofstream metrics_, trained_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t version_ = 0;   // the trainer's (and, after the push, the fleet's)
+  int64_t admitted_ = 0;  // groups started and not dropped
+  int64_t groups_started_ = 0;
+  std::deque<Task> pending_;
+  std::deque<std::shared_ptr<Group>> ready_;
+  bool stop_ = false;
+  bool starting_group_ = false;
+  Interval interval_;
+  int64_t dropped_groups_ = 0;
+  std::vector<std::thread> workers_;
+
+  // Engine-idle accounting: time with no /generate in flight from any agent loop.
+  std::mutex idle_mu_;
+  int in_flight_ = 0;
+  Clock::time_point idle_since_ = Clock::now();
+  double idle_s_ = 0;
+
+  Clock::time_point t0_ = Clock::now();
+};
+
+void Controller::Metric(const json& j) {
+  metrics_ << j.dump() << "\n";
+  metrics_.flush();
+}
+
+void Controller::OnGenerate(int delta) {
+  std::lock_guard<std::mutex> l(idle_mu_);
+  if (in_flight_ == 0 && delta > 0) {
+    idle_s_ += Seconds(Clock::now() - idle_since_);
+  }
+  in_flight_ += delta;
+  if (in_flight_ == 0) {
+    idle_since_ = Clock::now();
+  }
+}
+
+Status Controller::Prepare() {
+  bin_dir_ = !cfg_.fleet.bin_dir.empty() ? cfg_.fleet.bin_dir : opt_.bin_dir;
+  BRAGG_ASSIGN_OR_RETURN(vocab_, Vocab::Load(cfg_.tokenizer.vocab));
+  for (const std::string& s : cfg_.task.stop) {
+    auto id = vocab_.Id(s);
+    if (!id) {
+      return absl::InvalidArgumentError(
+          Cat("task.stop: ", json(s).dump(), " is not a token of ", cfg_.tokenizer.vocab));
+    }
+    stop_ids_.push_back(*id);
+  }
+  BRAGG_ASSIGN_OR_RETURN(prompts_, LoadPrompts(cfg_.task.prompts, cfg_.task.balance_by));
+  if (!cfg_.task.eval_prompts.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(eval_prompts_, LoadPrompts(cfg_.task.eval_prompts, ""));
+  }
+  return absl::OkStatus();
+}
+
+Status Controller::WarmStart(const std::string& from, const std::string& to) {
+  BRAGG_ASSIGN_OR_RETURN(std::vector<train::Trajectory> traces,
+                         train::ReadTrajectories(cfg_.warm_start.traces));
+  train::TrainOptions o;
+  o.model_dir = from;
+  o.objective = train::Objective::kSft;
+  o.lr = cfg_.warm_start.lr;
+  o.threads = cfg_.train.threads;
+  o.deterministic = cfg_.train.deterministic;
+  o.max_tokens = cfg_.train.max_tokens;
+  o.max_grad_norm = cfg_.train.max_grad_norm;
+  BRAGG_ASSIGN_OR_RETURN(auto sft, train::Trainer::Create(o));
+  std::mt19937_64 rng(cfg_.run.seed ^ 0x5f7);
+  auto t0 = Clock::now();
+  double loss = 0;
+  for (int64_t s = 0; s < cfg_.warm_start.steps; ++s) {
+    std::vector<train::Trajectory> batch;
+    for (int64_t i = 0; i < cfg_.warm_start.batch; ++i) {
+      batch.push_back(traces[rng() % traces.size()]);
+      batch.back().id = Cat("w", i);
+    }
+    BRAGG_ASSIGN_OR_RETURN(train::StepMetrics m, sft->Step(batch));
+    loss = m.loss;
+    if ((s + 1) % std::max<int64_t>(1, cfg_.warm_start.steps / 10) == 0 ||
+        s + 1 == cfg_.warm_start.steps) {
+      spdlog::info("warm start: step {}/{} loss {:.4f} ({:.1f} s)", s + 1, cfg_.warm_start.steps,
+                   m.loss, Seconds(Clock::now() - t0));
+    }
+  }
+  BRAGG_RETURN_IF_ERROR(sft->SaveModel(to));
+  Metric({{"event", "warm_start"},
+          {"steps", cfg_.warm_start.steps},
+          {"loss", loss},
+          {"seconds", Seconds(Clock::now() - t0)}});
+  return absl::OkStatus();
+}
+
+Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
+  std::vector<std::string> workers = cfg_.fleet.engine_urls;
+  std::string logs = cfg_.run.dir + "/logs";
+  BRAGG_RETURN_IF_ERROR(MakeDirs(logs));
+  std::vector<Server> engines;
+  // Started one after the other: each loads in well under a second for the models bragg-rl
+  // makes, and their startup lines are read in order.
+  for (int i = 0; i < cfg_.fleet.engines; ++i) {
+    std::vector<std::string> argv = {Binary("bragg-engine"),
+                                     "--model",
+                                     model_dir,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--threads",
+                                     std::to_string(cfg_.fleet.engine_threads),
+                                     "--weight-version",
+                                     std::to_string(version),
+                                     "--block-size",
+                                     "1",
+                                     "--kv-cache-tokens",
+                                     std::to_string(cfg_.fleet.kv_cache_tokens),
+                                     "--log-level",
+                                     "warn"};
+    if (cfg_.train.deterministic) {
+      argv.push_back("--deterministic");
+    }
+    BRAGG_ASSIGN_OR_RETURN(Server s, StartServer(Cat("engine ", i), argv,
+                                                 Cat(logs, "/engine-", i, ".log")));
+    workers.push_back(s.url);
+    servers_.push_back(std::move(s));
+  }
+  if (!cfg_.fleet.gateway.empty()) {
+    gateway_url_ = cfg_.fleet.gateway;
+    return absl::OkStatus();
+  }
+  std::vector<std::string> argv = {Binary("bragg-gateway"), "--listen", "127.0.0.1:0",
+                                   "--policy", "sticky", "--health-interval-ms", "500"};
+  for (const std::string& w : workers) {
+    argv.push_back("--worker");
+    argv.push_back(w);
+  }
+  BRAGG_ASSIGN_OR_RETURN(Server g, StartServer("gateway", argv, logs + "/gateway.log"));
+  gateway_url_ = g.url;
+  servers_.push_back(std::move(g));
+  spdlog::info("fleet: {} engine(s) behind the gateway at {}", workers.size(), gateway_url_);
+  return absl::OkStatus();
+}
+
+Status Controller::PrepareSandboxes() {
+  pbox::client::ClientOptions po;
+  po.endpoint = cfg_.fleet.pbox;
+  BRAGG_ASSIGN_OR_RETURN(pbox_, pbox::client::Client::Connect(po));
+  BRAGG_ASSIGN_OR_RETURN(session_, pbox_->OpenSession("bragg-rl"));
+  pbox::client::v1::SandboxSpec spec;
+  spec.set_image(cfg_.task.image);
+  spec.set_memory_bytes(static_cast<uint64_t>(cfg_.task.sandbox_memory_mb) << 20);
+  spec.set_pids(static_cast<uint32_t>(cfg_.task.sandbox_pids));
+  (*spec.mutable_labels())["bragg-rl"] = "prepared";
+  BRAGG_ASSIGN_OR_RETURN(pbox::client::v1::Sandbox sb, pbox_->Create(spec, session_->id()));
+  prepared_ = sb.id();
+  if (!cfg_.task.files.empty()) {
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(cfg_.task.files, ec);
+         !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      if (!it->is_regular_file()) {
+        continue;
+      }
+      std::string rel = fs::relative(it->path(), cfg_.task.files).string();
+      BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(it->path().string(), O_RDONLY));
+      auto st = pbox_->WriteFileFromFd(prepared_, "/task/" + rel, fd.get(), 0755, true);
+      if (!st.ok()) {
+        return Annotate(st.status(), Cat("uploading ", it->path().string()));
+      }
+    }
+    if (ec) {
+      return absl::InvalidArgumentError(Cat("task.files: ", cfg_.task.files, ": ", ec.message()));
+    }
+  }
+  // The task must start: its tool server exits 0 at end of input, its verifier prints a number
+  // for an empty rollout. Refused here, before any rollout.
+  auto probe = pbox_->Run({.sandbox_id = prepared_,
+                           .argv = cfg_.task.tool_server,
+                           .timeout_ms = 30000,
+                           .stdin = "",
+                           .max_output_bytes = 4096});
+  if (!probe.ok()) {
+    return Annotate(probe.status(), "task.tool_server");
+  }
+  if (!probe->result().error().empty() || probe->result().exit_code() != 0 ||
+      probe->result().signal() != 0) {
+    return absl::FailedPreconditionError(
+        Cat("task.tool_server ", json(cfg_.task.tool_server).dump(),
+            " does not run in the sandbox (it must exit 0 at end of input): exit ",
+            probe->result().exit_code(), " ", probe->result().error(), " ",
+            probe->stderr().substr(0, 300)));
+  }
+  json in = {{"prompt", prompts_[0].text},
+             {"meta", json::parse(prompts_[0].meta_json)},
+             {"turns", json::array()},
+             {"observations", json::array()},
+             {"done", false}};
+  auto v = pbox_->Run({.sandbox_id = prepared_,
+                       .argv = cfg_.task.verifier,
+                       .timeout_ms = 30000,
+                       .stdin = in.dump(),
+                       .max_output_bytes = 4096});
+  if (!v.ok()) {
+    return Annotate(v.status(), "task.verifier");
+  }
+  double x = 0;
+  absl::string_view out = absl::StripAsciiWhitespace(v->stdout());
+  if (v->result().exit_code() != 0 || !absl::SimpleAtod(out, &x)) {
+    return absl::FailedPreconditionError(
+        Cat("task.verifier ", json(cfg_.task.verifier).dump(),
+            " must print a reward (a number) for a rollout; for a rollout without turns it printed ",
+            json(std::string(out.substr(0, 80))).dump(), " and exited ",
+            v->result().exit_code(), " ", v->result().error(), " ",
+            v->stderr().substr(0, 300)));
+  }
+  return absl::OkStatus();
+}
+
+Result<std::vector<std::string>> Controller::CloneSandboxes(uint32_t count) {
+  auto clones = pbox_->Clone(prepared_, count);
+  if (!clones.ok()) {
+    return clones.status();
+  }
+  std::vector<std::string> ids;
+  for (const auto& c : *clones) {
+    ids.push_back(c.id());
+  }
+  return ids;
+}
+
+Status Controller::PushWeights(int64_t version) {
+  std::string dir = ModelDir(version);
+  BRAGG_RETURN_IF_ERROR(trainer_->SaveModel(dir));
+  httplib::Client http(gateway_url_);
+  http.set_read_timeout(600, 0);
+  json body = {{"model_path", fs::absolute(dir).string()},
+               {"weight_version", std::to_string(version)}};
+  auto r = http.Post("/weights/update", body.dump(), "application/json");
+  if (!r) {
+    return absl::UnavailableError(Cat("POST ", gateway_url_, "/weights/update: ",
+                                      httplib::to_string(r.error())));
+  }
+  if (r->status != 200) {
+    return absl::InternalError(Cat("POST /weights/update: HTTP ", r->status, ": ",
+                                   r->body.substr(0, 500)));
+  }
+  // The previous model's files: every engine has the new one now. Keep the last two.
+  std::error_code ec;
+  fs::remove_all(ModelDir(version - 2), ec);
+  return absl::OkStatus();
+}
+
+bool Controller::TakeTask(Task* task) {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    if (stop_) {
+      return false;
+    }
+    if (!pending_.empty()) {
+      *task = std::move(pending_.front());
+      pending_.pop_front();
+      return true;
+    }
+    int64_t limit = (version_ + cfg_.run.max_staleness + 1) * cfg_.train.groups_per_step;
+    if (!starting_group_ && admitted_ < limit) {
+      starting_group_ = true;
+      auto g = std::make_shared<Group>();
+      g->index = groups_started_++;
+      g->id = Cat(incarnation_, "-g", g->index);
+      g->prompt = &sampler_->Next();
+      g->admitted_at = version_;
+      ++admitted_;
+      l.unlock();
+      auto sandboxes = CloneSandboxes(static_cast<uint32_t>(cfg_.sampling.group_size));
+      l.lock();
+      starting_group_ = false;
+      if (!sandboxes.ok()) {
+        --admitted_;
+        interval_.sandbox_failures += cfg_.sampling.group_size;
+        spdlog::warn("cloning the group's sandboxes: {}", sandboxes.status().message());
+        l.unlock();
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        l.lock();
+        continue;
+      }
+      g->sandboxes = std::move(*sandboxes);
+      g->results.resize(g->sandboxes.size());
+      g->pending = static_cast<int>(g->sandboxes.size());
+      for (int i = 0; i < g->pending; ++i) {
+        pending_.push_back({g, i});
+      }
+      cv_.notify_all();
+      continue;
+    }
+    cv_.wait(l);
+  }
+}
+
+void Controller::RunTask(const Task& task, gateway::RolloutClient* client, double temperature) {
+  Group& g = *task.group;
+  const std::string& sandbox = g.sandboxes[static_cast<size_t>(task.member)];
+  std::string id = Cat(g.id, "-", task.member);
+  RolloutResult result;
+  auto tools = ToolServer::Start(pbox_.get(), sandbox, cfg_.task.tool_server);
+  if (!tools.ok()) {
+    result.dropped = "sandbox_failed";
+    result.detail = std::string(tools.status().message());
+  } else {
+    RolloutEnv env{&vocab_, &cfg_.task, stop_ids_, client, pbox_.get(), sandbox, tools->get(),
+                   [this](int d) { OnGenerate(d); }};
+    SamplingConfig sampling = cfg_.sampling;
+    sampling.temperature = temperature;
+    auto r = RunRollout(env, id, g.id, *g.prompt, sampling,
+                        cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
+                            static_cast<uint64_t>(task.member));
+    if (r.ok()) {
+      result = std::move(*r);
+    } else {
+      result.dropped = "bad_prompt";
+      result.detail = std::string(r.status().message());
+    }
+    tools->reset();
+  }
+  (void)client->Forget(id);
+  (void)pbox_->Destroy(sandbox);
+
+  std::lock_guard<std::mutex> l(mu_);
+  Interval& iv = interval_;
+  iv.generated_tokens += result.generated_tokens;
+  iv.later_prompt_tokens += result.later_prompt_tokens;
+  iv.later_cached_tokens += result.later_cached_tokens;
+  iv.generate_s += result.generate_s;
+  iv.tools_s += result.tools_s;
+  iv.verify_s += result.verify_s;
+  for (const ToolCallRecord& c : result.tool_calls) {
+    iv.tool_ms.push_back(c.ms);
+    iv.tool_failures += c.failure.empty() ? 0 : 1;
+  }
+  if (result.dropped == "sandbox_failed") {
+    ++iv.sandbox_failures;
+  }
+  if (!result.dropped.empty()) {
+    ++iv.dropped[result.dropped];
+    spdlog::debug("rollout {} dropped ({}): {}", id, result.dropped, result.detail);
+  }
+  g.results[static_cast<size_t>(task.member)] = std::move(result);
+  if (--g.pending == 0) {
+    int kept = 0;
+    for (const RolloutResult& r : g.results) {
+      kept += r.dropped.empty() ? 1 : 0;
+    }
+    if (kept >= 2) {
+      ready_.push_back(task.group);
+    } else {
+      --admitted_;  // a group with nothing to compare: another is admitted in its place
+      ++dropped_groups_;
+    }
+    cv_.notify_all();
+  }
+}
+
+void Controller::Worker(int index) {
+  gateway::ClientOptions co;
+  co.return_logprob = true;
+  co.return_routed_experts = true;
+  auto client = gateway::RolloutClient::Create(gateway_url_, co);
+  if (!client.ok()) {
+    spdlog::error("agent loop {}: {}", index, client.status().message());
+    return;
+  }
+  Task task;
+  while (TakeTask(&task)) {
+    RunTask(task, client->get(), cfg_.sampling.temperature);
+  }
+}
+
+void Controller::StopWorkers() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : workers_) {
+    t.join();
+  }
+  workers_.clear();
+  // Sandboxes of groups never started.
+  for (const Task& t : pending_) {
+    (void)pbox_->Destroy(t.group->sandboxes[static_cast<size_t>(t.member)]);
+  }
+  pending_.clear();
+}
+
+Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const std::string& label) {
+  if (prompts.empty()) {
+    return 0.0;
+  }
+  auto t0 = Clock::now();
+  std::atomic<size_t> next{0};
+  std::atomic<int64_t> success{0}, scored{0};
+  std::vector<std::thread> threads;
+  int n = std::min<int>(cfg_.fleet.concurrency, static_cast<int>(prompts.size()));
+  for (int w = 0; w < n; ++w) {
+    threads.emplace_back([&] {
+      gateway::ClientOptions co;
+      co.return_logprob = true;
+      auto client = gateway::RolloutClient::Create(gateway_url_, co);
+      if (!client.ok()) {
+        return;
+      }
+      for (size_t i; (i = next++) < prompts.size();) {
+        auto sb = CloneSandboxes(1);
+        if (!sb.ok()) {
+          continue;
+        }
+        auto g = std::make_shared<Group>();
+        g->id = Cat(incarnation_, "-eval-", label, "-", i);
+        g->prompt = &prompts[i];
+        g->sandboxes = *sb;
+        auto tools = ToolServer::Start(pbox_.get(), (*sb)[0], cfg_.task.tool_server);
+        if (tools.ok()) {
+          RolloutEnv env{&vocab_, &cfg_.task, stop_ids_, client->get(), pbox_.get(),
+                         (*sb)[0], tools->get(), nullptr};
+          SamplingConfig greedy = cfg_.sampling;
+          greedy.temperature = 0;
+          auto r = RunRollout(env, g->id, g->id, prompts[i], greedy, 0);
+          if (r.ok() && r->dropped.empty()) {
+            ++scored;
+            success += r->reward >= 1.0 ? 1 : 0;
+          }
+          tools->reset();
+        }
+        (void)(*client)->Forget(g->id);
+        (void)pbox_->Destroy((*sb)[0]);
+      }
+    });
+  }
+  for (std::thread& t : threads) {
+    t.join();
+  }
+  double rate = static_cast<double>(success) / static_cast<double>(prompts.size());
+  spdlog::info("eval ({}): greedy success {:.3f} on {} held-out prompts ({} scored, {:.1f} s)",
+               label, rate, prompts.size(), scored.load(), Seconds(Clock::now() - t0));
+  return rate;
+}
+
+Status Controller::Run() {
+  BRAGG_RETURN_IF_ERROR(Prepare());
+  BRAGG_RETURN_IF_ERROR(MakeDirs(cfg_.run.dir + "/models"));
+  incarnation_ = Cat("r", std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count() %
+                              100000000);
+  const std::string ckpt = cfg_.run.dir + "/checkpoints";
+  const std::string metrics_path = cfg_.run.dir + "/metrics.jsonl";
+  const std::string trained_path = cfg_.run.dir + "/trained.jsonl";
+
+  train::TrainOptions o;
+  o.objective = train::Objective::kGrpo;
+  o.lr = cfg_.train.lr;
+  o.threads = cfg_.train.threads;
+  o.deterministic = cfg_.train.deterministic;
+  o.temperature = cfg_.sampling.temperature;
+  o.minibatches = cfg_.train.minibatches;
+  o.clip_low = cfg_.train.clip_low;
+  o.clip_high = cfg_.train.clip_high;
+  o.tis_cap = cfg_.train.tis_cap;
+  o.kl_coef = cfg_.train.kl_coef;
+  o.entropy_coef = cfg_.train.entropy_coef;
+  o.max_grad_norm = cfg_.train.max_grad_norm;
+  o.normalize_std = cfg_.train.normalize_std;
+  o.max_tokens = cfg_.train.max_tokens;
+
+  if (opt_.resume) {
+    BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Resume(ckpt, o));
+    // What the killed run wrote after its last checkpoint is redone: its lines go.
+    int64_t keep = trainer_->step();
+    for (const std::string& path : {metrics_path, trained_path}) {
+      auto text = ReadFileToString(path);
+      std::string kept;
+      if (text.ok()) {
+        std::istringstream in(*text);
+        for (std::string line; std::getline(in, line);) {
+          json j = json::parse(line, nullptr, false);
+          if (j.is_object() && (j.contains("event") || j.value("step", int64_t{0}) <= keep)) {
+            kept += line + "\n";
+          }
+        }
+      }
+      BRAGG_RETURN_IF_ERROR(WriteStringToFile(path, kept));
+    }
+    spdlog::info("resumed at step {} (version {})", trainer_->step(), trainer_->version());
+  } else {
+    std::string start = cfg_.model.path;
+    if (start.empty()) {
+      const ModelInit& mi = *cfg_.model.init;
+      engine::testing::TinyModelSpec s;
+      s.moe = mi.moe;
+      s.vocab = vocab_.size();
+      s.hidden = mi.hidden;
+      s.intermediate = mi.intermediate;
+      s.layers = mi.layers;
+      s.heads = mi.heads;
+      s.kv_heads = mi.kv_heads;
+      s.head_dim = mi.head_dim;
+      s.experts = mi.experts;
+      s.top_k = mi.top_k;
+      s.moe_intermediate = mi.moe_intermediate;
+      s.context = mi.context;
+      s.std = mi.std;
+      s.seed = mi.seed;
+      if (auto eos = vocab_.Id("<eos>")) {
+        s.eos = {*eos};
+      }
+      start = cfg_.run.dir + "/models/init";
+      BRAGG_RETURN_IF_ERROR(engine::testing::WriteTinyModel(start, s));
+    }
+    BRAGG_RETURN_IF_ERROR(WriteStringToFile(metrics_path, ""));
+    BRAGG_RETURN_IF_ERROR(WriteStringToFile(trained_path, ""));
+    metrics_.open(metrics_path, std::ios::app);
+    if (cfg_.warm_start.steps > 0) {
+      std::string warm = cfg_.run.dir + "/models/warm";
+      BRAGG_RETURN_IF_ERROR(WarmStart(start, warm));
+      start = warm;
+    }
+    o.model_dir = start;
+    BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Create(o));
+    trainer_->set_version(0);
+  }
+  if (!metrics_.is_open()) {
+    metrics_.open(metrics_path, std::ios::app);
+  }
+  trained_.open(trained_path, std::ios::app);
+  version_ = trainer_->version();
+  BRAGG_RETURN_IF_ERROR(trainer_->SaveModel(ModelDir(version_)));
+  BRAGG_RETURN_IF_ERROR(PrepareSandboxes());
+  BRAGG_RETURN_IF_ERROR(StartFleet(ModelDir(version_), version_));
+  sampler_ = std::make_unique<PromptSampler>(
+      &prompts_, cfg_.run.seed * 7919 + static_cast<uint64_t>(trainer_->step()));
+
+  std::optional<double> eval_before;
+  if (!eval_prompts_.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(double e, Evaluate(eval_prompts_, "before"));
+    eval_before = e;
+    Metric({{"event", "eval"}, {"step", trainer_->step()}, {"eval_success", e}});
+  }
+
+  t0_ = Clock::now();
+  {
+    std::lock_guard<std::mutex> l(idle_mu_);
+    idle_since_ = t0_;
+    idle_s_ = 0;
+  }
+  for (int i = 0; i < cfg_.fleet.concurrency; ++i) {
+    workers_.emplace_back([this, i] { Worker(i); });
+  }
+  Metric({{"event", "start"},
+          {"step", trainer_->step()},
+          {"max_staleness", cfg_.run.max_staleness},
+          {"resume", opt_.resume}});
+
+  const int64_t S = cfg_.run.max_staleness;
+  const int64_t B = cfg_.train.groups_per_step;
+  std::deque<double> recent;
+  std::optional<double> target_time;
+  auto last = t0_;
+  double last_idle = 0;
+  Status failure;
+  while (trainer_->step() < cfg_.run.steps) {
+    // Wait for B groups whose trajectories are all within the bound.
+    auto wait0 = Clock::now();
+    std::vector<train::Trajectory> batch;
+    std::vector<int64_t> staleness;
+    int64_t dropped_stale = 0, groups = 0;
+    double rewards = 0, successes = 0;
+    bool timed_out = false;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      while (groups < B) {
+        if (cfg_.run.time_limit_s > 0 &&
+            Seconds(Clock::now() - t0_) > cfg_.run.time_limit_s) {
+          timed_out = true;
+          break;
+        }
+        if (ready_.empty()) {
+          cv_.wait_for(l, std::chrono::milliseconds(200));
+          continue;
+        }
+        std::shared_ptr<Group> g = ready_.front();
+        ready_.pop_front();
+        std::vector<train::Trajectory> kept;
+        std::vector<int64_t> ages;
+        for (RolloutResult& r : g->results) {
+          if (!r.dropped.empty()) {
+            continue;
+          }
+          int64_t oldest = version_;
+          for (int64_t v : r.trajectory.versions) {
+            if (v >= 0) oldest = std::min(oldest, v);
+          }
+          if (version_ - oldest > S) {
+            ++dropped_stale;
+            continue;
+          }
+          ages.push_back(version_ - oldest);
+          kept.push_back(std::move(r.trajectory));
+        }
+        if (kept.size() < 2) {
+          --admitted_;
+          ++dropped_groups_;
+          cv_.notify_all();
+          continue;
+        }
+        for (size_t i = 0; i < kept.size(); ++i) {
+          rewards += kept[i].reward;
+          successes += kept[i].reward >= 1.0 ? 1 : 0;
+          staleness.push_back(ages[i]);
+          batch.push_back(std::move(kept[i]));
+        }
+        ++groups;
+      }
+    }
+    if (timed_out) {
+      spdlog::info("time limit of {} s reached", cfg_.run.time_limit_s);
+      break;
+    }
+    double wait_s = Seconds(Clock::now() - wait0);
+    // Log-prob agreement: the trainer's log-probs of trajectories sampled wholly by the
+    // current weights equal the engine's (exactly, with deterministic kernels on both sides).
+    std::vector<train::Trajectory> fresh;
+    for (size_t i = 0; i < batch.size() && fresh.size() < 4; ++i) {
+      if (staleness[i] == 0 &&
+          std::all_of(batch[i].versions.begin(), batch[i].versions.end(),
+                      [&](int64_t v) { return v < 0 || v == version_; })) {
+        fresh.push_back(batch[i]);
+      }
+    }
+    double agreement = -1;
+    if (!fresh.empty()) {
+      auto lps = trainer_->LogProbs(fresh);
+      if (lps.ok()) {
+        agreement = 0;
+        for (size_t i = 0; i < fresh.size(); ++i) {
+          for (size_t k = 0; k < fresh[i].tokens.size(); ++k) {
+            if (fresh[i].loss_mask[k]) {
+              agreement = std::max(
+                  agreement, std::abs(static_cast<double>((*lps)[i][k] - fresh[i].logprobs[k])));
+            }
+          }
+        }
+      }
+    }
+    int64_t over_stale = 0;
+    std::map<int64_t, int64_t> hist;
+    for (int64_t a : staleness) {
+      over_stale += a > S ? 1 : 0;
+      ++hist[a];
+    }
+    auto train0 = Clock::now();
+    auto m = trainer_->Step(batch);
+    if (!m.ok()) {
+      failure = Annotate(m.status(), Cat("training step ", trainer_->step() + 1));
+      break;
+    }
+    double train_s = Seconds(Clock::now() - train0);
+    auto sync0 = Clock::now();
+    Status pushed = PushWeights(trainer_->version());
+    if (!pushed.ok()) {
+      failure = pushed;
+      break;
+    }
+    double sync_s = Seconds(Clock::now() - sync0);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      version_ = trainer_->version();
+    }
+    cv_.notify_all();
+    json ids = json::array();
+    for (const train::Trajectory& t : batch) {
+      ids.push_back(t.id);
+    }
+    trained_ << json{{"step", m->step}, {"version", m->version}, {"ids", ids}}.dump() << "\n";
+    trained_.flush();
+    if (cfg_.run.checkpoint_every > 0 && m->step % cfg_.run.checkpoint_every == 0) {
+      Status c = trainer_->SaveCheckpoint(ckpt);
+      if (!c.ok()) {
+        failure = c;
+        break;
+      }
+    }
+
+    auto now = Clock::now();
+    double span = Seconds(now - last);
+    double idle;
+    {
+      std::lock_guard<std::mutex> l(idle_mu_);
+      idle = idle_s_ + (in_flight_ == 0 ? Seconds(now - idle_since_) : 0.0);
+    }
+    Interval iv;
+    int64_t dropped_groups;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      iv = std::move(interval_);
+      interval_ = Interval{};
+      dropped_groups = dropped_groups_;
+    }
+    double n = static_cast<double>(batch.size());
+    double reward = rewards / n, success = successes / n;
+    json hist_json = json::object();
+    for (auto [k, v] : hist) {
+      hist_json[std::to_string(k)] = v;
+    }
+    json dropped_json = json(iv.dropped);
+    json line = {
+        {"step", m->step},
+        {"version", m->version},
+        {"time_s", Seconds(now - t0_)},
+        {"reward_mean", reward},
+        {"success_rate", success},
+        {"samples", batch.size()},
+        {"groups", groups},
+        {"over_stale", over_stale},
+        {"dropped_stale", dropped_stale},
+        {"dropped", dropped_json},
+        {"dropped_groups", dropped_groups},
+        {"staleness", hist_json},
+        {"gen_tokens_per_s", static_cast<double>(iv.generated_tokens) / span},
+        {"train_tokens_per_s", m->tokens_per_second},
+        {"cache_hit_rate", iv.later_prompt_tokens > 0
+                               ? static_cast<double>(iv.later_cached_tokens) /
+                                     static_cast<double>(iv.later_prompt_tokens)
+                               : 0.0},
+        {"tool_ms_p50", Percentile(iv.tool_ms, 0.5)},
+        {"tool_ms_p99", Percentile(iv.tool_ms, 0.99)},
+        {"tool_calls", iv.tool_ms.size()},
+        {"tool_failures", iv.tool_failures},
+        {"sandbox_failures", iv.sandbox_failures},
+        {"time_split",
+         {{"generate_s", iv.generate_s},
+          {"tools_s", iv.tools_s + iv.verify_s},
+          {"train_s", train_s},
+          {"sync_s", sync_s},
+          {"wait_s", wait_s}}},
+        {"engine_idle_fraction", span > 0 ? std::clamp((idle - last_idle) / span, 0.0, 1.0) : 0},
+        {"loss", m->loss},
+        {"kl", m->kl},
+        {"entropy", m->entropy},
+        {"clip_fraction", m->clip_fraction},
+        {"logprob_diff_max", m->logprob_diff_max},
+        {"logprob_agreement_max", agreement},
+        {"agreement_samples", fresh.size()},
+        {"min_version", m->min_version},
+    };
+    last = now;
+    last_idle = idle;
+    recent.push_back(reward);
+    if (static_cast<int64_t>(recent.size()) > cfg_.run.target_window) {
+      recent.pop_front();
+    }
+    double window = 0;
+    for (double r : recent) window += r;
+    window /= static_cast<double>(recent.size());
+    if (cfg_.task.eval_every > 0 && m->step % cfg_.task.eval_every == 0 &&
+        !eval_prompts_.empty()) {
+      auto e = Evaluate(eval_prompts_, Cat("step-", m->step));
+      if (e.ok()) line["eval_success"] = *e;
+    }
+    Metric(line);
+    std::string stale_text;
+    for (auto [k, v] : hist) {
+      stale_text += Cat(stale_text.empty() ? "" : ",", k, ":", v);
+    }
+    spdlog::info(
+        "step {} v{} reward {:.3f} success {:.3f} samples {} stale {{{}}} over-stale {} gen {:.0f} "
+        "tok/s train {:.0f} tok/s cache {:.2f} tool p50 {:.1f} ms p99 {:.1f} ms sandbox "
+        "failures {} | {:.1f} s",
+        m->step, m->version, reward, success, batch.size(), stale_text, over_stale,
+        line["gen_tokens_per_s"].get<double>(), m->tokens_per_second,
+        line["cache_hit_rate"].get<double>(), line["tool_ms_p50"].get<double>(),
+        line["tool_ms_p99"].get<double>(), iv.sandbox_failures, Seconds(now - t0_));
+    if (cfg_.run.target_reward > 0 && !target_time &&
+        static_cast<int64_t>(recent.size()) >= cfg_.run.target_window &&
+        window >= cfg_.run.target_reward) {
+      target_time = Seconds(now - t0_);
+      spdlog::info("target reward {} reached (mean of the last {} steps {:.3f}) at {:.1f} s",
+                   cfg_.run.target_reward, cfg_.run.target_window, window, *target_time);
+      Metric({{"event", "target_reached"},
+              {"step", m->step},
+              {"time_s", *target_time},
+              {"reward_window", window}});
+      break;
+    }
+  }
+  StopWorkers();
+  if (!failure.ok()) {
+    return failure;
+  }
+  BRAGG_RETURN_IF_ERROR(trainer_->SaveCheckpoint(ckpt));
+  json summary = {{"steps", trainer_->step()},
+                  {"version", trainer_->version()},
+                  {"seconds", Seconds(Clock::now() - t0_)},
+                  {"target_time_s", target_time ? json(*target_time) : json(nullptr)},
+                  {"max_staleness", cfg_.run.max_staleness}};
+  if (eval_before) summary["eval_before"] = *eval_before;
+  if (!eval_prompts_.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(double e, Evaluate(eval_prompts_, "after"));
+    summary["eval_after"] = e;
+  }
+  summary["event"] = "end";
+  Metric(summary);
+  BRAGG_RETURN_IF_ERROR(WriteStringToFile(cfg_.run.dir + "/summary.json", summary.dump(2) + "\n"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Status Preflight(const Config& config) {
+  BRAGG_ASSIGN_OR_RETURN(Vocab vocab, Vocab::Load(config.tokenizer.vocab));
+  for (const std::string& s : config.task.stop) {
+    if (!vocab.Id(s)) {
+      return absl::InvalidArgumentError(Cat("task.stop: ", json(s).dump(), " is not a token of ",
+                                            config.tokenizer.vocab));
+    }
+  }
+  int64_t context = config.model.init ? config.model.init->context : 0;
+  if (!config.model.path.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(context, ModelContext(config.model.path));
+  }
+  if (config.task.max_tokens > context) {
+    return absl::InvalidArgumentError(Cat("task.max_tokens (", config.task.max_tokens,
+                                          ") is longer than the model's context (", context, ")"));
+  }
+  for (const std::string& file : {config.task.prompts, config.task.eval_prompts}) {
+    if (file.empty()) {
+      continue;
+    }
+    BRAGG_ASSIGN_OR_RETURN(std::vector<Prompt> prompts,
+                           LoadPrompts(file, file == config.task.prompts ? config.task.balance_by
+                                                                          : ""));
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto ids = vocab.Encode(prompts[i].text);
+      if (!ids.ok()) {
+        return absl::InvalidArgumentError(
+            Cat(file, ": prompt ", i + 1, ": ", ids.status().message()));
+      }
+      if (static_cast<int64_t>(ids->size()) + config.task.max_new_tokens > config.task.max_tokens) {
+        return absl::InvalidArgumentError(
+            Cat(file, ": prompt ", i + 1, " is ", ids->size(),
+                " tokens: with task.max_new_tokens it does not fit task.max_tokens (",
+                config.task.max_tokens, ")"));
+      }
+    }
+  }
+  if (!config.warm_start.traces.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(std::vector<train::Trajectory> traces,
+                           train::ReadTrajectories(config.warm_start.traces));
+    for (const train::Trajectory& t : traces) {
+      for (int32_t id : t.tokens) {
+        if (id < 0 || id >= vocab.size()) {
+          return absl::InvalidArgumentError(Cat(config.warm_start.traces, ": trajectory ", t.id,
+                                                " holds token ", id, ", outside the vocabulary"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status Run(const Config& config, const RunOptions& options) {
+  BRAGG_RETURN_IF_ERROR(Preflight(config));
+  Controller c(config, options);
+  return c.Run();
+}
+
+}  // namespace bragg::rl

@@ -1,0 +1,208 @@
+#include "rl/tool_server.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/fs.h"
+#include "common/str_cat.h"
+
+namespace bragg::rl {
+namespace {
+
+constexpr size_t kMaxReplyBytes = 1 << 20;
+constexpr size_t kStderrKeep = 2048;
+
+ToolReply Failure(std::string failure, std::string observation) {
+  ToolReply r;
+  r.error = true;
+  r.failure = std::move(failure);
+  r.observation = std::move(observation);
+  return r;
+}
+
+// Writes all of `data` to a pipe; false when the reader is gone.
+bool WriteAll(int fd, std::string_view data) {
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      return false;
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ToolServer>> ToolServer::Start(pbox::client::Client* client,
+                                                      std::string sandbox_id,
+                                                      std::vector<std::string> argv) {
+  if (argv.empty()) {
+    return absl::InvalidArgumentError("the tool server's argv is empty");
+  }
+  std::unique_ptr<ToolServer> s(new ToolServer(client, std::move(sandbox_id), std::move(argv)));
+  BRAGG_RETURN_IF_ERROR(s->Launch());
+  return s;
+}
+
+ToolServer::~ToolServer() { Stop(std::chrono::milliseconds(500)); }
+
+Status ToolServer::Launch() {
+  BRAGG_ASSIGN_OR_RETURN(Pipe in, MakePipe());
+  // Writing to a server that died must fail with EPIPE, not kill us.
+  ::signal(SIGPIPE, SIG_IGN);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    out_.clear();
+    err_.clear();
+    exited_ = false;
+    exit_.clear();
+    oom_ = false;
+  }
+  stdin_ = std::move(in.write);
+  pbox::client::v1::ExecStart start;
+  start.set_sandbox_id(sandbox_id_);
+  for (const std::string& a : argv_) {
+    start.add_argv(a);
+  }
+  exec_ = std::thread([this, start, read = std::make_shared<UniqueFd>(std::move(in.read))] {
+    auto result = client_->Exec(
+        start, read->get(), [this](bool is_stderr, std::string_view data) {
+          std::lock_guard<std::mutex> l(mu_);
+          if (is_stderr) {
+            err_.append(data);
+            if (err_.size() > kStderrKeep) {
+              err_.erase(0, err_.size() - kStderrKeep);
+            }
+          } else {
+            out_.append(data);
+          }
+          cv_.notify_all();
+        });
+    std::lock_guard<std::mutex> l(mu_);
+    exited_ = true;
+    if (!result.ok()) {
+      exit_ = Cat("exec failed: ", result.status().message());
+    } else if (!result->error().empty()) {
+      exit_ = Cat("could not start: ", result->error());
+    } else if (result->oom_killed()) {
+      oom_ = true;
+      exit_ = "killed by the sandbox's OOM killer";
+    } else if (result->signal() != 0) {
+      exit_ = Cat("killed by signal ", result->signal());
+    } else {
+      exit_ = Cat("exit ", result->exit_code());
+    }
+    cv_.notify_all();
+  });
+  return absl::OkStatus();
+}
+
+void ToolServer::Stop(std::chrono::milliseconds grace) {
+  stdin_.Reset();  // EOF: a well-behaved server exits
+  if (!exec_.joinable()) {
+    return;
+  }
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait_for(l, grace, [this] { return exited_; });
+    if (!exited_) {
+      l.unlock();
+      // Every process of the sandbox but its init (pbox's sandboxes are pid namespaces).
+      (void)client_->Run({.sandbox_id = sandbox_id_,
+                          .argv = {"kill", "-KILL", "-1"},
+                          .timeout_ms = 5000});
+    }
+  }
+  exec_.join();
+}
+
+Status ToolServer::Restart() {
+  std::lock_guard<std::mutex> call(call_mu_);
+  Stop(std::chrono::milliseconds(0));
+  return Launch();
+}
+
+bool ToolServer::alive() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return !exited_;
+}
+
+std::string ToolServer::exit_description() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return exit_;
+}
+
+ToolReply ToolServer::Call(std::string_view text, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> call(call_mu_);
+  auto t0 = std::chrono::steady_clock::now();
+  auto finish = [&](ToolReply r) {
+    r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
+  std::string line = nlohmann::json{{"text", std::string(text)}}.dump(
+                         -1, ' ', false, nlohmann::json::error_handler_t::replace) +
+                     "\n";
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    out_.clear();  // a reply that came late to an earlier call is not this call's
+  }
+  if (!stdin_.valid() || !WriteAll(stdin_.get(), line)) {
+    return finish(Failure(Cat("exited: ", exit_description()), "error: tool server died\n"));
+  }
+  std::string reply;
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    bool ready = cv_.wait_for(l, timeout, [this] {
+      return exited_ || out_.find('\n') != std::string::npos || out_.size() > kMaxReplyBytes;
+    });
+    size_t nl = out_.find('\n');
+    if (nl == std::string::npos) {
+      if (!ready) {
+        return finish(Failure("timeout", "error: tool timed out\n"));
+      }
+      if (out_.size() > kMaxReplyBytes) {
+        return finish(Failure("bad reply: over 1 MiB without a newline",
+                              "error: tool output too long\n"));
+      }
+      return finish(Failure(oom_ ? std::string("oom") : Cat("exited: ", exit_),
+                            oom_ ? "error: tool ran out of memory\n" : "error: tool crashed\n"));
+    }
+    reply = out_.substr(0, nl);
+    out_.erase(0, nl + 1);
+  }
+  nlohmann::json j = nlohmann::json::parse(reply, nullptr, false);
+  ToolReply r;
+  r.bytes = reply.size() + 1;
+  if (!j.is_object()) {
+    r = Failure(Cat("bad reply: not a JSON object: ", reply.substr(0, 80)),
+                "error: bad tool reply\n");
+    r.bytes = reply.size() + 1;
+    return finish(std::move(r));
+  }
+  if (auto it = j.find("done"); it != j.end() && it->is_boolean()) {
+    r.done = it->get<bool>();
+  }
+  if (auto it = j.find("observation"); it != j.end() && it->is_string()) {
+    r.observation = it->get<std::string>();
+  } else if (!r.done) {
+    r = Failure("bad reply: no \"observation\" string", "error: bad tool reply\n");
+    r.bytes = reply.size() + 1;
+    return finish(std::move(r));
+  }
+  if (auto it = j.find("tool"); it != j.end() && it->is_string()) {
+    r.tool = it->get<std::string>();
+  }
+  if (auto it = j.find("error"); it != j.end() && it->is_boolean()) {
+    r.error = it->get<bool>();
+  }
+  return finish(std::move(r));
+}
+
+}  // namespace bragg::rl
