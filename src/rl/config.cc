@@ -172,6 +172,10 @@ size_t EditDistance(std::string_view a, std::string_view b) {
 // The closest of `candidates` within two edits (and fewer edits than it has characters, so that
 // "ab" does not suggest "lr"); "" if none.
 std::string Closest(std::string_view key, const std::vector<std::string>& candidates) {
+  // No known key is this long; a hostile one would cost its length times each candidate's.
+  if (key.size() > 64) {
+    return "";
+  }
   std::string best;
   size_t best_distance = 3;
   for (const std::string& candidate : candidates) {

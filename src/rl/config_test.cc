@@ -514,6 +514,9 @@ TEST_F(ConfigTest, UnknownTablesAndKeysAreRefused) {
             "[task], [sampling], [warm_start], [train], [fleet] (line 1)");
   // No far-fetched suggestion for a short key.
   EXPECT_THAT(Refusal(Parse("[train]\nab = 1\n")), Not(HasSubstr("did you mean")));
+  // A huge key: refused without searching for a suggestion (the search grows with its length).
+  EXPECT_THAT(Refusal(Parse("[train]\n" + std::string(100000, 'k') + " = 1\n")),
+              StartsWith("config.toml: train.kkkk"));
   // An unknown key in an otherwise valid file.
   EXPECT_THAT(Refusal(Parse({{"train.lrr", "1e-4"}})),
               HasSubstr("train.lrr: unknown key; did you mean train.lr?"));
