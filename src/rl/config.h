@@ -69,8 +69,8 @@ struct TaskConfig {
   // Reads the rollout (JSON on stdin), prints its reward (a number) on stdout.
   std::vector<std::string> verifier;
   int max_turns = 4;
-  int64_t max_new_tokens = 32;  // per turn
-  int64_t max_tokens = 512;     // whole trajectory (prompt + every turn + observations)
+  int64_t max_new_tokens = 32;             // per turn
+  int64_t max_tokens = 512;                // whole trajectory (prompt + every turn + observations)
   std::vector<std::string> stop = {"\n"};  // tokens that end a model turn
   double tool_timeout_s = 10;
   int64_t sandbox_memory_mb = 256;
@@ -113,9 +113,11 @@ struct TrainConfig {
 
 // [fleet]
 struct FleetConfig {
-  int engines = 2;                       // local bragg-engine processes bragg-rl starts
-  std::vector<std::string> engine_urls;  // or: existing SGLang-API servers (then engines = 0)
-  std::string gateway;                   // existing bragg-gateway URL; "": bragg-rl starts one
+  int engines = 2;  // local bragg-engine processes bragg-rl starts
+  // Or: existing SGLang-API servers (http:// or https://). When given, engines defaults to 0;
+  // engines >= 1 together with engine_urls is refused.
+  std::vector<std::string> engine_urls;
+  std::string gateway;  // existing bragg-gateway URL; "": bragg-rl starts one
   int engine_threads = 1;
   int64_t kv_cache_tokens = 65536;
   std::string pbox;      // pbox endpoint ("": $PBOX_ENDPOINT, else the default socket)
@@ -124,7 +126,7 @@ struct FleetConfig {
 };
 
 struct Config {
-  std::string path;      // the file read
+  std::string path;      // the file read, absolute ("" from ParseConfig)
   std::string base_dir;  // relative paths in the file are relative to its directory
   RunConfig run;
   ModelConfig model;
@@ -137,11 +139,22 @@ struct Config {
 };
 
 // Reads and checks `path`. Relative paths in it (model.path, tokenizer.vocab, task.prompts,
-// task.eval_prompts, task.files, warm_start.traces, run.dir) are resolved against its
-// directory. InvalidArgument naming file, key and what is wrong.
-Result<Config> LoadConfig(const std::string& path);
-// The same from text; relative paths resolve against `base_dir`.
-Result<Config> ParseConfig(const std::string& text, const std::string& base_dir,
-                           const std::string& name = "config");
+// task.eval_prompts, task.files, warm_start.traces, run.dir, fleet.bin_dir) are resolved
+// against its directory and made absolute and lexically normal. Files the run reads
+// (tokenizer.vocab, task.prompts, and task.eval_prompts, task.files, warm_start.traces,
+// model.path when set) must exist now; run.dir is created later and not checked.
+// Errors: NotFound, PermissionDenied, ... naming the file when it cannot be read;
+// InvalidArgument when its content is refused, one line per problem, each
+// "<file>: <key path>: <what is wrong>" with " (line N)" where the key is in the file
+// (a TOML syntax error: "<file>:<line>:<column>: ..."). Thread-safe (no shared state).
+[[nodiscard]] Result<Config> LoadConfig(const std::string& path);
+// The same from text, `name` standing for the file in messages; relative paths resolve
+// against `base_dir` (itself made absolute against the working directory).
+[[nodiscard]] Result<Config> ParseConfig(const std::string& text, const std::string& base_dir,
+                                         const std::string& name = "config");
+
+// Every key ParseConfig accepts, as "table.key" ("model.init.layers"), in the order of the
+// structs above: for the reference config's test and for documentation.
+std::vector<std::string> ConfigKeys();
 
 }  // namespace bragg::rl
