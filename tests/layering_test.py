@@ -50,6 +50,11 @@ RULES = {
               "pack/plan.h"],
     "pack": ["common/"],
     "reshard": ["common/"],
+    # rl, the controller, drives the others through their doors: the trainer's (in process),
+    # the gateway's rollout client, pbox's client; it writes a first model with the engine's
+    # random-model writer.
+    "rl": ["common/", "rl/", "train/trainer.h", "train/trajectory.h", "gateway/client.h",
+           "pbox/client/client.h", PROTO_PBOX, "engine/testing/"],
 }
 
 # Prefixes a folder may never include, though its rule above would allow them.
