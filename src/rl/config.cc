@@ -455,6 +455,7 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   t.String("image", &task.image);
   t.Strings("tool_server", &task.tool_server);
   t.Strings("verifier", &task.verifier);
+  t.Strings("setup", &task.setup);
   t.Int("max_turns", &task.max_turns, 1);
   t.Int("max_new_tokens", &task.max_new_tokens, 1);
   t.Int("max_tokens", &task.max_tokens, 2);

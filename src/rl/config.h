@@ -68,6 +68,10 @@ struct TaskConfig {
   std::vector<std::string> tool_server;
   // Reads the rollout (JSON on stdin), prints its reward (a number) on stdout.
   std::vector<std::string> verifier;
+  // Optional: run once in the prepared sandbox, after `files` are uploaded and before any clone
+  // (e.g. precomputing a table the tool server reads); must exit 0. Its files are in every
+  // rollout's sandbox.
+  std::vector<std::string> setup;
   int max_turns = 4;
   int64_t max_new_tokens = 32;             // per turn
   int64_t max_tokens = 512;                // whole trajectory (prompt + every turn + observations)

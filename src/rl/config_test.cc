@@ -169,6 +169,7 @@ files = "files/"
 image = "debian-python"
 tool_server = ["python3", "/task/tool_server.py", "--fast"]
 verifier = ["/task/verify"]
+setup = ["python3", "/task/tool_server.py", "--prepare"]
 max_turns = 6
 max_new_tokens = 48
 max_tokens = 1000
@@ -260,6 +261,7 @@ bin_dir = "../bin"
   EXPECT_EQ(task.tool_server,
             (std::vector<std::string>{"python3", "/task/tool_server.py", "--fast"}));
   EXPECT_EQ(task.verifier, std::vector<std::string>{"/task/verify"});
+  EXPECT_EQ(task.setup, (std::vector<std::string>{"python3", "/task/tool_server.py", "--prepare"}));
   EXPECT_EQ(task.max_turns, 6);
   EXPECT_EQ(task.max_new_tokens, 48);
   EXPECT_EQ(task.max_tokens, 1000);

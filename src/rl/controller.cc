@@ -427,6 +427,23 @@ Status Controller::PrepareSandboxes() {
       return absl::InvalidArgumentError(Cat("task.files: ", cfg_.task.files, ": ", ec.message()));
     }
   }
+  if (!cfg_.task.setup.empty()) {
+    auto setup = pbox_->Run({.sandbox_id = prepared_,
+                             .argv = cfg_.task.setup,
+                             .timeout_ms = 600000,
+                             .stdin = "",
+                             .max_output_bytes = 4096});
+    if (!setup.ok()) {
+      return Annotate(setup.status(), "task.setup");
+    }
+    if (!setup->result().error().empty() || setup->result().exit_code() != 0 ||
+        setup->result().signal() != 0) {
+      return absl::FailedPreconditionError(
+          Cat("task.setup ", json(cfg_.task.setup).dump(), " failed in the sandbox: exit ",
+              setup->result().exit_code(), " ", setup->result().error(), " ",
+              setup->stderr().substr(0, 300)));
+    }
+  }
   // The task must start: its tool server exits 0 at end of input, its verifier prints a number
   // for an empty rollout. Refused here, before any rollout.
   auto probe = pbox_->Run({.sandbox_id = prepared_,
