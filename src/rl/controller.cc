@@ -212,6 +212,10 @@ class Controller {
   Status WarmStart(const std::string& from, const std::string& to);
   Status StartFleet(const std::string& model_dir, int64_t version);
   Status PrepareSandboxes();
+  // After the pbox agent restarted (its sessions and sandboxes are gone) or the prepared
+  // sandbox vanished: a new session and prepared sandbox. Rollouts in flight lose theirs
+  // (dropped as sandbox_failed); the next groups get new sandboxes.
+  Status RecoverSandboxes();
   Result<std::vector<std::string>> CloneSandboxes(uint32_t count);
   Status PushWeights(int64_t version);
   void Worker(int index);
@@ -250,11 +254,15 @@ class Controller {
   std::string gateway_url_;
 
   std::unique_ptr<pbox::client::Client> pbox_;
+  std::mutex pbox_mu_;  // guards session_ and prepared_
   std::unique_ptr<pbox::client::Session> session_;
   std::string prepared_;  // the sandbox every rollout's sandbox is cloned from
+  int64_t sandbox_recoveries_ = 0;
 
   std::unique_ptr<train::Trainer> trainer_;
   std::ofstream metrics_, trained_;
+  std::mutex rollouts_mu_;
+  std::ofstream rollouts_;  // every finished rollout as text, for reading what the model does
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -393,14 +401,30 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   BRAGG_ASSIGN_OR_RETURN(Server g, StartServer("gateway", argv, logs + "/gateway.log"));
   gateway_url_ = g.url;
   servers_.push_back(std::move(g));
+  // Who is who, for operators and tests: the processes bragg-rl started.
+  json fleet = {{"controller_pid", ::getpid()}, {"gateway", gateway_url_}, {"servers", json::array()}};
+  for (const Server& s : servers_) {
+    fleet["servers"].push_back({{"name", s.name}, {"url", s.url}, {"pid", s.process.pid()}});
+  }
+  BRAGG_RETURN_IF_ERROR(WriteStringToFile(cfg_.run.dir + "/fleet.json", fleet.dump(2) + "\n"));
   spdlog::info("fleet: {} engine(s) behind the gateway at {}", workers.size(), gateway_url_);
   return absl::OkStatus();
 }
 
+Status Controller::RecoverSandboxes() {
+  std::lock_guard<std::mutex> l(pbox_mu_);
+  ++sandbox_recoveries_;
+  session_.reset();
+  return PrepareSandboxes();
+}
+
+// Called with pbox_mu_ held, or before any agent loop runs.
 Status Controller::PrepareSandboxes() {
-  pbox::client::ClientOptions po;
-  po.endpoint = cfg_.fleet.pbox;
-  BRAGG_ASSIGN_OR_RETURN(pbox_, pbox::client::Client::Connect(po));
+  if (pbox_ == nullptr) {
+    pbox::client::ClientOptions po;
+    po.endpoint = cfg_.fleet.pbox;
+    BRAGG_ASSIGN_OR_RETURN(pbox_, pbox::client::Client::Connect(po));
+  }
   BRAGG_ASSIGN_OR_RETURN(session_, pbox_->OpenSession("bragg-rl"));
   pbox::client::v1::SandboxSpec spec;
   spec.set_image(cfg_.task.image);
@@ -489,7 +513,12 @@ Status Controller::PrepareSandboxes() {
 }
 
 Result<std::vector<std::string>> Controller::CloneSandboxes(uint32_t count) {
-  auto clones = pbox_->Clone(prepared_, count);
+  std::string source;
+  {
+    std::lock_guard<std::mutex> l(pbox_mu_);
+    source = prepared_;
+  }
+  auto clones = pbox_->Clone(source, count);
   if (!clones.ok()) {
     return clones.status();
   }
@@ -549,10 +578,17 @@ bool Controller::TakeTask(Task* task) {
       if (!sandboxes.ok()) {
         --admitted_;
         interval_.sandbox_failures += cfg_.sampling.group_size;
-        spdlog::warn("cloning the group's sandboxes: {}", sandboxes.status().message());
+        spdlog::warn("cloning the group's sandboxes: {}; preparing the task's sandbox again",
+                     sandboxes.status().message());
+        starting_group_ = true;  // one recovery at a time, by this thread
         l.unlock();
-        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        Status st = RecoverSandboxes();
+        if (!st.ok()) {
+          spdlog::warn("preparing the task's sandbox: {}", st.message());
+          std::this_thread::sleep_for(std::chrono::seconds(1));
+        }
         l.lock();
+        starting_group_ = false;
         continue;
       }
       g->sandboxes = std::move(*sandboxes);
@@ -595,6 +631,26 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client, doubl
   }
   (void)client->Forget(id);
   (void)pbox_->Destroy(sandbox);
+  {
+    json line = {{"id", id},
+                 {"prompt", g.prompt->text},
+                 {"turns", result.turns},
+                 {"reward", result.reward},
+                 {"done", result.done},
+                 {"dropped", result.dropped}};
+    if (!result.trajectory.versions.empty()) {
+      int64_t lo = -1, hi = -1;
+      for (int64_t v : result.trajectory.versions) {
+        if (v < 0) continue;
+        lo = lo < 0 ? v : std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      line["versions"] = {lo, hi};
+    }
+    if (!result.detail.empty()) line["detail"] = result.detail;
+    std::lock_guard<std::mutex> l(rollouts_mu_);
+    rollouts_ << line.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";
+  }
 
   std::lock_guard<std::mutex> l(mu_);
   Interval& iv = interval_;
@@ -719,6 +775,9 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
 Status Controller::Run() {
   BRAGG_RETURN_IF_ERROR(Prepare());
   BRAGG_RETURN_IF_ERROR(MakeDirs(cfg_.run.dir + "/models"));
+  // The task's sandbox first: a tool server that does not start or a verifier that prints no
+  // number is refused before a minute of warm start and before any engine.
+  BRAGG_RETURN_IF_ERROR(PrepareSandboxes());
   incarnation_ = Cat("r", std::chrono::duration_cast<std::chrono::milliseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count() %
@@ -744,6 +803,9 @@ Status Controller::Run() {
   o.max_tokens = cfg_.train.max_tokens;
 
   if (opt_.resume) {
+    if (cfg_.train.kl_coef > 0) {
+      o.reference_dir = cfg_.run.dir + "/models/reference";
+    }
     BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Resume(ckpt, o));
     // What the killed run wrote after its last checkpoint is redone: its lines go.
     int64_t keep = trainer_->step();
@@ -796,6 +858,17 @@ Status Controller::Run() {
       start = warm;
     }
     o.model_dir = start;
+    if (cfg_.train.kl_coef > 0) {
+      // KL towards the model RL starts from; kept for --resume.
+      o.reference_dir = cfg_.run.dir + "/models/reference";
+      std::error_code ec;
+      fs::remove_all(o.reference_dir, ec);
+      fs::copy(start, o.reference_dir, fs::copy_options::recursive, ec);
+      if (ec) {
+        return absl::InternalError(Cat("copying ", start, " to ", o.reference_dir, ": ",
+                                       ec.message()));
+      }
+    }
     BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Create(o));
     trainer_->set_version(0);
   }
@@ -803,9 +876,9 @@ Status Controller::Run() {
     metrics_.open(metrics_path, std::ios::app);
   }
   trained_.open(trained_path, std::ios::app);
+  rollouts_.open(cfg_.run.dir + "/rollouts.jsonl", std::ios::app);
   version_ = trainer_->version();
   BRAGG_RETURN_IF_ERROR(trainer_->SaveModel(ModelDir(version_)));
-  BRAGG_RETURN_IF_ERROR(PrepareSandboxes());
   BRAGG_RETURN_IF_ERROR(StartFleet(ModelDir(version_), version_));
   sampler_ = std::make_unique<PromptSampler>(
       &prompts_, cfg_.run.seed * 7919 + static_cast<uint64_t>(trainer_->step()));
@@ -970,6 +1043,11 @@ Status Controller::Run() {
     }
     Interval iv;
     int64_t dropped_groups;
+    int64_t sandbox_recoveries;
+    {
+      std::lock_guard<std::mutex> l(pbox_mu_);
+      sandbox_recoveries = sandbox_recoveries_;
+    }
     {
       std::lock_guard<std::mutex> l(mu_);
       iv = std::move(interval_);
@@ -1007,6 +1085,7 @@ Status Controller::Run() {
         {"tool_calls", iv.tool_ms.size()},
         {"tool_failures", iv.tool_failures},
         {"sandbox_failures", iv.sandbox_failures},
+        {"sandbox_recoveries", sandbox_recoveries},
         {"time_split",
          {{"generate_s", iv.generate_s},
           {"tools_s", iv.tools_s + iv.verify_s},

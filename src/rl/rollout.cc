@@ -187,7 +187,8 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
                           .max_output_bytes = 4096});
   r.verify_s = Since(t2);
   if (!v.ok()) {
-    return Dropped(std::move(r), "verifier_failed", std::string(v.status().message()));
+    // The call itself failed: the sandbox (or its agent) is gone, not the verifier.
+    return Dropped(std::move(r), "sandbox_failed", std::string(v.status().message()));
   }
   const auto& res = v->result();
   if (!res.error().empty() || res.signal() != 0 || res.exit_code() != 0 || res.timed_out()) {

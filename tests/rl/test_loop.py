@@ -1,0 +1,338 @@
+"""bragg-rl end to end, with faults: a real pboxd, two bragg-engine workers behind bragg-gateway,
+the trainer in bragg-rl's process, and a task that misbehaves on purpose (chaos/chaos_env.py:
+tool servers that crash, hang and run out of memory; a verifier that crashes).
+
+- a run with every tool fault finishes its steps; faults are error observations and counted
+  drops, never a failed run; no trajectory is trained beyond the staleness bound; the trainer's
+  log-probs of fresh trajectories equal the engines' (deterministic kernels on both sides);
+- kill -9 of the controller: its engines and gateway die with it; --resume continues from the
+  last checkpoint and no trajectory is trained twice;
+- an engine killed mid-run: the run goes on over the other;
+- the pbox agent killed and restarted mid-run: the controller prepares its sandbox again;
+- bad input refused at start, before any engine is started.
+
+Needs root (pboxd). Binaries from BRAGG_BUILD (default: build/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("BRAGG_BUILD", ROOT / "build")).resolve()
+RL = BUILD / "src" / "rl" / "bragg-rl"
+PBOXD = BUILD / "src" / "pbox" / "pboxd"
+CHAOS = Path(__file__).resolve().parent / "chaos"
+ENV_PY = ROOT / "python" / "bragg_rl" / "env.py"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="pboxd needs root")
+
+
+class Agent:
+    """A pboxd on a socket of its own; restartable on the same socket and state."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.sock = root / "pbox.sock"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        ready = self.root / "ready"
+        if ready.exists():
+            ready.unlink()
+        log = open(self.root / "pboxd.log", "ab")
+        self.proc = subprocess.Popen(
+            [str(PBOXD), "--listen", f"unix://{self.sock}", "--state-dir", str(self.root / "state"),
+             "--ready-file", str(ready), "--max-sandboxes", "200", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while not ready.exists():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError((self.root / "pboxd.log").read_text()[-2000:])
+            time.sleep(0.05)
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    a = Agent(tmp_path_factory.mktemp("pbox"))
+    yield a
+    a.stop()
+
+
+def task_dir(tmp: Path, calm: bool) -> Path:
+    d = tmp / "task"
+    d.mkdir(exist_ok=True)
+    shutil.copy(ENV_PY, d / "env.py")
+    shutil.copy(CHAOS / "chaos_env.py", d / "chaos_env.py")
+    if calm:
+        (d / "calm").write_text("")
+    return d
+
+
+def write_config(tmp: Path, *, steps=6, calm=False, staleness=1, checkpoint_every=2,
+                 extra="") -> Path:
+    task = task_dir(tmp, calm)
+    text = f"""
+[run]
+dir = "{tmp / 'run'}"
+seed = 3
+steps = {steps}
+max_staleness = {staleness}
+checkpoint_every = {checkpoint_every}
+
+[model.init]
+hidden = 32
+layers = 2
+heads = 2
+kv_heads = 1
+head_dim = 16
+experts = 4
+top_k = 2
+moe_intermediate = 32
+context = 128
+std = 0.05
+
+[tokenizer]
+vocab = "{CHAOS / 'vocab.json'}"
+
+[task]
+prompts = "{CHAOS / 'prompts.jsonl'}"
+files = "{task}"
+tool_server = ["python3", "/task/chaos_env.py", "serve"]
+verifier = ["python3", "/task/chaos_env.py", "verify"]
+max_turns = 3
+max_new_tokens = 8
+max_tokens = 64
+stop = ["\\n"]
+tool_timeout_s = 1
+sandbox_memory_mb = 64
+
+[sampling]
+group_size = 4
+
+[train]
+lr = 1e-3
+groups_per_step = 2
+max_tokens = 2048
+
+[fleet]
+engines = 2
+kv_cache_tokens = 4096
+concurrency = 8
+{extra}
+"""
+    path = tmp / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def start(config: Path, agent: Agent, *args) -> subprocess.Popen:
+    env = dict(os.environ, PBOX_ENDPOINT=f"unix://{agent.sock}")
+    log = open(config.parent / "bragg-rl.log", "ab")
+    return subprocess.Popen([str(RL), "run", str(config), *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def log_tail(config: Path) -> str:
+    return (config.parent / "bragg-rl.log").read_text(errors="replace")[-3000:]
+
+
+def finish(p: subprocess.Popen, config: Path, timeout=300) -> None:
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("bragg-rl did not finish:\n" + log_tail(config))
+    assert rc == 0, log_tail(config)
+
+
+def steps_of(run: Path) -> list:
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        j = json.loads(line)
+        if "event" not in j:
+            out.append(j)
+    return out
+
+
+def wait_for_step(run: Path, step: int, p: subprocess.Popen, config: Path, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if p.poll() is not None:
+            raise AssertionError(f"bragg-rl exited {p.returncode}:\n" + log_tail(config))
+        try:
+            if steps_of(run) and steps_of(run)[-1]["step"] >= step:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s:\n" + log_tail(config))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def check_common(run: Path, staleness: int, steps: int) -> list:
+    m = steps_of(run)
+    assert [s["step"] for s in m] == list(range(1, steps + 1))
+    for s in m:
+        assert s["over_stale"] == 0
+        assert max(int(k) for k in s["staleness"]) <= staleness
+        # Deterministic kernels on both sides: the trainer's log-probs of trajectories sampled
+        # wholly by its current weights are the engines', exactly.
+        if s["agreement_samples"] > 0:
+            assert s["logprob_agreement_max"] <= 1e-5, s
+    trained = [json.loads(l) for l in (run / "trained.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == list(range(1, steps + 1))
+    ids = [i for t in trained for i in t["ids"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps
+    return m
+
+
+def test_faults_are_observations_and_counted_drops(agent, tmp_path):
+    config = write_config(tmp_path, steps=6)
+    p = start(config, agent)
+    finish(p, config)
+    run = tmp_path / "run"
+    m = check_common(run, 1, 6)
+    failures = sum(s["tool_failures"] for s in m)
+    dropped = {}
+    for s in m:
+        for k, v in s["dropped"].items():
+            dropped[k] = dropped.get(k, 0) + v
+    assert failures > 0, "no tool fault happened: the chaos task is too calm"
+    assert dropped.get("verifier_failed", 0) > 0, dropped
+    rollouts = [json.loads(l) for l in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert any(r["dropped"] == "verifier_failed" for r in rollouts)
+    # Nothing is left behind: the engines and the gateway are gone, and so are the sandboxes.
+    fleet = json.loads((run / "fleet.json").read_text())
+    for s in fleet["servers"]:
+        assert not alive(s["pid"]), s
+
+
+def test_kill_9_then_resume_trains_nothing_twice(agent, tmp_path):
+    config = write_config(tmp_path, steps=8, calm=True, checkpoint_every=2)
+    run = tmp_path / "run"
+    p = start(config, agent)
+    wait_for_step(run, 5, p, config)
+    fleet = json.loads((run / "fleet.json").read_text())
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    # Its engines and gateway die with it (parent-death signal), not orphaned.
+    deadline = time.time() + 10
+    while any(alive(s["pid"]) for s in fleet["servers"]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(s["pid"]) for s in fleet["servers"])
+    before = {t["step"]: t["ids"] for t in map(json.loads, (run / "trained.jsonl").read_text().splitlines())}
+    assert max(before) >= 5
+    p = start(config, agent, "--resume")
+    finish(p, config)
+    m = check_common(run, 1, 8)
+    after = {t["step"]: t["ids"] for t in map(json.loads, (run / "trained.jsonl").read_text().splitlines())}
+    # Steps up to the checkpoint (4) are kept as they were; the ones after it are redone on new
+    # rollouts (new incarnation in their ids).
+    for step in (1, 2, 3, 4):
+        assert after[step] == before[step]
+    old = {i.split("-")[0] for s in (1, 2, 3, 4) for i in before[s]}
+    for step in range(5, 9):
+        assert all(i.split("-")[0] not in old for i in after[step]), step
+    events = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "start" and e.get("resume") for e in events)
+    assert m[-1]["version"] == 8
+
+
+def test_an_engine_killed_mid_run(agent, tmp_path):
+    config = write_config(tmp_path, steps=8, calm=True)
+    run = tmp_path / "run"
+    p = start(config, agent)
+    wait_for_step(run, 2, p, config)
+    fleet = json.loads((run / "fleet.json").read_text())
+    engine = next(s for s in fleet["servers"] if s["name"].startswith("engine"))
+    os.kill(engine["pid"], signal.SIGKILL)
+    finish(p, config)
+    check_common(run, 1, 8)
+
+
+def test_the_sandbox_agent_restarted_mid_run(agent, tmp_path):
+    config = write_config(tmp_path, steps=8, calm=True)
+    run = tmp_path / "run"
+    p = start(config, agent)
+    wait_for_step(run, 2, p, config)
+    agent.kill()
+    time.sleep(0.5)
+    agent.start()
+    finish(p, config)
+    m = check_common(run, 1, 8)
+    assert sum(s["sandbox_recoveries"] for s in m[-1:]) >= 1
+
+
+def refused(config: Path, agent: Agent, needle: str) -> None:
+    env = dict(os.environ, PBOX_ENDPOINT=f"unix://{agent.sock}")
+    r = subprocess.run([str(RL), "run", str(config)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
+    assert not (config.parent / "run" / "fleet.json").exists(), "an engine was started"
+
+
+def test_bad_input_is_refused_before_anything_starts(agent, tmp_path):
+    # A key that does not exist.
+    d = tmp_path / "a"
+    d.mkdir()
+    c = write_config(d, extra="[fleet.extra]\n")
+    refused(c, agent, "fleet.extra")
+    # A tool server that is not there.
+    d = tmp_path / "b"
+    d.mkdir()
+    c = write_config(d)
+    c.write_text(c.read_text().replace("/task/chaos_env.py\", \"serve", "/task/missing.py\", \"serve"))
+    refused(c, agent, "task.tool_server")
+    # A verifier that prints no number.
+    d = tmp_path / "c"
+    d.mkdir()
+    c = write_config(d)
+    c.write_text(c.read_text().replace('verifier = ["python3", "/task/chaos_env.py", "verify"]',
+                                       'verifier = ["echo", "maybe"]'))
+    refused(c, agent, "task.verifier")
+    # A prompt longer than the context.
+    d = tmp_path / "e"
+    d.mkdir()
+    long_prompts = d / "long.jsonl"
+    long_prompts.write_text(json.dumps({"prompt": "x" * 100 + "\n"}) + "\n")
+    c = write_config(d)
+    c.write_text(c.read_text().replace(str(CHAOS / "prompts.jsonl"), str(long_prompts)))
+    refused(c, agent, "does not fit")
