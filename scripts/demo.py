@@ -7,8 +7,13 @@ an FFT + peak-finding analysis with numpy inside the sandbox, downloads its JSON
 checks it against the same computation done here. Prints progress, then p50/p99 latencies and
 throughput.
 
-Part 2 (scripts/demo_rollout.py, --skip-rollout-step to leave it out): one RL rollout step on a
-real model: a tiny Qwen3-MoE's trainer checkpoints (Megatron torch_dist, two steps) converted by
+Part 2 (scripts/demo_rl.py, --skip-rl to leave it out): bragg-rl learns a scientific tool task,
+the first X-ray diffraction peak (examples/xrd): a small Qwen3-MoE warm-started on a noisy
+demonstrator, then GRPO over multi-turn rollouts through bragg-gateway and two bragg-engine
+workers, tools in pbox sandboxes, asynchronous and synchronous runs side by side, plots and a
+summary (--rl-quick: shorter runs, for ctest).
+
+Part 3 (scripts/demo_rollout.py, with --rollout-step): one RL rollout step on a real model: a tiny Qwen3-MoE's trainer checkpoints (Megatron torch_dist, two steps) converted by
 bragg-reshard; multi-turn rollouts through bragg-gateway (sticky) over two bragg-engine workers
 serving step 0, their tool calls in pbox sandboxes on the same agent, step 1 loaded by the whole
 fleet in place mid-rollout, delta router replay of the model's real routing, and the
@@ -100,8 +105,12 @@ def main() -> int:
     ap.add_argument("--build", default="build", help="CMake build directory")
     ap.add_argument("--sandboxes", type=int, default=N_SANDBOXES)
     ap.add_argument("--workers", type=int, default=16, help="client threads")
-    ap.add_argument("--skip-rollout-step", action="store_true",
-                    help="part 1 only: no gateway, engines, trainer checkpoints or packing")
+    ap.add_argument("--skip-rl", action="store_true", help="leave out part 2 (bragg-rl)")
+    ap.add_argument("--rl-quick", action="store_true",
+                    help="part 2 with 2-minute runs (ctest) instead of 10-minute ones")
+    ap.add_argument("--rollout-step", action="store_true",
+                    help="part 3: one rollout step through bragg-reshard, the gateway, two "
+                         "engines, pbox tools and bragg_pack")
     args = ap.parse_args()
 
     build = Path(args.build).resolve()
@@ -127,7 +136,8 @@ def main() -> int:
     log = open(root / "pboxd.log", "wb")
     agent = subprocess.Popen(
         [str(pboxd), "--listen", f"unix://{root}/pbox.sock", "--state-dir", str(root / "state"),
-         "--ready-file", str(ready), "--max-sandboxes", str(args.sandboxes + 8),
+         "--ready-file", str(ready), "--max-sandboxes",
+         str(args.sandboxes + 8 if args.skip_rl else max(args.sandboxes + 8, 96)),
          "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
     ok = False
     try:
@@ -138,7 +148,13 @@ def main() -> int:
                 return 1
             time.sleep(0.05)
         ok = run_workload(pbox, f"unix://{root}/pbox.sock", args.sandboxes, args.workers)
-        if ok and not args.skip_rollout_step:
+        if ok and not args.skip_rl:
+            import demo_rl
+
+            print("\n== bragg-rl: GRPO on the first X-ray diffraction peak (examples/xrd): "
+                  "pboxd, gateway, two engines, trainer, controller ==", flush=True)
+            ok = demo_rl.run_rl(build, f"unix://{root}/pbox.sock", root, quick=args.rl_quick)
+        if ok and args.rollout_step:
             import demo_rollout
 
             print("\n== one RL rollout step: bragg-reshard weights, gateway, bragg-engine "
@@ -156,8 +172,10 @@ def main() -> int:
                 fail(f"pboxd exited with {rc} on SIGTERM")
                 ok = False
         log.close()
-        if ok:
+        if ok and args.skip_rl:
             shutil.rmtree(root, ignore_errors=True)
+        elif ok:
+            print(f"demo: the RL runs, their plots and the agent's log are kept in {root}")
         else:
             print(f"demo: agent log kept in {root}/pboxd.log", file=sys.stderr)
     print("demo: OK" if ok else "demo: FAILED", flush=True)

@@ -490,6 +490,8 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   tr.Number("kl_coef", &train.kl_coef, AtLeast(0));
   tr.Number("entropy_coef", &train.entropy_coef, AtLeast(0));
   tr.Number("max_grad_norm", &train.max_grad_norm, AtLeast(0));
+  tr.Number("adam_eps", &train.adam_eps, Above(0));
+  tr.Number("weight_decay", &train.weight_decay, AtLeast(0));
   tr.Bool("normalize_std", &train.normalize_std);
   tr.Int("threads", &train.threads, 1);
   tr.Int("max_tokens", &train.max_tokens, 1);

@@ -109,6 +109,11 @@ struct TrainConfig {
   double kl_coef = 0;
   double entropy_coef = 0;
   double max_grad_norm = 1.0;
+  // AdamW's epsilon. RL's gradients are sparse (a few decisive tokens per trajectory): with a
+  // tiny epsilon, Adam moves every parameter by about lr each step, noise-only ones included,
+  // which wrecks what the warm start taught; a larger one leaves those nearly still.
+  double adam_eps = 1e-8;
+  double weight_decay = 0;
   bool normalize_std = true;
   int threads = 1;
   int64_t max_tokens = 8192;  // tokens per packed micro-batch

@@ -201,6 +201,8 @@ tis_cap = 5
 kl_coef = 0.01
 entropy_coef = 0.001
 max_grad_norm = 0.5
+adam_eps = 1e-6
+weight_decay = 0.01
 normalize_std = false
 threads = 4
 max_tokens = 4096
@@ -291,6 +293,8 @@ bin_dir = "../bin"
   EXPECT_EQ(train.kl_coef, 0.01);
   EXPECT_EQ(train.entropy_coef, 0.001);
   EXPECT_EQ(train.max_grad_norm, 0.5);
+  EXPECT_EQ(train.adam_eps, 1e-6);
+  EXPECT_EQ(train.weight_decay, 0.01);
   EXPECT_FALSE(train.normalize_std);
   EXPECT_EQ(train.threads, 4);
   EXPECT_EQ(train.max_tokens, 4096);
@@ -382,6 +386,8 @@ TEST_F(ConfigTest, ReferenceConfigStatesEveryDefault) {
   EXPECT_EQ(c->train.kl_coef, d.train.kl_coef);
   EXPECT_EQ(c->train.entropy_coef, d.train.entropy_coef);
   EXPECT_EQ(c->train.max_grad_norm, d.train.max_grad_norm);
+  EXPECT_EQ(c->train.adam_eps, d.train.adam_eps);
+  EXPECT_EQ(c->train.weight_decay, d.train.weight_decay);
   EXPECT_EQ(c->train.normalize_std, d.train.normalize_std);
   EXPECT_EQ(c->train.threads, d.train.threads);
   EXPECT_EQ(c->train.max_tokens, d.train.max_tokens);
@@ -593,6 +599,7 @@ TEST_F(ConfigTest, OutOfRangeValuesAreRefused) {
            {"train.kl_coef", "-0.1", "train.kl_coef: must be >= 0, got -0.1"},
            {"train.entropy_coef", "-0.1", "train.entropy_coef: must be >= 0, got -0.1"},
            {"train.max_grad_norm", "-1", "train.max_grad_norm: must be >= 0, got -1"},
+           {"train.adam_eps", "0", "train.adam_eps: must be > 0, got 0"},
            {"train.threads", "0", "train.threads: must be >= 1, got 0"},
            {"train.threads", "2147483648",
             "train.threads: must be <= 2147483647 (a 32-bit integer), got 2147483648"},

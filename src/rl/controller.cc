@@ -2,6 +2,7 @@
 
 #include <absl/strings/numbers.h>
 #include <absl/strings/strip.h>
+#include <httplib.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -13,7 +14,6 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
-#include <httplib.h>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -138,9 +138,8 @@ Result<Server> StartServer(const std::string& name, std::vector<std::string> arg
   std::string line;
   auto deadline = Clock::now() + std::chrono::seconds(120);
   while (line.find('\n') == std::string::npos) {
-    int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                    deadline - Clock::now())
-                                    .count());
+    int left = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
     if (left <= 0) {
       return absl::DeadlineExceededError(Cat(name, " did not start within 120 s; see ", log));
     }
@@ -237,9 +236,7 @@ class Controller {
     }
     return name;
   }
-  std::string ModelDir(int64_t version) const {
-    return Cat(cfg_.run.dir, "/models/v", version);
-  }
+  std::string ModelDir(int64_t version) const { return Cat(cfg_.run.dir, "/models/v", version); }
 
   const Config& cfg_;
   const RunOptions opt_;
@@ -383,8 +380,8 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
     if (cfg_.train.deterministic) {
       argv.push_back("--deterministic");
     }
-    BRAGG_ASSIGN_OR_RETURN(Server s, StartServer(Cat("engine ", i), argv,
-                                                 Cat(logs, "/engine-", i, ".log")));
+    BRAGG_ASSIGN_OR_RETURN(Server s,
+                           StartServer(Cat("engine ", i), argv, Cat(logs, "/engine-", i, ".log")));
     workers.push_back(s.url);
     servers_.push_back(std::move(s));
   }
@@ -392,8 +389,9 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
     gateway_url_ = cfg_.fleet.gateway;
     return absl::OkStatus();
   }
-  std::vector<std::string> argv = {Binary("bragg-gateway"), "--listen", "127.0.0.1:0",
-                                   "--policy", "sticky", "--health-interval-ms", "500"};
+  std::vector<std::string> argv = {
+      Binary("bragg-gateway"), "--listen", "127.0.0.1:0", "--policy", "sticky",
+      "--health-interval-ms",  "500"};
   for (const std::string& w : workers) {
     argv.push_back("--worker");
     argv.push_back(w);
@@ -402,7 +400,8 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   gateway_url_ = g.url;
   servers_.push_back(std::move(g));
   // Who is who, for operators and tests: the processes bragg-rl started.
-  json fleet = {{"controller_pid", ::getpid()}, {"gateway", gateway_url_}, {"servers", json::array()}};
+  json fleet = {
+      {"controller_pid", ::getpid()}, {"gateway", gateway_url_}, {"servers", json::array()}};
   for (const Server& s : servers_) {
     fleet["servers"].push_back({{"name", s.name}, {"url", s.url}, {"pid", s.process.pid()}});
   }
@@ -502,12 +501,11 @@ Status Controller::PrepareSandboxes() {
   double x = 0;
   absl::string_view out = absl::StripAsciiWhitespace(v->stdout());
   if (v->result().exit_code() != 0 || !absl::SimpleAtod(out, &x)) {
-    return absl::FailedPreconditionError(
-        Cat("task.verifier ", json(cfg_.task.verifier).dump(),
-            " must print a reward (a number) for a rollout; for a rollout without turns it printed ",
-            json(std::string(out.substr(0, 80))).dump(), " and exited ",
-            v->result().exit_code(), " ", v->result().error(), " ",
-            v->stderr().substr(0, 300)));
+    return absl::FailedPreconditionError(Cat(
+        "task.verifier ", json(cfg_.task.verifier).dump(),
+        " must print a reward (a number) for a rollout; for a rollout without turns it printed ",
+        json(std::string(out.substr(0, 80))).dump(), " and exited ", v->result().exit_code(), " ",
+        v->result().error(), " ", v->stderr().substr(0, 300)));
   }
   return absl::OkStatus();
 }
@@ -538,12 +536,12 @@ Status Controller::PushWeights(int64_t version) {
                {"weight_version", std::to_string(version)}};
   auto r = http.Post("/weights/update", body.dump(), "application/json");
   if (!r) {
-    return absl::UnavailableError(Cat("POST ", gateway_url_, "/weights/update: ",
-                                      httplib::to_string(r.error())));
+    return absl::UnavailableError(
+        Cat("POST ", gateway_url_, "/weights/update: ", httplib::to_string(r.error())));
   }
   if (r->status != 200) {
-    return absl::InternalError(Cat("POST /weights/update: HTTP ", r->status, ": ",
-                                   r->body.substr(0, 500)));
+    return absl::InternalError(
+        Cat("POST /weights/update: HTTP ", r->status, ": ", r->body.substr(0, 500)));
   }
   // The previous model's files: every engine has the new one now. Keep the last two.
   std::error_code ec;
@@ -577,14 +575,22 @@ bool Controller::TakeTask(Task* task) {
       starting_group_ = false;
       if (!sandboxes.ok()) {
         --admitted_;
+        --groups_started_;
         interval_.sandbox_failures += cfg_.sampling.group_size;
-        spdlog::warn("cloning the group's sandboxes: {}; preparing the task's sandbox again",
-                     sandboxes.status().message());
+        absl::StatusCode code = sandboxes.status().code();
+        // The agent full (ResourceExhausted): wait for sandboxes to be destroyed. The agent or
+        // the prepared sandbox gone (after an agent restart): prepare it again.
+        bool gone = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kNotFound ||
+                    code == absl::StatusCode::kFailedPrecondition;
+        spdlog::warn("cloning the group's sandboxes: {}{}", sandboxes.status().message(),
+                     gone ? "; preparing the task's sandbox again" : "");
         starting_group_ = true;  // one recovery at a time, by this thread
         l.unlock();
-        Status st = RecoverSandboxes();
+        Status st = gone ? RecoverSandboxes() : absl::OkStatus();
         if (!st.ok()) {
           spdlog::warn("preparing the task's sandbox: {}", st.message());
+        }
+        if (!gone || !st.ok()) {
           std::this_thread::sleep_for(std::chrono::seconds(1));
         }
         l.lock();
@@ -614,8 +620,8 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client, doubl
     result.dropped = "sandbox_failed";
     result.detail = std::string(tools.status().message());
   } else {
-    RolloutEnv env{&vocab_, &cfg_.task, stop_ids_, client, pbox_.get(), sandbox, tools->get(),
-                   [this](int d) { OnGenerate(d); }};
+    RolloutEnv env{&vocab_,     &cfg_.task, stop_ids_,    client,
+                   pbox_.get(), sandbox,    tools->get(), [this](int d) { OnGenerate(d); }};
     SamplingConfig sampling = cfg_.sampling;
     sampling.temperature = temperature;
     auto r = RunRollout(env, id, g.id, *g.prompt, sampling,
@@ -734,11 +740,13 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
       co.return_logprob = true;
       auto client = gateway::RolloutClient::Create(gateway_url_, co);
       if (!client.ok()) {
+        spdlog::warn("eval: {}", client.status().message());
         return;
       }
       for (size_t i; (i = next++) < prompts.size();) {
         auto sb = CloneSandboxes(1);
         if (!sb.ok()) {
+          spdlog::warn("eval: cloning a sandbox: {}", sb.status().message());
           continue;
         }
         auto g = std::make_shared<Group>();
@@ -746,15 +754,21 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         g->prompt = &prompts[i];
         g->sandboxes = *sb;
         auto tools = ToolServer::Start(pbox_.get(), (*sb)[0], cfg_.task.tool_server);
-        if (tools.ok()) {
-          RolloutEnv env{&vocab_, &cfg_.task, stop_ids_, client->get(), pbox_.get(),
-                         (*sb)[0], tools->get(), nullptr};
+        if (!tools.ok()) {
+          spdlog::warn("eval: the tool server: {}", tools.status().message());
+        } else {
+          RolloutEnv env{&vocab_,     &cfg_.task, stop_ids_,    client->get(),
+                         pbox_.get(), (*sb)[0],   tools->get(), nullptr};
           SamplingConfig greedy = cfg_.sampling;
           greedy.temperature = 0;
           auto r = RunRollout(env, g->id, g->id, prompts[i], greedy, 0);
           if (r.ok() && r->dropped.empty()) {
             ++scored;
             success += r->reward >= 1.0 ? 1 : 0;
+          } else {
+            spdlog::warn(
+                "eval: rollout {}: {}", g->id,
+                r.ok() ? r->dropped + ": " + r->detail : std::string(r.status().message()));
           }
           tools->reset();
         }
@@ -780,7 +794,7 @@ Status Controller::Run() {
   BRAGG_RETURN_IF_ERROR(PrepareSandboxes());
   incarnation_ = Cat("r", std::chrono::duration_cast<std::chrono::milliseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
-                              .count() %
+                                  .count() %
                               100000000);
   const std::string ckpt = cfg_.run.dir + "/checkpoints";
   const std::string metrics_path = cfg_.run.dir + "/metrics.jsonl";
@@ -799,6 +813,8 @@ Status Controller::Run() {
   o.kl_coef = cfg_.train.kl_coef;
   o.entropy_coef = cfg_.train.entropy_coef;
   o.max_grad_norm = cfg_.train.max_grad_norm;
+  o.eps = cfg_.train.adam_eps;
+  o.weight_decay = cfg_.train.weight_decay;
   o.normalize_std = cfg_.train.normalize_std;
   o.max_tokens = cfg_.train.max_tokens;
 
@@ -865,8 +881,8 @@ Status Controller::Run() {
       fs::remove_all(o.reference_dir, ec);
       fs::copy(start, o.reference_dir, fs::copy_options::recursive, ec);
       if (ec) {
-        return absl::InternalError(Cat("copying ", start, " to ", o.reference_dir, ": ",
-                                       ec.message()));
+        return absl::InternalError(
+            Cat("copying ", start, " to ", o.reference_dir, ": ", ec.message()));
       }
     }
     BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Create(o));
@@ -922,8 +938,7 @@ Status Controller::Run() {
     {
       std::unique_lock<std::mutex> l(mu_);
       while (groups < B) {
-        if (cfg_.run.time_limit_s > 0 &&
-            Seconds(Clock::now() - t0_) > cfg_.run.time_limit_s) {
+        if (cfg_.run.time_limit_s > 0 && Seconds(Clock::now() - t0_) > cfg_.run.time_limit_s) {
           timed_out = true;
           break;
         }
@@ -974,9 +989,8 @@ Status Controller::Run() {
     // current weights equal the engine's (exactly, with deterministic kernels on both sides).
     std::vector<train::Trajectory> fresh;
     for (size_t i = 0; i < batch.size() && fresh.size() < 4; ++i) {
-      if (staleness[i] == 0 &&
-          std::all_of(batch[i].versions.begin(), batch[i].versions.end(),
-                      [&](int64_t v) { return v < 0 || v == version_; })) {
+      if (staleness[i] == 0 && std::all_of(batch[i].versions.begin(), batch[i].versions.end(),
+                                           [&](int64_t v) { return v < 0 || v == version_; })) {
         fresh.push_back(batch[i]);
       }
     }
@@ -1097,6 +1111,7 @@ Status Controller::Run() {
         {"kl", m->kl},
         {"entropy", m->entropy},
         {"clip_fraction", m->clip_fraction},
+        {"grad_norm", m->grad_norm},
         {"logprob_diff_max", m->logprob_diff_max},
         {"logprob_agreement_max", agreement},
         {"agreement_samples", fresh.size()},
@@ -1111,8 +1126,7 @@ Status Controller::Run() {
     double window = 0;
     for (double r : recent) window += r;
     window /= static_cast<double>(recent.size());
-    if (cfg_.task.eval_every > 0 && m->step % cfg_.task.eval_every == 0 &&
-        !eval_prompts_.empty()) {
+    if (cfg_.task.eval_every > 0 && m->step % cfg_.task.eval_every == 0 && !eval_prompts_.empty()) {
       auto e = Evaluate(eval_prompts_, Cat("step-", m->step));
       if (e.ok()) line["eval_success"] = *e;
     }
@@ -1169,8 +1183,8 @@ Status Preflight(const Config& config) {
   BRAGG_ASSIGN_OR_RETURN(Vocab vocab, Vocab::Load(config.tokenizer.vocab));
   for (const std::string& s : config.task.stop) {
     if (!vocab.Id(s)) {
-      return absl::InvalidArgumentError(Cat("task.stop: ", json(s).dump(), " is not a token of ",
-                                            config.tokenizer.vocab));
+      return absl::InvalidArgumentError(
+          Cat("task.stop: ", json(s).dump(), " is not a token of ", config.tokenizer.vocab));
     }
   }
   int64_t context = config.model.init ? config.model.init->context : 0;
@@ -1185,9 +1199,9 @@ Status Preflight(const Config& config) {
     if (file.empty()) {
       continue;
     }
-    BRAGG_ASSIGN_OR_RETURN(std::vector<Prompt> prompts,
-                           LoadPrompts(file, file == config.task.prompts ? config.task.balance_by
-                                                                          : ""));
+    BRAGG_ASSIGN_OR_RETURN(
+        std::vector<Prompt> prompts,
+        LoadPrompts(file, file == config.task.prompts ? config.task.balance_by : ""));
     for (size_t i = 0; i < prompts.size(); ++i) {
       auto ids = vocab.Encode(prompts[i].text);
       if (!ids.ok()) {

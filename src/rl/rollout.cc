@@ -84,11 +84,12 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
     if (room <= 0) {
       break;
     }
-    json sp = {{"temperature", sampling.temperature},
-               {"top_p", sampling.top_p},
-               {"max_new_tokens", std::min<int64_t>(task.max_new_tokens, room)},
-               {"stop_token_ids", env.stop_ids},
-               {"sampling_seed", (seed + static_cast<uint64_t>(turn) * 0x9E3779B97F4A7C15ull) >> 1}};
+    json sp = {
+        {"temperature", sampling.temperature},
+        {"top_p", sampling.top_p},
+        {"max_new_tokens", std::min<int64_t>(task.max_new_tokens, room)},
+        {"stop_token_ids", env.stop_ids},
+        {"sampling_seed", (seed + static_cast<uint64_t>(turn) * 0x9E3779B97F4A7C15ull) >> 1}};
     auto t0 = Clock::now();
     Result<gateway::TurnResult> out = absl::UnknownError("not tried");
     // An engine that dies mid-turn: the gateway fails over; the turn is asked again (the
@@ -194,8 +195,7 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
   if (!res.error().empty() || res.signal() != 0 || res.exit_code() != 0 || res.timed_out()) {
     return Dropped(std::move(r), "verifier_failed",
                    Cat("exit ", res.exit_code(), " signal ", res.signal(),
-                       res.timed_out() ? " (timed out)" : "", ": ",
-                       v->stderr().substr(0, 200)));
+                       res.timed_out() ? " (timed out)" : "", ": ", v->stderr().substr(0, 200)));
   }
   double reward = 0;
   absl::string_view text = absl::StripAsciiWhitespace(v->stdout());

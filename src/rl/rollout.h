@@ -39,8 +39,8 @@ struct RolloutResult {
   std::vector<ToolCallRecord> tool_calls;
   std::vector<std::string> turns;  // the model's turns as text
   int turn_count = 0;
-  bool done = false;   // the tool server said done (the model answered)
-  double reward = 0;   // the verifier's
+  bool done = false;  // the tool server said done (the model answered)
+  double reward = 0;  // the verifier's
   // Why the trajectory cannot be trained on ("" when it can): "verifier_failed",
   // "verifier_no_number", "generate_failed", "bad_logprobs".
   std::string dropped;

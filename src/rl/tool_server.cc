@@ -72,19 +72,18 @@ Status ToolServer::Launch() {
     start.add_argv(a);
   }
   exec_ = std::thread([this, start, read = std::make_shared<UniqueFd>(std::move(in.read))] {
-    auto result = client_->Exec(
-        start, read->get(), [this](bool is_stderr, std::string_view data) {
-          std::lock_guard<std::mutex> l(mu_);
-          if (is_stderr) {
-            err_.append(data);
-            if (err_.size() > kStderrKeep) {
-              err_.erase(0, err_.size() - kStderrKeep);
-            }
-          } else {
-            out_.append(data);
-          }
-          cv_.notify_all();
-        });
+    auto result = client_->Exec(start, read->get(), [this](bool is_stderr, std::string_view data) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (is_stderr) {
+        err_.append(data);
+        if (err_.size() > kStderrKeep) {
+          err_.erase(0, err_.size() - kStderrKeep);
+        }
+      } else {
+        out_.append(data);
+      }
+      cv_.notify_all();
+    });
     std::lock_guard<std::mutex> l(mu_);
     exited_ = true;
     if (!result.ok()) {
@@ -115,9 +114,8 @@ void ToolServer::Stop(std::chrono::milliseconds grace) {
     if (!exited_) {
       l.unlock();
       // Every process of the sandbox but its init (pbox's sandboxes are pid namespaces).
-      (void)client_->Run({.sandbox_id = sandbox_id_,
-                          .argv = {"kill", "-KILL", "-1"},
-                          .timeout_ms = 5000});
+      (void)client_->Run(
+          {.sandbox_id = sandbox_id_, .argv = {"kill", "-KILL", "-1"}, .timeout_ms = 5000});
     }
   }
   exec_.join();
@@ -168,8 +166,8 @@ ToolReply ToolServer::Call(std::string_view text, std::chrono::milliseconds time
         return finish(Failure("timeout", "error: tool timed out\n"));
       }
       if (out_.size() > kMaxReplyBytes) {
-        return finish(Failure("bad reply: over 1 MiB without a newline",
-                              "error: tool output too long\n"));
+        return finish(
+            Failure("bad reply: over 1 MiB without a newline", "error: tool output too long\n"));
       }
       return finish(Failure(oom_ ? std::string("oom") : Cat("exited: ", exit_),
                             oom_ ? "error: tool ran out of memory\n" : "error: tool crashed\n"));

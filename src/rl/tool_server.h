@@ -71,12 +71,12 @@ class ToolServer {
   std::mutex call_mu_;  // one call at a time
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::string out_;   // stdout not yet consumed
-  std::string err_;   // the last bytes of stderr, for messages
+  std::string out_;  // stdout not yet consumed
+  std::string err_;  // the last bytes of stderr, for messages
   bool exited_ = true;
   std::string exit_;  // DescribeExit of the last run
   bool oom_ = false;
-  UniqueFd stdin_;    // our end of the server's stdin
+  UniqueFd stdin_;  // our end of the server's stdin
   std::thread exec_;
 };
 

@@ -82,7 +82,7 @@ Result<std::vector<int32_t>> Vocab::Encode(std::string_view text) const {
     if (!m) {
       unsigned char c = static_cast<unsigned char>(text[at]);
       return absl::InvalidArgumentError(Cat("no token for byte 0x", "0123456789abcdef"[c >> 4],
-                                      "0123456789abcdef"[c & 15], " at offset ", at));
+                                            "0123456789abcdef"[c & 15], " at offset ", at));
     }
     ids.push_back(m->first);
     at += m->second;

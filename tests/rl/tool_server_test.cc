@@ -81,7 +81,9 @@ for line in sys.stdin:
 
 class ToolServerTest : public SharedAgentTest<ToolServerTest> {
  public:
-  static std::vector<std::string> AgentFlags() { return {}; }
+  // Keepalive pings every second: a client that does not answer them loses its connection, and
+  // with it its session, within seconds.
+  static std::vector<std::string> AgentFlags() { return {"--keepalive-ms", "1000"}; }
 
  protected:
   std::string NewSandbox(uint64_t memory = 256ull << 20) {
@@ -200,6 +202,20 @@ TEST_F(ToolServerTest, DestroyingAHungServerIsBounded) {
   auto t0 = std::chrono::steady_clock::now();
   s.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
+// bragg-rl holds its session for the whole run and may make no call for minutes (a warm start):
+// the session and its sandboxes must outlive the agent's keepalive pings meanwhile.
+TEST_F(ToolServerTest, AnIdleSessionOutlivesKeepalivePings) {
+  auto session = client_->OpenSession("idle");
+  ASSERT_TRUE(session.ok()) << session.status();
+  pbox::client::v1::SandboxSpec spec;
+  auto sb = client_->Create(spec, (*session)->id());
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  std::this_thread::sleep_for(6s);
+  EXPECT_TRUE(client_->Get(sb->id()).ok()) << "the idle session's sandbox is gone";
+  EXPECT_TRUE((*session)->Close().ok());
+  EXPECT_EQ(client_->Get(sb->id()).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(ToolServerTest, ManyServersAtOnce) {

@@ -169,6 +169,11 @@ Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_n
     return st.ok() ? absl::UnavailableError("the agent closed the session at once") : st;
   }
   s->id_ = ev.opened().session_id();
+  s->reader_ = std::thread([stream = s->stream_.get()] {
+    v1::SessionEvent e;
+    while (stream->Read(&e)) {
+    }
+  });
   return s;
 }
 
@@ -180,8 +185,8 @@ Status Session::Close() {
   }
   closed_ = true;
   stream_->WritesDone();
-  v1::SessionEvent ev;
-  while (stream_->Read(&ev)) {
+  if (reader_.joinable()) {
+    reader_.join();  // the agent ends the stream once it has destroyed the sandboxes
   }
   return FromGrpc(stream_->Finish());
 }

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "bragg/pbox/v1/pbox.grpc.pb.h"
@@ -68,6 +69,10 @@ class Session {
   std::string id_;
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream_;
+  // Reads the stream until it ends. A call blocked on the stream is what answers the agent's
+  // keepalive pings: a session whose client made no call for a while (a trainer's warm start)
+  // would otherwise lose its connection, and the agent would end it with its sandboxes.
+  std::thread reader_;
   bool closed_ = false;
 };
 
