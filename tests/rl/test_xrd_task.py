@@ -369,3 +369,26 @@ def test_check_mode_catches_a_leak(data_dir, tmp_path):
     bad = subprocess.run([sys.executable, MAKE_DATA, "--check", str(tmp_path)],
                          capture_output=True, timeout=120)
     assert bad.returncode != 0 and b"held-out pairs in train" in bad.stderr
+
+
+def test_prepare_writes_the_table_the_server_then_reads(tmp_path):
+    """`tool_server.py --prepare` (bragg-rl's task.setup) writes ASE's table next to the script;
+    the server and the verifier then read it instead of importing ASE, with the same answers."""
+    import shutil
+
+    for name in ("tool_server.py", "verifier.py"):
+        shutil.copy(os.path.join(TASK, "sandbox", name), tmp_path / name)
+    subprocess.run([sys.executable, str(tmp_path / "tool_server.py"), "--prepare"], check=True)
+    cached = json.loads((tmp_path / "lattice.json").read_text())
+    sys.path.insert(0, os.path.join(TASK, "sandbox"))
+    import tool_server
+
+    fresh = tool_server.lattice_table(cache=None)
+    assert {k: tuple(v) for k, v in cached.items()} == fresh
+    assert len(cached) == 38
+    # The cached table answers as ASE's does; a corrupt cache would show here.
+    (tmp_path / "lattice.json").write_text(json.dumps({"Al": ["bcc", 9.99]}))
+    out = subprocess.run([sys.executable, str(tmp_path / "tool_server.py")],
+                         input=json.dumps({"text": "lattice Al\n"}) + "\n", capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out)["observation"] == "bcc 9.99\n"
