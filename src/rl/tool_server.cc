@@ -23,21 +23,6 @@ ToolReply Failure(std::string failure, std::string observation) {
   return r;
 }
 
-// Writes all of `data` to a pipe; false when the reader is gone.
-bool WriteAll(int fd, std::string_view data) {
-  while (!data.empty()) {
-    ssize_t n = ::write(fd, data.data(), data.size());
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n <= 0) {
-      return false;
-    }
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return true;
-}
-
 }  // namespace
 
 Result<std::unique_ptr<ToolServer>> ToolServer::Start(pbox::client::Client* client,
@@ -151,7 +136,7 @@ ToolReply ToolServer::Call(std::string_view text, std::chrono::milliseconds time
     std::lock_guard<std::mutex> l(mu_);
     out_.clear();  // a reply that came late to an earlier call is not this call's
   }
-  if (!stdin_.valid() || !WriteAll(stdin_.get(), line)) {
+  if (!stdin_.valid() || !WriteAll(stdin_.get(), line).ok()) {
     return finish(Failure(Cat("exited: ", exit_description()), "error: tool server died\n"));
   }
   std::string reply;
