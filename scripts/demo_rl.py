@@ -2,8 +2,8 @@
 
 On this machine: the pbox agent of part 1, two bragg-engine workers behind bragg-gateway, the
 trainer and the controller (bragg-rl, one process). A 133k-parameter Qwen3-MoE with a
-74-character vocabulary is warm-started on a noisy demonstrator's traces (right one time in
-three), then trained with GRPO on multi-turn rollouts whose tool calls (a lattice tool over
+74-character vocabulary is warm-started on a demonstrator's traces (a wrong hkl habit per
+structure, right 30% of the time), then trained with GRPO on multi-turn rollouts whose tool calls (a lattice tool over
 ASE's reference data, a Bragg's-law tool) run in pbox sandboxes cloned per group.
 
 Two runs from the same warm start: asynchronous (max_staleness 2) and synchronous
@@ -62,7 +62,11 @@ def run(build: Path, config: Path, endpoint: str, label: str) -> bool:
         # The step lines, shortened: the whole record is in metrics.jsonl.
         m = re.search(r"\] (.*)$", line.rstrip())
         print(f"   {m.group(1) if m else line.rstrip()}", flush=True)
-    return p.wait() == 0
+    rc = p.wait()
+    if rc != 0:
+        print(f"demo: bragg-rl run {config} exited with {rc}: its log is above, its records in "
+              f"the run directory", file=sys.stderr, flush=True)
+    return rc == 0
 
 
 def records(run_dir: Path):

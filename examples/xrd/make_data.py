@@ -9,9 +9,12 @@ A prompt is one (element, tube) pair, "Al Cu\\n", with meta {"element", "tube", 
 "hkl", "two_theta"}. About 15% of the pairs are held out, per structure (each structure has
 held-out pairs, and every element and tube keeps train pairs: a character model cannot copy a
 symbol it never saw). warm.jsonl holds supervised traces in bragg-train's trajectory format
-(docs/train.md) from a deliberately noisy demonstrator: its hkl is uniform over 100, 110, 111
-whatever the structure, everything else is right, so it earns reward about 1/3. The same seed
-writes the same files.
+(docs/train.md) from a deliberately wrong demonstrator: everything but the hkl is right, and its
+hkl follows DEMONSTRATOR, a per-structure habit whose most likely choice is wrong in every
+structure (right 30% of the time). The warm-started model thus reads the structure word before
+choosing (it has to, to copy the habit), earns reward about 0.3 sampled and about 0 greedy, and
+what RL has to learn is to move each structure's choice, separately, to its right reflection. The
+same seed writes the same files.
 """
 
 import argparse
@@ -27,6 +30,14 @@ import tool_server as ts  # noqa: E402
 from tool_server import FIRST_HKL, HKLS, STRUCTURES, TUBES  # noqa: E402
 
 HELDOUT_FRACTION = 0.15
+
+# The demonstrator's hkl per structure: P(hkl). The right one (FIRST_HKL) 0.3, a wrong habit 0.5.
+DEMONSTRATOR = {
+    "fcc": {"111": 0.3, "110": 0.5, "100": 0.2},
+    "diamond": {"111": 0.3, "100": 0.5, "110": 0.2},
+    "bcc": {"110": 0.3, "111": 0.5, "100": 0.2},
+    "sc": {"100": 0.3, "110": 0.5, "111": 0.2},
+}
 
 
 class Vocab:
@@ -135,7 +146,8 @@ def warm_traces(table, vocab, train, n, rng):
     out = []
     for i in range(n):
         pair = rng.choice(by_structure[STRUCTURES[i % len(STRUCTURES)]])
-        hkl = rng.choice(HKLS)
+        habit = DEMONSTRATOR[pair["meta"]["structure"]]
+        hkl = rng.choices(HKLS, weights=[habit[h] for h in HKLS])[0]
         out.append(trace(vocab, "warm-%05d" % i, *demonstration(table, pair, hkl)))
     return out
 

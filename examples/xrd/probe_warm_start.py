@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Feasibility probe of the xrd warm start: does a tiny random Qwen3-MoE learn the format and the
-copying from warm.jsonl, quickly on a CPU, and then sample reward about 1/3 (the demonstrator's)?
+copying from warm.jsonl, quickly on a CPU, and then sample about the demonstrator's reward?
 
     probe_warm_start.py --build BUILD --work DIR [--steps N --lr X --batch-size N ...]
 

@@ -14,6 +14,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -199,9 +200,22 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(i, v.size() - 1)];
 }
 
+// What the config names, read and checked once (Preflight) and then run on.
+struct Inputs {
+  Vocab vocab;
+  std::vector<int32_t> stop_ids;
+  std::vector<Prompt> prompts, eval_prompts;
+};
+
 class Controller {
  public:
-  Controller(const Config& cfg, const RunOptions& opt) : cfg_(cfg), opt_(opt) {}
+  Controller(const Config& cfg, const RunOptions& opt, Inputs inputs)
+      : cfg_(cfg),
+        opt_(opt),
+        vocab_(std::move(inputs.vocab)),
+        stop_ids_(std::move(inputs.stop_ids)),
+        prompts_(std::move(inputs.prompts)),
+        eval_prompts_(std::move(inputs.eval_prompts)) {}
   ~Controller() { StopWorkers(); }
 
   Status Run();
@@ -219,7 +233,13 @@ class Controller {
   Status PushWeights(int64_t version);
   void Worker(int index);
   bool TakeTask(Task* task);
-  void RunTask(const Task& task, gateway::RolloutClient* client, double temperature);
+  // One rollout in `sandbox` (its tool server started there), then the sandbox destroyed and the
+  // rollout's routing forgotten, whatever happened.
+  RolloutResult RolloutInSandbox(const std::string& sandbox, const std::string& id,
+                                 const std::string& group, const Prompt& prompt,
+                                 gateway::RolloutClient* client, const SamplingConfig& sampling,
+                                 uint64_t seed, std::function<void(int)> on_generate);
+  void RunTask(const Task& task, gateway::RolloutClient* client);
   void StopWorkers();
   // Greedy success over `prompts` (one rollout each, temperature 0), run beside anything else.
   Result<double> Evaluate(const std::vector<Prompt>& prompts, const std::string& label);
@@ -301,19 +321,6 @@ void Controller::OnGenerate(int delta) {
 
 Status Controller::Prepare() {
   bin_dir_ = !cfg_.fleet.bin_dir.empty() ? cfg_.fleet.bin_dir : opt_.bin_dir;
-  BRAGG_ASSIGN_OR_RETURN(vocab_, Vocab::Load(cfg_.tokenizer.vocab));
-  for (const std::string& s : cfg_.task.stop) {
-    auto id = vocab_.Id(s);
-    if (!id) {
-      return absl::InvalidArgumentError(
-          Cat("task.stop: ", json(s).dump(), " is not a token of ", cfg_.tokenizer.vocab));
-    }
-    stop_ids_.push_back(*id);
-  }
-  BRAGG_ASSIGN_OR_RETURN(prompts_, LoadPrompts(cfg_.task.prompts, cfg_.task.balance_by));
-  if (!cfg_.task.eval_prompts.empty()) {
-    BRAGG_ASSIGN_OR_RETURN(eval_prompts_, LoadPrompts(cfg_.task.eval_prompts, ""));
-  }
   return absl::OkStatus();
 }
 
@@ -610,10 +617,11 @@ bool Controller::TakeTask(Task* task) {
   }
 }
 
-void Controller::RunTask(const Task& task, gateway::RolloutClient* client, double temperature) {
-  Group& g = *task.group;
-  const std::string& sandbox = g.sandboxes[static_cast<size_t>(task.member)];
-  std::string id = Cat(g.id, "-", task.member);
+RolloutResult Controller::RolloutInSandbox(const std::string& sandbox, const std::string& id,
+                                           const std::string& group, const Prompt& prompt,
+                                           gateway::RolloutClient* client,
+                                           const SamplingConfig& sampling, uint64_t seed,
+                                           std::function<void(int)> on_generate) {
   RolloutResult result;
   auto tools = ToolServer::Start(pbox_.get(), sandbox, cfg_.task.tool_server);
   if (!tools.ok()) {
@@ -621,12 +629,8 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client, doubl
     result.detail = std::string(tools.status().message());
   } else {
     RolloutEnv env{&vocab_,     &cfg_.task, stop_ids_,    client,
-                   pbox_.get(), sandbox,    tools->get(), [this](int d) { OnGenerate(d); }};
-    SamplingConfig sampling = cfg_.sampling;
-    sampling.temperature = temperature;
-    auto r = RunRollout(env, id, g.id, *g.prompt, sampling,
-                        cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
-                            static_cast<uint64_t>(task.member));
+                   pbox_.get(), sandbox,    tools->get(), std::move(on_generate)};
+    auto r = RunRollout(env, id, group, prompt, sampling, seed);
     if (r.ok()) {
       result = std::move(*r);
     } else {
@@ -637,6 +641,17 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client, doubl
   }
   (void)client->Forget(id);
   (void)pbox_->Destroy(sandbox);
+  return result;
+}
+
+void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
+  Group& g = *task.group;
+  std::string id = Cat(g.id, "-", task.member);
+  RolloutResult result = RolloutInSandbox(
+      g.sandboxes[static_cast<size_t>(task.member)], id, g.id, *g.prompt, client, cfg_.sampling,
+      cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
+          static_cast<uint64_t>(task.member),
+      [this](int d) { OnGenerate(d); });
   {
     json line = {{"id", id},
                  {"prompt", g.prompt->text},
@@ -704,7 +719,7 @@ void Controller::Worker(int index) {
   }
   Task task;
   while (TakeTask(&task)) {
-    RunTask(task, client->get(), cfg_.sampling.temperature);
+    RunTask(task, client->get());
   }
 }
 
@@ -749,31 +764,17 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
           spdlog::warn("eval: cloning a sandbox: {}", sb.status().message());
           continue;
         }
-        auto g = std::make_shared<Group>();
-        g->id = Cat(incarnation_, "-eval-", label, "-", i);
-        g->prompt = &prompts[i];
-        g->sandboxes = *sb;
-        auto tools = ToolServer::Start(pbox_.get(), (*sb)[0], cfg_.task.tool_server);
-        if (!tools.ok()) {
-          spdlog::warn("eval: the tool server: {}", tools.status().message());
+        std::string id = Cat(incarnation_, "-eval-", label, "-", i);
+        SamplingConfig greedy = cfg_.sampling;
+        greedy.temperature = 0;
+        RolloutResult r =
+            RolloutInSandbox((*sb)[0], id, id, prompts[i], client->get(), greedy, 0, nullptr);
+        if (r.dropped.empty()) {
+          ++scored;
+          success += r.reward >= 1.0 ? 1 : 0;
         } else {
-          RolloutEnv env{&vocab_,     &cfg_.task, stop_ids_,    client->get(),
-                         pbox_.get(), (*sb)[0],   tools->get(), nullptr};
-          SamplingConfig greedy = cfg_.sampling;
-          greedy.temperature = 0;
-          auto r = RunRollout(env, g->id, g->id, prompts[i], greedy, 0);
-          if (r.ok() && r->dropped.empty()) {
-            ++scored;
-            success += r->reward >= 1.0 ? 1 : 0;
-          } else {
-            spdlog::warn(
-                "eval: rollout {}: {}", g->id,
-                r.ok() ? r->dropped + ": " + r->detail : std::string(r.status().message()));
-          }
-          tools->reset();
+          spdlog::warn("eval: rollout {}: {}: {}", id, r.dropped, r.detail);
         }
-        (void)(*client)->Forget(g->id);
-        (void)pbox_->Destroy((*sb)[0]);
       }
     });
   }
@@ -1177,15 +1178,17 @@ Status Controller::Run() {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-Status Preflight(const Config& config) {
-  BRAGG_ASSIGN_OR_RETURN(Vocab vocab, Vocab::Load(config.tokenizer.vocab));
+Result<Inputs> LoadInputs(const Config& config) {
+  Inputs in;
+  BRAGG_ASSIGN_OR_RETURN(in.vocab, Vocab::Load(config.tokenizer.vocab));
+  const Vocab& vocab = in.vocab;
   for (const std::string& s : config.task.stop) {
-    if (!vocab.Id(s)) {
+    auto id = vocab.Id(s);
+    if (!id) {
       return absl::InvalidArgumentError(
           Cat("task.stop: ", json(s).dump(), " is not a token of ", config.tokenizer.vocab));
     }
+    in.stop_ids.push_back(*id);
   }
   int64_t context = config.model.init ? config.model.init->context : 0;
   if (!config.model.path.empty()) {
@@ -1199,9 +1202,9 @@ Status Preflight(const Config& config) {
     if (file.empty()) {
       continue;
     }
-    BRAGG_ASSIGN_OR_RETURN(
-        std::vector<Prompt> prompts,
-        LoadPrompts(file, file == config.task.prompts ? config.task.balance_by : ""));
+    const bool train = file == config.task.prompts;
+    std::vector<Prompt>& prompts = train ? in.prompts : in.eval_prompts;
+    BRAGG_ASSIGN_OR_RETURN(prompts, LoadPrompts(file, train ? config.task.balance_by : ""));
     for (size_t i = 0; i < prompts.size(); ++i) {
       auto ids = vocab.Encode(prompts[i].text);
       if (!ids.ok()) {
@@ -1228,12 +1231,16 @@ Status Preflight(const Config& config) {
       }
     }
   }
-  return absl::OkStatus();
+  return in;
 }
 
+}  // namespace
+
+Status Preflight(const Config& config) { return LoadInputs(config).status(); }
+
 Status Run(const Config& config, const RunOptions& options) {
-  BRAGG_RETURN_IF_ERROR(Preflight(config));
-  Controller c(config, options);
+  BRAGG_ASSIGN_OR_RETURN(Inputs inputs, LoadInputs(config));
+  Controller c(config, options, std::move(inputs));
   return c.Run();
 }
 

@@ -7,6 +7,7 @@
 // the trajectory is exactly the ids the engine saw and produced.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 

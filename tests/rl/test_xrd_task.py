@@ -334,12 +334,24 @@ def test_warm_traces(data_dir):
         assert lines[5] == "answer " + lines[4]
         assert t["reward"] == (1 if hkl == meta["hkl"] else 0)
     rate = sum(t["reward"] for t in warm) / len(warm)
-    assert abs(rate - 1 / 3) < 0.05
-    counts = {}
+    assert abs(rate - 0.3) < 0.05
+    counts, chosen = {}, {}
     for t in warm:
-        structure = train[VOCAB.decode(t["tokens"]).split("\n")[0] + "\n"]["meta"]["structure"]
+        lines = VOCAB.decode(t["tokens"]).split("\n")
+        structure = train[lines[0] + "\n"]["meta"]["structure"]
         counts[structure] = counts.get(structure, 0) + 1
+        hkl = lines[3].split()[2]
+        chosen.setdefault(structure, {}).setdefault(hkl, 0)
+        chosen[structure][hkl] += 1
     assert counts == {"fcc": 300, "bcc": 300, "diamond": 300, "sc": 300}
+    # The demonstrator's habit: in every structure its most frequent hkl is a wrong one (what
+    # RL has to undo, per structure), and the right one is still tried often enough to learn.
+    right = {"fcc": "111", "diamond": "111", "bcc": "110", "sc": "100"}
+    for structure, hkls in chosen.items():
+        habit = max(hkls, key=hkls.get)
+        assert habit != right[structure], (structure, hkls)
+        assert 0.2 < hkls.get(right[structure], 0) / counts[structure] < 0.4, (structure, hkls)
+    assert len({max(h, key=h.get) for h in chosen.values()}) > 1, chosen
 
 
 def test_the_verifier_agrees_with_the_warm_rewards(data_dir):
@@ -392,3 +404,27 @@ def test_prepare_writes_the_table_the_server_then_reads(tmp_path):
                          input=json.dumps({"text": "lattice Al\n"}) + "\n", capture_output=True,
                          text=True, check=True).stdout
     assert json.loads(out)["observation"] == "bcc 9.99\n"
+
+
+def test_hkl_by_structure_counts_per_version_bucket():
+    import hkl_by_structure as h
+
+    structure_of = {"Al Cu\n": "fcc", "Fe Cu\n": "bcc"}
+    rollouts = [
+        {"id": "r-1", "prompt": "Al Cu\n", "turns": ["lattice Al\n", "bragg 4.05 111 Cu\n"],
+         "reward": 1.0, "versions": [0, 1]},
+        {"id": "r-2", "prompt": "Al Cu\n", "turns": ["lattice Al\n", "bragg 4.05 110 Cu\n"],
+         "reward": 0.0, "versions": [1, 1]},
+        # Malformed bragg calls and rollouts that never got there count as "?".
+        {"id": "r-3", "prompt": "Fe Cu\n", "turns": ["lattice Fe\n", "bragg 2.87\n"],
+         "reward": 0.0, "versions": [2, 2]},
+        {"id": "r-4", "prompt": "Fe Cu\n", "turns": [], "reward": 0.0},
+        # Eval rollouts are not the training policy's samples.
+        {"id": "x-eval-after-0", "prompt": "Fe Cu\n", "turns": ["lattice Fe\n"],
+         "reward": 1.0, "versions": [3, 3]},
+    ]
+    lines = h.table(rollouts, structure_of, 2)
+    assert lines == [
+        "v0-1 reward 0.333 n 3 malformed 0.33 | bcc(110) ?:1.00 | fcc(111) 110:0.50 111:0.50",
+        "v2-3 reward 0.000 n 1 malformed 1.00 | bcc(110) ?:1.00",
+    ]
