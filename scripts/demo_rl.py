@@ -3,8 +3,9 @@
 On this machine: the pbox agent of part 1, two bragg-engine workers behind bragg-gateway, the
 trainer and the controller (bragg-rl, one process). A 133k-parameter Qwen3-MoE with a
 74-character vocabulary is warm-started on a demonstrator's traces (a wrong hkl habit per
-structure, right 30% of the time), then trained with GRPO on multi-turn rollouts whose tool calls (a lattice tool over
-ASE's reference data, a Bragg's-law tool) run in pbox sandboxes cloned per group.
+structure, right 30% of the time), then trained with GRPO on multi-turn rollouts whose tool
+calls (a lattice tool over ASE's reference data, a Bragg's-law tool) run in pbox sandboxes
+cloned per group.
 
 Two runs from the same warm start: asynchronous (max_staleness 2) and synchronous
 (max_staleness 0), each until the target reward or its time limit; then the plots
