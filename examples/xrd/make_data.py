@@ -12,9 +12,9 @@ symbol it never saw). warm.jsonl holds supervised traces in bragg-train's trajec
 (docs/train.md) from a deliberately wrong demonstrator: everything but the hkl is right, and its
 hkl follows DEMONSTRATOR, a per-structure habit whose most likely choice is wrong in every
 structure (right 30% of the time). The warm-started model thus reads the structure word before
-choosing (it has to, to copy the habit), earns reward about 0.3 sampled (greedy 0.26 on held-out pairs, measured), and
-what RL has to learn is to move each structure's choice, separately, to its right reflection. The
-same seed writes the same files.
+choosing (it has to, to copy the habit), earns reward about 0.3 sampled (greedy 0.26 on
+held-out pairs, measured), and what RL has to learn is to move each structure's choice,
+separately, to its right reflection. The same seed writes the same files.
 """
 
 import argparse
