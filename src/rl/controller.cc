@@ -647,11 +647,19 @@ RolloutResult Controller::RolloutInSandbox(const std::string& sandbox, const std
 void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
   Group& g = *task.group;
   std::string id = Cat(g.id, "-", task.member);
+  int64_t start_version;
+  {
+    // Read before the first request: the gateway's cache salt for this rollout is then this
+    // version or a later one (it switches salts before it loads, PushWeights returns after).
+    std::lock_guard<std::mutex> l(mu_);
+    start_version = version_;
+  }
   RolloutResult result = RolloutInSandbox(
       g.sandboxes[static_cast<size_t>(task.member)], id, g.id, *g.prompt, client, cfg_.sampling,
       cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
           static_cast<uint64_t>(task.member),
       [this](int d) { OnGenerate(d); });
+  result.start_version = start_version;
   {
     json line = {{"id", id},
                  {"prompt", g.prompt->text},
@@ -932,7 +940,7 @@ Status Controller::Run() {
     // Wait for B groups whose trajectories are all within the bound.
     auto wait0 = Clock::now();
     std::vector<train::Trajectory> batch;
-    std::vector<int64_t> staleness;
+    std::vector<int64_t> staleness, starts;
     int64_t dropped_stale = 0, groups = 0;
     double rewards = 0, successes = 0;
     bool timed_out = false;
@@ -950,7 +958,7 @@ Status Controller::Run() {
         std::shared_ptr<Group> g = ready_.front();
         ready_.pop_front();
         std::vector<train::Trajectory> kept;
-        std::vector<int64_t> ages;
+        std::vector<int64_t> ages, kept_starts;
         for (RolloutResult& r : g->results) {
           if (!r.dropped.empty()) {
             continue;
@@ -964,6 +972,7 @@ Status Controller::Run() {
             continue;
           }
           ages.push_back(version_ - oldest);
+          kept_starts.push_back(r.start_version);
           kept.push_back(std::move(r.trajectory));
         }
         if (kept.size() < 2) {
@@ -976,6 +985,7 @@ Status Controller::Run() {
           rewards += kept[i].reward;
           successes += kept[i].reward >= 1.0 ? 1 : 0;
           staleness.push_back(ages[i]);
+          starts.push_back(kept_starts[i]);
           batch.push_back(std::move(kept[i]));
         }
         ++groups;
@@ -986,12 +996,15 @@ Status Controller::Run() {
       break;
     }
     double wait_s = Seconds(Clock::now() - wait0);
-    // Log-prob agreement: the trainer's log-probs of trajectories sampled wholly by the
+    // Log-prob agreement: the trainer's log-probs of trajectories computed wholly by the
     // current weights equal the engine's (exactly, with deterministic kernels on both sides).
+    // Wholly: every sampled token carries this version, and the rollout began under it (one
+    // that began earlier may reuse prompt KV of older weights; see start_version).
     std::vector<train::Trajectory> fresh;
     for (size_t i = 0; i < batch.size() && fresh.size() < 4; ++i) {
-      if (staleness[i] == 0 && std::all_of(batch[i].versions.begin(), batch[i].versions.end(),
-                                           [&](int64_t v) { return v < 0 || v == version_; })) {
+      if (staleness[i] == 0 && starts[i] == version_ &&
+          std::all_of(batch[i].versions.begin(), batch[i].versions.end(),
+                      [&](int64_t v) { return v < 0 || v == version_; })) {
         fresh.push_back(batch[i]);
       }
     }

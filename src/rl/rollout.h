@@ -51,6 +51,11 @@ struct RolloutResult {
   int64_t later_prompt_tokens = 0, later_cached_tokens = 0;
   int64_t generated_tokens = 0;
   double generate_s = 0, tools_s = 0, verify_s = 0;
+  // The fleet's weight version when the rollout began (set by the controller; -1: unknown).
+  // The gateway salts a rollout's cache with the version live at its first request, so its
+  // prompt may reuse KV that this version's predecessors computed even when every token it
+  // sampled carries a later version.
+  int64_t start_version = -1;
 };
 
 struct RolloutEnv {

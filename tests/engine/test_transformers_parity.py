@@ -10,9 +10,12 @@
       first stdout line "listening on http://HOST:PORT"; SGLang's POST /generate
 
 What must hold:
-  float32   full-sequence logits: max |engine - transformers| <= 1e-4 over every position of
-            sequences of 1, 7, 64 and 300 tokens; greedy: the same 256 tokens for each prompt
-            (the references have no top-2 gap under 2e-3, so rounding cannot excuse a change).
+  float32   full-sequence logits over sequences of 1, 7, 64 and 300 tokens, against the same
+            weights computed in float64: the engine's max and RMS error at most 2x
+            transformers' own (which is ~1e-4 max, ~1e-5 RMS on these logits of std 4: a fixed
+            bound on |engine - transformers| would only measure two roundings); greedy: the
+            same 256 tokens for each prompt (the references have no top-2 gap under 2e-3, so
+            rounding cannot excuse a change).
   bfloat16  bf16 rounding through 4 layers moves transformers' own logits by up to ~1.5 (RMS
             ~0.2, logits std 8) from the same weights computed in float32, so a fixed absolute
             bound says little. The engine must be as accurate as transformers: its max and RMS
@@ -40,7 +43,6 @@ SCORE = os.environ.get("BRAGG_ENGINE_SCORE")
 SERVER = os.environ.get("BRAGG_ENGINE")
 FP32 = [n for n, s in make_models.SHAPES.items() if s[3] == "float32"]
 BF16 = [n for n, s in make_models.SHAPES.items() if s[3] == "bfloat16"]
-LOGIT_ATOL = 1e-4
 LOGPROB_ATOL = 1e-4
 BF16_DECIDED = 1.0
 SERVER_TOKENS = 64
@@ -112,16 +114,27 @@ def describe_divergence(got, want, gaps):
 @needs_score
 @pytest.mark.parametrize("n", make_models.SEQ_LENGTHS)
 @pytest.mark.parametrize("name", FP32)
-def test_fp32_logits_match_transformers(models, name, n, tmp_path):
-    want = np.load(os.path.join(models[name], "reference", f"logits_L{n}.npy"))
+def test_fp32_logits_as_accurate_as_transformers(models, name, n, tmp_path):
+    ref_dir = os.path.join(models[name], "reference")
+    exact = np.load(os.path.join(ref_dir, f"logits_exact_L{n}.npy"))
+    assert exact.dtype == np.float64
+    hf = np.load(os.path.join(ref_dir, f"logits_L{n}.npy")).astype(np.float64)
     got = engine_logits(models[name], ref_ids(models[name], n), "float32", tmp_path)
     assert np.isfinite(got).all()
-    err = np.abs(got.astype(np.float64) - want)
+    got = got.astype(np.float64)
+    hf_err, err = np.abs(hf - exact), np.abs(got - exact)
+    rms = lambda e: float(np.sqrt((e ** 2).mean()))  # noqa: E731
     pos, tok = np.unravel_index(err.argmax(), err.shape)
-    assert err.max() <= LOGIT_ATOL, (
-        f"{name}, {n} tokens: max |delta logit| {err.max():.3g} > {LOGIT_ATOL} at position {pos}, "
-        f"token {tok} (engine {got[pos, tok]:.6f}, transformers {want[pos, tok]:.6f}); "
-        f"positions over the bound: {sorted(set(np.nonzero(err > LOGIT_ATOL)[0].tolist()))[:10]}")
+    where = (f"worst at position {pos}, token {tok}: engine {got[pos, tok]:.7f}, transformers "
+             f"{hf[pos, tok]:.7f}, float64 {exact[pos, tok]:.7f}; max |engine - transformers| "
+             f"{np.abs(got - hf).max():.3g}")
+    # floors for short sequences, where transformers may round almost nothing
+    assert err.max() <= 2 * hf_err.max() + 1e-5, (
+        f"{name}, {n} tokens: engine float32 max error {err.max():.3g} vs transformers' "
+        f"{hf_err.max():.3g} (both against float64); {where}")
+    assert rms(err) <= 2 * rms(hf_err) + 1e-6, (
+        f"{name}, {n} tokens: engine float32 RMS error {rms(err):.3g} vs transformers' "
+        f"{rms(hf_err):.3g}; {where}")
 
 
 @needs_score
