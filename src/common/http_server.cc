@@ -89,6 +89,13 @@ void RaiseBacklog(int port) {
 }  // namespace
 
 Result<int> BindServer(httplib::Server& server, const std::string& host, int port) {
+  // httplib's default also sets SO_REUSEPORT, with which a second server binds a port already
+  // listened on and the kernel splits connections between the two: a port in use must be
+  // refused. SO_REUSEADDR alone still lets a restart bind over connections in TIME_WAIT.
+  server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   if (port == 0) {
     port = server.bind_to_any_port(host);
     if (port <= 0) {

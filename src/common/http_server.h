@@ -40,7 +40,8 @@ class ElasticTaskQueue : public httplib::TaskQueue {
 };
 
 // Binds `server` to `host`:`port` (0: any free port) and raises its listen backlog (Debian's
-// httplib listens with a backlog of 5). Returns the port bound.
+// httplib listens with a backlog of 5). Returns the port bound; Unavailable when the port is
+// in use (SO_REUSEPORT is not set, unlike httplib's default).
 Result<int> BindServer(httplib::Server& server, const std::string& host, int port);
 
 }  // namespace bragg

@@ -22,8 +22,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr std::string_view kTables[] = {"run",      "model",      "tokenizer", "task",
-                                        "sampling", "warm_start", "train",     "fleet"};
+constexpr std::string_view kTables[] = {"run",        "model", "tokenizer", "task",  "sampling",
+                                        "warm_start", "train", "fleet",     "export"};
 
 // The problems found in one file. Each is one line, "<file>: <key>: <what>", with " (line N)"
 // when the key is in the file; they are reported all at once, in file order, so that one run
@@ -419,6 +419,7 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   r.Number("target_reward", &run.target_reward, Bounds{0, 1});
   r.Int("target_window", &run.target_window, 1);
   r.Int("checkpoint_every", &run.checkpoint_every, 1);
+  r.String("metrics_listen", &run.metrics_listen);
 
   ModelConfig& model = config->model;
   Section& m = open("model", &root);
@@ -511,6 +512,15 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   if (!f.Has("engines") && !fleet.engine_urls.empty()) {
     fleet.engines = 0;
   }
+
+  ExportConfig& ex = config->export_;
+  Section& x = open("export", &root);
+  x.Bool("batches", &ex.batches);
+  x.Int("dp", &ex.dp, 1);
+  x.Int("cp", &ex.cp, 1);
+  x.Int("tp", &ex.tp, 1);
+  x.Bool("sequence_parallel", &ex.sequence_parallel);
+  x.Int("max_tokens", &ex.max_tokens, 0);
 }
 
 // Keys and tables no Section read: typos, keys in the wrong table, keys outside any table.
@@ -629,6 +639,12 @@ void CheckWhole(Config* c, const fs::path& base, Problems* problems) {
   if (c->run.dir.empty()) {
     problems->Add("run.dir", "must not be empty (the run's output directory)");
   }
+  if (!c->run.metrics_listen.empty()) {
+    auto hp = ParseHostPort(c->run.metrics_listen);
+    if (!hp.ok()) {
+      problems->Add("run.metrics_listen", Cat(hp.status().message(), " (\"\" for no /metrics)"));
+    }
+  }
 
   if (!c->model.path.empty() && c->model.init) {
     problems->Add("model", "both model.path and [model.init] are set; keep one");
@@ -724,6 +740,17 @@ void CheckWhole(Config* c, const fs::path& base, Problems* problems) {
   if (!fleet.gateway.empty() && !IsUrl(fleet.gateway)) {
     problems->Add("fleet.gateway", Cat(Quote(fleet.gateway), " is not an http:// or https:// URL"));
   }
+  const ExportConfig& ex = c->export_;
+  int64_t row_tokens = ex.max_tokens > 0 ? ex.max_tokens : train.max_tokens;
+  int64_t align = ex.cp > 1 ? 2 * int64_t{ex.cp} * ex.tp : (ex.sequence_parallel ? ex.tp : 1);
+  int64_t longest = (task.max_tokens + align - 1) / align * align;
+  if (ex.batches && row_tokens < longest) {
+    problems->Add(
+        ex.max_tokens > 0 ? "export.max_tokens" : "train.max_tokens",
+        Cat("must be >= ", longest, " (task.max_tokens ", task.max_tokens,
+            " padded to a multiple of ", align,
+            " for export.cp/tp): an exported row holds a whole trajectory, got ", row_tokens));
+  }
   if (fleet.kv_cache_tokens < task.max_tokens) {
     problems->Add("fleet.kv_cache_tokens",
                   Cat("must be >= task.max_tokens (", task.max_tokens,
@@ -810,6 +837,38 @@ Result<Config> LoadConfig(const std::string& path) {
   BRAGG_ASSIGN_OR_RETURN(Config config, ParseConfig(*text, absolute.parent_path().string(), path));
   config.path = absolute.string();
   return config;
+}
+
+Result<std::pair<std::string, int>> ParseHostPort(const std::string& s) {
+  auto bad = [&](std::string_view why) {
+    return absl::InvalidArgumentError(
+        Cat("expected HOST:PORT (127.0.0.1:9400, [::1]:9400), got ", Quote(s), ": ", why));
+  };
+  size_t colon = s.rfind(':');
+  if (colon == std::string::npos) {
+    return bad("no port");
+  }
+  std::string host = s.substr(0, colon);
+  std::string port_text = s.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  } else if (host.find(':') != std::string::npos) {
+    return bad("an IPv6 address goes in brackets");
+  }
+  if (host.empty()) {
+    return bad("no host");
+  }
+  int port = -1;
+  if (port_text.empty() || port_text.size() > 5 ||
+      !std::all_of(port_text.begin(), port_text.end(),
+                   [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    return bad("the port is not a number");
+  }
+  port = std::stoi(port_text);
+  if (port > 65535) {
+    return bad("the port is over 65535");
+  }
+  return std::make_pair(host, port);
 }
 
 std::vector<std::string> ConfigKeys() {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -25,6 +26,9 @@ struct RunConfig {
   double target_reward = 0;
   int64_t target_window = 3;
   int64_t checkpoint_every = 10;  // trainer checkpoints (for --resume) every N steps
+  // Prometheus /metrics: "HOST:PORT" (port 0: any free one, its URL written to
+  // DIR/metrics_url); "": none.
+  std::string metrics_listen = "127.0.0.1:0";
 };
 
 // [model.init]: a random Qwen3 / Qwen3-MoE of this shape when [model] path is empty.
@@ -134,6 +138,18 @@ struct FleetConfig {
   std::string bin_dir;   // where bragg-engine and bragg-gateway are ("": next to bragg-rl)
 };
 
+// [export]: every step's batch written for an external trainer (Megatron-LM), as bragg_pack
+// THD rows planned for its parallel layout: DIR/batches/step-NNNNNN.jsonl in
+// bragg_rl.megatron's format (docs/rl.md "Scale-out").
+struct ExportConfig {
+  bool batches = false;
+  int dp = 1;  // data-parallel ranks: each row names its rank ("dp_rank")
+  int cp = 1;  // context parallelism: every sequence padded to a multiple of 2*cp*tp
+  int tp = 1;
+  bool sequence_parallel = false;  // with tp > 1: padded to a multiple of tp
+  int64_t max_tokens = 0;          // padded tokens per row; 0: train.max_tokens
+};
+
 struct Config {
   std::string path;      // the file read, absolute ("" from ParseConfig)
   std::string base_dir;  // relative paths in the file are relative to its directory
@@ -145,6 +161,7 @@ struct Config {
   WarmStartConfig warm_start;
   TrainConfig train;
   FleetConfig fleet;
+  ExportConfig export_;  // [export] (a keyword in C++)
 };
 
 // Reads and checks `path`. Relative paths in it (model.path, tokenizer.vocab, task.prompts,
@@ -161,6 +178,10 @@ struct Config {
 // against `base_dir` (itself made absolute against the working directory).
 [[nodiscard]] Result<Config> ParseConfig(const std::string& text, const std::string& base_dir,
                                          const std::string& name = "config");
+
+// "HOST:PORT" (an IPv6 host in brackets, port 0-65535) into its parts (brackets removed);
+// InvalidArgument saying what is wrong.
+Result<std::pair<std::string, int>> ParseHostPort(const std::string& listen);
 
 // Every key ParseConfig accepts, as "table.key" ("model.init.layers"), in the order of the
 // structs above: for the reference config's test and for documentation.

@@ -143,6 +143,7 @@ time_limit_s = 3600.5
 target_reward = 0.95
 target_window = 5
 checkpoint_every = 25
+metrics_listen = "[::]:9400"
 
 [model.init]
 moe = false
@@ -217,6 +218,14 @@ kv_cache_tokens = 32768
 pbox = "unix:///run/pbox.sock"
 concurrency = 64
 bin_dir = "../bin"
+
+[export]
+batches = true
+dp = 4
+cp = 2
+tp = 2
+sequence_parallel = true
+max_tokens = 16384
 )";
   // The round trip covers every key but model.path (exclusive with [model.init]; see
   // ModelPathIsADirectoryWithConfigJson).
@@ -235,6 +244,7 @@ bin_dir = "../bin"
   EXPECT_EQ(c->run.target_reward, 0.95);
   EXPECT_EQ(c->run.target_window, 5);
   EXPECT_EQ(c->run.checkpoint_every, 25);
+  EXPECT_EQ(c->run.metrics_listen, "[::]:9400");
 
   EXPECT_EQ(c->model.path, "");
   ASSERT_TRUE(c->model.init.has_value());
@@ -310,6 +320,13 @@ bin_dir = "../bin"
   EXPECT_EQ(fleet.pbox, "unix:///run/pbox.sock");
   EXPECT_EQ(fleet.concurrency, 64);
   EXPECT_EQ(fleet.bin_dir, dir_.path().substr(0, dir_.path().rfind('/')) + "/bin");
+  const ExportConfig& ex = c->export_;
+  EXPECT_TRUE(ex.batches);
+  EXPECT_EQ(ex.dp, 4);
+  EXPECT_EQ(ex.cp, 2);
+  EXPECT_EQ(ex.tp, 2);
+  EXPECT_TRUE(ex.sequence_parallel);
+  EXPECT_EQ(ex.max_tokens, 16384);
 }
 
 // The reference config lists every key, each at the default config.h gives it.
@@ -336,6 +353,7 @@ TEST_F(ConfigTest, ReferenceConfigStatesEveryDefault) {
   EXPECT_EQ(c->run.target_reward, d.run.target_reward);
   EXPECT_EQ(c->run.target_window, d.run.target_window);
   EXPECT_EQ(c->run.checkpoint_every, d.run.checkpoint_every);
+  EXPECT_EQ(c->run.metrics_listen, d.run.metrics_listen);
 
   EXPECT_EQ(c->model.path, d.model.path);
   ASSERT_TRUE(c->model.init.has_value());
@@ -401,6 +419,12 @@ TEST_F(ConfigTest, ReferenceConfigStatesEveryDefault) {
   EXPECT_EQ(c->fleet.pbox, d.fleet.pbox);
   EXPECT_EQ(c->fleet.concurrency, d.fleet.concurrency);
   EXPECT_EQ(c->fleet.bin_dir, d.fleet.bin_dir);
+  EXPECT_EQ(c->export_.batches, d.export_.batches);
+  EXPECT_EQ(c->export_.dp, d.export_.dp);
+  EXPECT_EQ(c->export_.cp, d.export_.cp);
+  EXPECT_EQ(c->export_.tp, d.export_.tp);
+  EXPECT_EQ(c->export_.sequence_parallel, d.export_.sequence_parallel);
+  EXPECT_EQ(c->export_.max_tokens, d.export_.max_tokens);
 }
 
 TEST_F(ConfigTest, SyntaxErrorsNameLineAndColumn) {
@@ -519,7 +543,7 @@ TEST_F(ConfigTest, UnknownTablesAndKeysAreRefused) {
             "group_size (line 2)");
   EXPECT_EQ(Refusal(Parse("[logging]\nlevel = 1\n")),
             "config.toml: logging: unknown table; the tables are [run], [model], [tokenizer], "
-            "[task], [sampling], [warm_start], [train], [fleet] (line 1)");
+            "[task], [sampling], [warm_start], [train], [fleet], [export] (line 1)");
   // No far-fetched suggestion for a short key.
   EXPECT_THAT(Refusal(Parse("[train]\nab = 1\n")), Not(HasSubstr("did you mean")));
   // A huge key: refused without searching for a suggestion (the search grows with its length).
@@ -553,6 +577,12 @@ TEST_F(ConfigTest, OutOfRangeValuesAreRefused) {
            {"run.target_reward", "-0.1", "run.target_reward: must be in [0, 1], got -0.1"},
            {"run.target_window", "0", "run.target_window: must be >= 1, got 0"},
            {"run.checkpoint_every", "0", "run.checkpoint_every: must be >= 1, got 0"},
+           {"run.metrics_listen", "\"localhost\"",
+            "run.metrics_listen: expected HOST:PORT (127.0.0.1:9400, [::1]:9400), got "
+            "\"localhost\": no port (\"\" for no /metrics)"},
+           {"run.metrics_listen", "\"127.0.0.1:99999\"",
+            "run.metrics_listen: expected HOST:PORT (127.0.0.1:9400, [::1]:9400), got "
+            "\"127.0.0.1:99999\": the port is over 65535 (\"\" for no /metrics)"},
            {"model.init.hidden", "0", "model.init.hidden: must be >= 1, got 0"},
            {"model.init.layers", "0", "model.init.layers: must be >= 1, got 0"},
            {"model.init.layers", "3000000000",
@@ -621,6 +651,27 @@ TEST_F(ConfigTest, OutOfRangeValuesAreRefused) {
     EXPECT_THAT(message, StartsWith("config.toml: " + c.message)) << c.key << " = " << c.value;
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
   }
+}
+
+// An exported row holds a whole trajectory, padded for the layout; checked only when exporting.
+TEST_F(ConfigTest, ExportRowMustHoldAPaddedTrajectory) {
+  // task.max_tokens 512, cp 3 x tp 1: padded to a multiple of 6, 516.
+  EXPECT_TRUE(Parse({{"export.cp", "3"}, {"export.max_tokens", "515"}}).ok());
+  EXPECT_THAT(Refusal(Parse(
+                  {{"export.batches", "true"}, {"export.cp", "3"}, {"export.max_tokens", "515"}})),
+              StartsWith("config.toml: export.max_tokens: must be >= 516 (task.max_tokens 512 "
+                         "padded to a multiple of 6 for export.cp/tp): an exported row holds a "
+                         "whole trajectory, got 515"));
+  EXPECT_TRUE(
+      Parse({{"export.batches", "true"}, {"export.cp", "3"}, {"export.max_tokens", "516"}}).ok());
+  // Without export.max_tokens, train.max_tokens is the row; sequence parallel pads to tp.
+  EXPECT_THAT(Refusal(Parse({{"export.batches", "true"},
+                             {"export.tp", "5"},
+                             {"export.sequence_parallel", "true"},
+                             {"train.max_tokens", "512"}})),
+              StartsWith("config.toml: train.max_tokens: must be >= 515"));
+  EXPECT_THAT(Refusal(Parse({{"export.dp", "0"}})),
+              StartsWith("config.toml: export.dp: must be >= 1, got 0"));
 }
 
 TEST_F(ConfigTest, BoundariesAreAccepted) {
@@ -814,7 +865,8 @@ TEST_F(ConfigTest, LoadConfigNamesAFileItCannotRead) {
 TEST_F(ConfigTest, ConfigKeysListsEveryTable) {
   std::vector<std::string> keys = ConfigKeys();
   EXPECT_EQ(keys.front(), "run.dir");
-  EXPECT_EQ(keys.back(), "fleet.bin_dir");
+  EXPECT_EQ(keys.back(), "export.max_tokens");
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "run.metrics_listen"), keys.end());
   EXPECT_NE(std::find(keys.begin(), keys.end(), "model.init.moe_intermediate"), keys.end());
   EXPECT_EQ(std::find(keys.begin(), keys.end(), "model.init"), keys.end());
   EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()).size(), keys.size());

@@ -2,6 +2,7 @@
 
 #include <absl/strings/numbers.h>
 #include <absl/strings/strip.h>
+#include <fmt/format.h>
 #include <httplib.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
@@ -29,6 +30,8 @@
 #include "engine/testing/tiny_model.h"
 #include "gateway/client.h"
 #include "pbox/client/client.h"
+#include "rl/export.h"
+#include "rl/metrics.h"
 #include "rl/rollout.h"
 #include "rl/tool_server.h"
 #include "rl/vocab.h"
@@ -301,6 +304,11 @@ class Controller {
   double idle_s_ = 0;
 
   Clock::time_point t0_ = Clock::now();
+
+  std::atomic<int64_t> rollouts_running_{0};
+  std::unique_ptr<RunMetrics> run_metrics_;
+  // Last: destroyed first, so no scrape reads the members above once they are gone.
+  std::unique_ptr<MetricsServer> metrics_server_;
 };
 
 void Controller::Metric(const json& j) {
@@ -690,6 +698,7 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
   iv.tools_s += result.tools_s;
   iv.verify_s += result.verify_s;
   for (const ToolCallRecord& c : result.tool_calls) {
+    run_metrics_->ObserveToolCall(c.ms);
     iv.tool_ms.push_back(c.ms);
     iv.tool_failures += c.failure.empty() ? 0 : 1;
   }
@@ -727,7 +736,9 @@ void Controller::Worker(int index) {
   }
   Task task;
   while (TakeTask(&task)) {
+    rollouts_running_.fetch_add(1);
     RunTask(task, client->get());
+    rollouts_running_.fetch_sub(1);
   }
 }
 
@@ -798,6 +809,30 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
 Status Controller::Run() {
   BRAGG_RETURN_IF_ERROR(Prepare());
   BRAGG_RETURN_IF_ERROR(MakeDirs(cfg_.run.dir + "/models"));
+  if (cfg_.export_.batches) {
+    BRAGG_RETURN_IF_ERROR(MakeDirs(cfg_.run.dir + "/batches"));
+  }
+  run_metrics_ = std::make_unique<RunMetrics>([this] {
+    LiveState s;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      s.version = version_;
+      s.groups_admitted = admitted_;
+    }
+    {
+      std::lock_guard<std::mutex> l(idle_mu_);
+      s.generate_in_flight = in_flight_;
+    }
+    s.rollouts_in_flight = rollouts_running_.load();
+    return s;
+  });
+  if (!cfg_.run.metrics_listen.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(metrics_server_,
+                           MetricsServer::Start(cfg_.run.metrics_listen, run_metrics_.get()));
+    BRAGG_RETURN_IF_ERROR(
+        WriteStringToFile(cfg_.run.dir + "/metrics_url", metrics_server_->url() + "\n"));
+    spdlog::info("metrics: {}", metrics_server_->url());
+  }
   // The task's sandbox first: a tool server that does not start or a verifier that prints no
   // number is refused before a minute of warm start and before any engine.
   BRAGG_RETURN_IF_ERROR(PrepareSandboxes());
@@ -912,6 +947,7 @@ Status Controller::Run() {
   if (!eval_prompts_.empty()) {
     BRAGG_ASSIGN_OR_RETURN(double e, Evaluate(eval_prompts_, "before"));
     eval_before = e;
+    run_metrics_->ObserveEval(e);
     Metric({{"event", "eval"}, {"step", trainer_->step()}, {"eval_success", e}});
   }
 
@@ -1036,6 +1072,18 @@ Status Controller::Run() {
       break;
     }
     double train_s = Seconds(Clock::now() - train0);
+    if (cfg_.export_.batches) {
+      // What the step trained on, for an external trainer: before the weights move on.
+      std::vector<double> adv = train::GroupAdvantages(batch, cfg_.train.normalize_std);
+      Status ex = WritePackedBatch(
+          batch, adv, cfg_.export_,
+          cfg_.export_.max_tokens > 0 ? cfg_.export_.max_tokens : cfg_.train.max_tokens, m->step,
+          m->version, fmt::format("{}/batches/step-{:06d}.jsonl", cfg_.run.dir, m->step));
+      if (!ex.ok()) {
+        failure = Annotate(ex, Cat("exporting the batch of step ", m->step));
+        break;
+      }
+    }
     auto sync0 = Clock::now();
     Status pushed = PushWeights(trainer_->version());
     if (!pushed.ok()) {
@@ -1145,6 +1193,7 @@ Status Controller::Run() {
       if (e.ok()) line["eval_success"] = *e;
     }
     Metric(line);
+    run_metrics_->ObserveStep(line);
     std::string stale_text;
     for (auto [k, v] : hist) {
       stale_text += Cat(stale_text.empty() ? "" : ",", k, ":", v);
@@ -1184,6 +1233,7 @@ Status Controller::Run() {
   if (!eval_prompts_.empty()) {
     BRAGG_ASSIGN_OR_RETURN(double e, Evaluate(eval_prompts_, "after"));
     summary["eval_after"] = e;
+    run_metrics_->ObserveEval(e);
   }
   summary["event"] = "end";
   Metric(summary);

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,21 @@ def agent(tmp_path_factory):
     a = Agent(tmp_path_factory.mktemp("pbox"))
     yield a
     a.stop()
+
+
+STARTED: list = []  # every bragg-rl this module started
+
+
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test():
+    """A test that fails while bragg-rl runs would leave it (and its engines) eating the CPU
+    of every test after it: killed at teardown."""
+    yield
+    while STARTED:
+        p = STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def task_dir(tmp: Path, calm: bool) -> Path:
@@ -152,8 +168,10 @@ concurrency = 8
 def start(config: Path, agent: Agent, *args) -> subprocess.Popen:
     env = dict(os.environ, PBOX_ENDPOINT=f"unix://{agent.sock}")
     log = open(config.parent / "bragg-rl.log", "ab")
-    return subprocess.Popen([str(RL), "run", str(config), *args], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    p = subprocess.Popen([str(RL), "run", str(config), *args], env=env, stdout=log,
+                         stderr=subprocess.STDOUT)
+    STARTED.append(p)
+    return p
 
 
 def log_tail(config: Path) -> str:
@@ -190,6 +208,21 @@ def wait_for_step(run: Path, step: int, p: subprocess.Popen, config: Path, timeo
             pass
         time.sleep(0.2)
     raise AssertionError(f"no step {step} within {timeout} s:\n" + log_tail(config))
+
+
+def scrape(run: Path) -> dict:
+    """bragg-rl's Prometheus /metrics (run.metrics_listen, default 127.0.0.1:0), as
+    {"name{labels}": value}."""
+    url = (run / "metrics_url").read_text().strip()
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers["Content-Type"] == "text/plain; version=0.0.4"
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+    return out
 
 
 def alive(pid: int) -> bool:
@@ -244,11 +277,77 @@ def test_faults_are_observations_and_counted_drops(agent, tmp_path):
         assert not alive(s["pid"]), s
 
 
+PEER_PYTHON = os.environ.get("BRAGG_PEER_PYTHON", "")
+
+# Under the Python peer environment: bragg-rl's exported rows through the Megatron adapter into
+# megatron-core's PackedSeqParams (test_megatron_adapter.py checks the adapter itself against
+# megatron-core's THD helpers).
+MEGATRON_CHECK = r'''
+import json, sys
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from bragg_rl.megatron import read_batches, megatron_batch
+n = 0
+for path in sys.argv[1:]:
+    for row in read_batches(path):
+        batch, params = megatron_batch(row, cp_size=2)
+        assert isinstance(params, PackedSeqParams) and params.qkv_format == "thd"
+        T = batch["tokens"].shape[1]
+        assert T % 4 == 0 and int(params.cu_seqlens_q_padded[-1]) == T
+        assert float(batch["loss_mask"].sum()) > 0
+        n += 1
+print(json.dumps({"rows": n}))
+'''
+
+
+def test_exported_batches_load_into_megatron(agent, tmp_path):
+    """[export] batches: every trained trajectory once per step, in rows padded for CP=2, that
+    bragg_rl.megatron turns into megatron-core's PackedSeqParams."""
+    if not PEER_PYTHON or not Path(PEER_PYTHON).exists():
+        pytest.skip("no Python peer environment (BRAGG_PEER_PYTHON): run scripts/install-deps")
+    config = write_config(tmp_path, steps=3, calm=True,
+                          extra="\n[export]\nbatches = true\ncp = 2\nmax_tokens = 256\n")
+    p = start(config, agent)
+    finish(p, config)
+    run = tmp_path / "run"
+    check_common(run, 1, 3)
+    trained = [json.loads(l) for l in (run / "trained.jsonl").read_text().splitlines()]
+    files = []
+    for t in trained:
+        path = run / "batches" / f"step-{t['step']:06d}.jsonl"
+        rows = [json.loads(l) for l in path.read_text().splitlines()]
+        ids = [i for r in rows for i in r["trajectory_ids"]]
+        assert sorted(ids) == sorted(t["ids"]), t["step"]
+        for r in rows:
+            assert r["step"] == t["step"] and r["version"] == t["version"]
+            cup = r.get("cu_seqlens_padded", r["cu_seqlens"])
+            assert len(r["tokens"]) == cup[-1] <= 256
+            assert all((b - a) % 4 == 0 for a, b in zip(cup, cup[1:])), cup
+        files.append(str(path))
+    assert not list((run / "batches").glob("*.tmp"))
+    out = subprocess.run([PEER_PYTHON, "-c", MEGATRON_CHECK, *files], capture_output=True,
+                         text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["rows"] >= len(files)
+
+
 def test_kill_9_then_resume_trains_nothing_twice(agent, tmp_path):
     config = write_config(tmp_path, steps=8, calm=True, checkpoint_every=2)
     run = tmp_path / "run"
     p = start(config, agent)
     wait_for_step(run, 5, p, config)
+    # /metrics while it runs: the step lines up to the step it reports, summed.
+    live = scrape(run)
+    upto = [s for s in steps_of(run) if s["step"] <= live["bragg_rl_step"]]
+    assert live["bragg_rl_step"] >= 5 and len(upto) == live["bragg_rl_step"], live
+    assert live["bragg_rl_trajectories_trained_total"] == sum(s["samples"] for s in upto)
+    assert live["bragg_rl_over_stale_total"] == 0
+    assert live["bragg_rl_reward_mean"] == upto[-1]["reward_mean"]
+    assert live["bragg_rl_version"] >= live["bragg_rl_step"]
+    assert live["bragg_rl_tool_call_seconds_count"] >= sum(s["tool_calls"] for s in upto) > 0
+    assert sum(v for k, v in live.items() if k.startswith("bragg_rl_trained_staleness_total{")) \
+        == live["bragg_rl_trajectories_trained_total"]
     fleet = json.loads((run / "fleet.json").read_text())
     p.send_signal(signal.SIGKILL)
     p.wait()
