@@ -54,7 +54,7 @@ RULES = {
     # the gateway's rollout client, pbox's client; it writes a first model with the engine's
     # random-model writer.
     "rl": ["common/", "rl/", "train/trainer.h", "train/trajectory.h", "gateway/client.h",
-           "pbox/client/client.h", PROTO_PBOX, "engine/testing/"],
+           "pbox/client/client.h", PROTO_PBOX, "pack/plan.h", "engine/testing/"],
 }
 
 # Prefixes a folder may never include, though its rule above would allow them.

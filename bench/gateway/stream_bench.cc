@@ -16,9 +16,12 @@
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -35,6 +38,7 @@ namespace bragg::gateway {
 namespace {
 
 namespace net = boost::asio;
+namespace http = boost::beast::http;
 using tcp = net::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using boost::system::error_code;
@@ -81,11 +85,16 @@ struct Stats {
   }
 };
 
-// One streaming request on its own connection ("Connection: close": the stream ends at EOF).
+// One streaming request on its own connection ("Connection: close"). The response is read with
+// Beast's parser, so the chunked framing is taken off before the events are looked at: the
+// gateway forwards the worker's body as it arrives, and a read that ends mid-event puts a chunk
+// boundary inside "data: [DONE]" on the wire.
 class Stream : public std::enable_shared_from_this<Stream> {
  public:
   Stream(net::io_context& ioc, tcp::endpoint ep, std::string request, Stats& stats)
-      : sock_(ioc), ep_(ep), request_(std::move(request)), stats_(stats) {}
+      : sock_(ioc), ep_(ep), request_(std::move(request)), stats_(stats) {
+    parser_.body_limit(std::numeric_limits<std::uint64_t>::max());
+  }
 
   void Run() {
     sock_.async_connect(ep_, [self = shared_from_this()](error_code ec) {
@@ -98,44 +107,57 @@ class Stream : public std::enable_shared_from_this<Stream> {
           self->Finish("write: " + ec.message());
           return;
         }
-        self->Read();
+        http::async_read_header(self->sock_, self->buf_, self->parser_,
+                                [self](error_code ec, size_t) { self->OnHeader(ec); });
       });
     });
   }
 
  private:
-  void Read() {
-    sock_.async_read_some(net::buffer(buf_), [self = shared_from_this()](error_code ec, size_t n) {
-      if (n > 0 && !self->started_) {
-        self->started_ = true;
-        int now = ++self->stats_.active;
-        int peak = self->stats_.peak.load();
-        while (now > peak && !self->stats_.peak.compare_exchange_weak(peak, now)) {
-        }
+  void OnHeader(error_code ec) {
+    if (ec) {
+      Finish("read: " + ec.message());
+      return;
+    }
+    started_ = true;
+    int now = ++stats_.active;
+    int peak = stats_.peak.load();
+    while (now > peak && !stats_.peak.compare_exchange_weak(peak, now)) {
+    }
+    ReadBody();
+  }
+
+  void ReadBody() {
+    if (parser_.is_done()) {
+      Classify();
+      return;
+    }
+    parser_.get().body().data = chunk_;
+    parser_.get().body().size = sizeof(chunk_);
+    http::async_read_some(sock_, buf_, parser_, [self = shared_from_this()](error_code ec, size_t) {
+      if (ec == http::error::need_buffer) {
+        ec = {};
       }
-      self->got_.append(self->buf_, n);
-      if (self->got_.size() > 4096) {
-        // Keep the status line and the tail, where [DONE] arrives.
-        self->got_.erase(256, self->got_.size() - 2048);
-      }
-      if (ec == net::error::eof) {
-        self->Classify();
-        return;
+      size_t n = sizeof(self->chunk_) - self->parser_.get().body().size;
+      self->tail_.append(self->chunk_, n);
+      if (self->tail_.size() > 4096) {
+        self->tail_.erase(0, self->tail_.size() - 2048);  // [DONE] is in the tail
       }
       if (ec) {
         self->Finish("read: " + ec.message());
         return;
       }
-      self->Read();
+      self->ReadBody();
     });
   }
 
   void Classify() {
-    if (got_.rfind("HTTP/1.1 200", 0) != 0) {
-      Finish("status: " + got_.substr(0, got_.find('\r')));
-    } else if (got_.find("data: [DONE]") == std::string::npos) {
-      Finish(got_.find("\"error\"") != std::string::npos ? "stream ended with an error"
-                                                         : "stream ended without [DONE]");
+    int status = parser_.get().result_int();
+    if (status != 200) {
+      Finish(fmt::format("status: {}", status));
+    } else if (tail_.find("data: [DONE]") == std::string::npos) {
+      Finish(tail_.find("\"error\"") != std::string::npos ? "stream ended with an error"
+                                                          : "stream ended without [DONE]");
     } else {
       Finish("");
     }
@@ -157,8 +179,10 @@ class Stream : public std::enable_shared_from_this<Stream> {
   tcp::endpoint ep_;
   std::string request_;
   Stats& stats_;
-  char buf_[4096];
-  std::string got_;
+  boost::beast::flat_buffer buf_;
+  http::response_parser<http::buffer_body> parser_;
+  char chunk_[4096];
+  std::string tail_;  // the decoded body's last bytes
   bool started_ = false;
 };
 
