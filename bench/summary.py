@@ -6,6 +6,7 @@ per target, with its goal, peer, measured value, verdict and date, read from doc
   pbox_bench.json    bench/pbox/run.py (make bench)
   engine.json        bench/engine/run.py (make bench; left out while absent)
   train.json         bench/train/run.py (make bench; left out while absent)
+  rl.json            bench/rl/run.py (make bench; left out while absent)
   manual_targets.json  targets whose tables are manual runs, kept by hand (their date and command)
 
 Verdicts follow bench/verdict.py: generated ones are copied from the data; a manual entry with
@@ -95,11 +96,14 @@ def engine_rows(data):
     return rows
 
 
-def train_rows(data):
-    date = str(data.get("date", "")).split(" ")[0]
-    return [{"part": "train", "goal": t["goal"], "peer": t.get("peer", ""),
-             "measured": t["measured"], "verdict": t["verdict"],
-             "date": f"{date} (make bench)"} for t in data.get("targets", [])]
+def generated_rows(part):
+    """Rows of a part whose data lists its judged targets (goal, peer, measured, verdict)."""
+    def rows(data):
+        date = str(data.get("date", "")).split(" ")[0]
+        return [{"part": part, "goal": t["goal"], "peer": t.get("peer", ""),
+                 "measured": t["measured"], "verdict": t["verdict"],
+                 "date": f"{date} (make bench)"} for t in data.get("targets", [])]
+    return rows
 
 
 def manual_rows(data):
@@ -119,7 +123,8 @@ def rows_from(data_dir):
     """Every summary row, the generated parts first. Raises on a malformed data file."""
     rows, found = [], 0
     for name, fn in (("pack.json", pack_rows), ("pbox_bench.json", pbox_rows),
-                     ("engine.json", engine_rows), ("train.json", train_rows),
+                     ("engine.json", engine_rows), ("train.json", generated_rows("train")),
+                     ("rl.json", generated_rows("rl")),
                      ("manual_targets.json", manual_rows)):
         data = load(os.path.join(data_dir, name))
         if data is not None:
@@ -127,7 +132,7 @@ def rows_from(data_dir):
             rows += fn(data)
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
-                                "engine.json, train.json, manual_targets.json)")
+                                "engine.json, train.json, rl.json, manual_targets.json)")
     for r in rows:
         if r["verdict"] not in (MET, MISSED, TIE):
             raise ValueError(f"{r['part']}: {r['goal']}: verdict {r['verdict']!r} is not one "

@@ -47,6 +47,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import docsection  # noqa: E402  (bench/docsection.py)
 import verdict as shared_verdict  # noqa: E402  (bench/verdict.py: the one verdict rule)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -712,24 +713,11 @@ def section(data, plotted):
 
 def write_doc(path, text):
     """Replaces what lies between the markers, or else inserts the section before "## pbox"
-    (after the gateway's), or appends."""
-    doc = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    begin = BEGIN.split(" (")[0]
-    if begin in doc and END in doc and doc.index(begin) < doc.index(END):
-        start = doc.index(begin)
-        end = doc.index(END) + len(END)
-        inner = text[text.index(begin):text.index(END) + len(END)]
-        doc = doc[:start] + inner + doc[end:]
-    else:
+    (after the gateway's), or appends (bench/docsection.py)."""
+    def before_pbox(doc, text):
         m = re.search(r"^## pbox\n", doc, re.M)
-        if m:
-            doc = doc[:m.start()] + text + "\n" + doc[m.start():]
-        else:
-            doc = doc.rstrip("\n") + "\n\n" + text
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(doc.rstrip("\n") + "\n")
-    os.replace(tmp, path)
+        return doc[:m.start()] + text + "\n" + doc[m.start():] if m else None
+    docsection.write(path, BEGIN, END, text, insert=before_pbox)
 
 
 # ---------------------------------------------------------------------------------------------

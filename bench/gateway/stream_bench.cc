@@ -7,7 +7,6 @@
 // The gateway and the workers run as separate processes (the real binaries), so each has its
 // own RLIMIT_NOFILE: the gateway needs two descriptors per stream (client and worker side).
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <httplib.h>
 #include <spdlog/spdlog.h>
@@ -29,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/common/listening_child.h"
 #include "common/fs.h"
 #include "common/process.h"
 #include "common/unique_fd.h"
@@ -42,35 +42,6 @@ namespace http = boost::beast::http;
 using tcp = net::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using boost::system::error_code;
-
-struct Child {
-  ChildProcess proc;
-  int port = 0;
-};
-
-// Spawns a binary that prints "listening on URL" and waits for that line.
-Result<Child> StartChild(const std::vector<std::string>& argv, const std::string& log) {
-  int fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::InternalError(fmt::format("open {}: {}", log, std::strerror(errno)));
-  }
-  UniqueFd owned(fd);
-  SpawnOptions so;
-  so.stdout_fd = fd;
-  so.stderr_fd = fd;
-  BRAGG_ASSIGN_OR_RETURN(ChildProcess proc, Spawn(argv, so));
-  for (int i = 0; i < 600; ++i) {
-    auto text = ReadFileToString(log);
-    size_t at = text.ok() ? text->find("listening on ") : std::string::npos;
-    if (at != std::string::npos && text->find('\n', at) != std::string::npos) {
-      std::string url = text->substr(at + 13, text->find('\n', at) - at - 13);
-      BRAGG_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(url));
-      return Child{std::move(proc), hp.port};
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return absl::DeadlineExceededError(fmt::format("{} never said 'listening on'", argv[0]));
-}
 
 struct Stats {
   std::atomic<int> active{0};
@@ -373,7 +344,7 @@ int main(int argc, char** argv) {
   char exe[4096];
   ssize_t exe_len = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   std::string self_exe = exe_len > 0 ? std::string(exe, static_cast<size_t>(exe_len)) : argv[0];
-  std::vector<Child> children;
+  std::vector<bragg::bench::ListeningChild> children;
   std::vector<std::string> gw_argv = {gateway_bin,
                                       "--listen",
                                       "127.0.0.1:0",
@@ -393,7 +364,8 @@ int main(int argc, char** argv) {
                                                       "1",
                                                       "--decode-us",
                                                       std::to_string(decode_us)};
-    auto c = StartChild(wargv, fmt::format("{}/worker-{}.log", dir->path(), w));
+    auto c =
+        bragg::bench::StartListeningChild(wargv, fmt::format("{}/worker-{}.log", dir->path(), w));
     if (!c.ok()) {
       std::fprintf(stderr, "%s\n", std::string(c.status().message()).c_str());
       return 1;
@@ -402,7 +374,7 @@ int main(int argc, char** argv) {
     gw_argv.push_back(fmt::format("http://127.0.0.1:{}", c->port));
     children.push_back(std::move(*c));
   }
-  auto gw = StartChild(gw_argv, fmt::format("{}/gateway.log", dir->path()));
+  auto gw = bragg::bench::StartListeningChild(gw_argv, fmt::format("{}/gateway.log", dir->path()));
   if (!gw.ok()) {
     std::fprintf(stderr, "%s\n", std::string(gw.status().message()).c_str());
     return 1;
@@ -478,7 +450,7 @@ int main(int argc, char** argv) {
   std::printf("gateway: client_aborts_total %s, upstream_errors_total %s\n",
               metric("bragg_gateway_client_aborts_total").c_str(),
               metric("bragg_gateway_upstream_errors_total").c_str());
-  for (Child& c : children) {
+  for (bragg::bench::ListeningChild& c : children) {
     (void)c.proc.Signal(SIGTERM);
   }
   (void)gw->proc.Signal(SIGTERM);

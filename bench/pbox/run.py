@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PEERS_DIR = os.path.join(ROOT, "bench/peers")
 TOOLS_DIR = os.path.join(ROOT, "bench/pbox/tools")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import docsection  # noqa: E402  (bench/docsection.py)
 from verdict import RULE, Target, shown, spread, verdict  # noqa: E402
 
 SKIP = 3  # exit status of a peer (or pbox-bench for a runtime) that cannot run here
@@ -524,25 +525,12 @@ def report(args, systems, notes, commands, meta):
 def write_doc(path, section):
     """Replaces what lies between the markers (they follow the "## pbox" heading, so that the
     other parts' writers, which replace their own section up to the next "## " heading, never
-    touch them), or else the old "## pbox" section, or appends."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    begin = BEGIN.split(" (")[0]
-    if begin in text and END in text and text.index(begin) < text.index(END):
-        start = text.index(begin)
-        end = text.index(END) + len(END)
-        inner = section[section.index(begin):section.index(END) + len(END)]
-        text = text[:start] + inner + text[end:]
-    else:
+    touch them), or else the old "## pbox" section, or appends (bench/docsection.py)."""
+    def over_old_section(doc, section):
         # First run with markers: replace the old "## pbox" section (up to the next "## ").
         pattern = re.compile(r"^## pbox\n.*?(?=^## |\Z)", re.S | re.M)
-        if pattern.search(text):
-            text = pattern.sub(lambda _: section + "\n", text)
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text.rstrip("\n") + "\n")
-    os.replace(tmp, path)
+        return pattern.sub(lambda _: section + "\n", doc) if pattern.search(doc) else None
+    docsection.write(path, BEGIN, END, section, insert=over_old_section)
 
 
 def main():

@@ -44,6 +44,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import docsection  # noqa: E402  (bench/docsection.py)
 import verdict as shared_verdict  # noqa: E402  (bench/verdict.py: the one verdict rule)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -385,26 +386,8 @@ def section(data, plotted):
 
 
 def write_doc(path, text):
-    """Replaces what lies between the markers (and the heading above them), or else inserts the
-    section after the engine's, or appends."""
-    doc = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    begin = BEGIN.split(" (")[0]
-    if begin in doc and END in doc and doc.index(begin) < doc.index(END):
-        start = doc.index(begin)
-        end = doc.index(END) + len(END)
-        inner = text[text.index(begin):text.index(END) + len(END)]
-        doc = doc[:start] + inner + doc[end:]
-    else:
-        engine_end = "<!-- engine-bench:end -->"
-        if engine_end in doc:
-            at = doc.index(engine_end) + len(engine_end)
-            doc = doc[:at] + "\n\n" + text.rstrip("\n") + "\n" + doc[at:]
-        else:
-            doc = doc.rstrip("\n") + "\n\n" + text
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(doc.rstrip("\n") + "\n")
-    os.replace(tmp, path)
+    """The train section, after the engine's when it is new (bench/docsection.py)."""
+    docsection.write(path, BEGIN, END, text, after="<!-- engine-bench:end -->")
 
 
 def main():

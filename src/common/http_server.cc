@@ -5,7 +5,10 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <memory>
 
 namespace bragg {
 
@@ -107,6 +110,22 @@ Result<int> BindServer(httplib::Server& server, const std::string& host, int por
   }
   RaiseBacklog(port);
   return port;
+}
+
+Result<std::thread> ServeInBackground(httplib::Server& server) {
+  auto ended = std::make_shared<std::atomic<bool>>(false);
+  std::thread thread([&server, ended] {
+    server.listen_after_bind();
+    ended->store(true);
+  });
+  while (!server.is_running() && !ended->load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!server.is_running() && ended->load()) {
+    thread.join();
+    return absl::InternalError("the HTTP server's accept loop ended as it started");
+  }
+  return thread;
 }
 
 }  // namespace bragg

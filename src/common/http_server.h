@@ -44,4 +44,10 @@ class ElasticTaskQueue : public httplib::TaskQueue {
 // in use (SO_REUSEPORT is not set, unlike httplib's default).
 Result<int> BindServer(httplib::Server& server, const std::string& host, int port);
 
+// Serves `server`, bound with BindServer, on a new thread and returns that thread once the
+// accept loop runs: httplib's stop() does nothing before then, so a stop() right after the
+// start would leave the thread in accept() for good. Internal (the thread joined) when the loop
+// ended before it ran. Stop with server.stop(), then join the thread.
+Result<std::thread> ServeInBackground(httplib::Server& server);
+
 }  // namespace bragg

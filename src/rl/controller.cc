@@ -161,7 +161,9 @@ Result<Server> StartServer(const std::string& name, std::vector<std::string> arg
   line.resize(line.find('\n'));
   const std::string prefix = "listening on ";
   if (line.rfind(prefix, 0) != 0) {
-    return absl::UnavailableError(Cat(name, " printed ", json(line).dump(), "; see ", log));
+    return absl::UnavailableError(
+        Cat(name, " printed ", json(line).dump(-1, ' ', false, json::error_handler_t::replace),
+            "; see ", log));
   }
   return Server{std::move(child), line.substr(prefix.size()), name};
 }
@@ -190,6 +192,7 @@ struct Interval {
   std::vector<double> tool_ms;
   int64_t tool_failures = 0;
   int64_t sandbox_failures = 0;
+  int64_t generate_retries = 0;
   double generate_s = 0, tools_s = 0, verify_s = 0;
   std::map<std::string, int64_t> dropped;  // reason -> rollouts
 };
@@ -519,8 +522,9 @@ Status Controller::PrepareSandboxes() {
     return absl::FailedPreconditionError(Cat(
         "task.verifier ", json(cfg_.task.verifier).dump(),
         " must print a reward (a number) for a rollout; for a rollout without turns it printed ",
-        json(std::string(out.substr(0, 80))).dump(), " and exited ", v->result().exit_code(), " ",
-        v->result().error(), " ", v->stderr().substr(0, 300)));
+        json(std::string(out.substr(0, 80))).dump(-1, ' ', false, json::error_handler_t::replace),
+        " and exited ", v->result().exit_code(), " ", v->result().error(), " ",
+        v->stderr().substr(0, 300)));
   }
   return absl::OkStatus();
 }
@@ -636,8 +640,13 @@ RolloutResult Controller::RolloutInSandbox(const std::string& sandbox, const std
     result.dropped = "sandbox_failed";
     result.detail = std::string(tools.status().message());
   } else {
-    RolloutEnv env{&vocab_,     &cfg_.task, stop_ids_,    client,
-                   pbox_.get(), sandbox,    tools->get(), std::move(on_generate)};
+    RolloutEnv env{&vocab_,
+                   &cfg_.task,
+                   stop_ids_,
+                   client,
+                   tools->get(),
+                   PboxVerifier(pbox_.get(), sandbox, &cfg_.task),
+                   std::move(on_generate)};
     auto r = RunRollout(env, id, group, prompt, sampling, seed);
     if (r.ok()) {
       result = std::move(*r);
@@ -692,6 +701,7 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
   std::lock_guard<std::mutex> l(mu_);
   Interval& iv = interval_;
   iv.generated_tokens += result.generated_tokens;
+  iv.generate_retries += result.generate_retries;
   iv.later_prompt_tokens += result.later_prompt_tokens;
   iv.later_cached_tokens += result.later_cached_tokens;
   iv.generate_s += result.generate_s;
@@ -1161,6 +1171,7 @@ Status Controller::Run() {
         {"tool_calls", iv.tool_ms.size()},
         {"tool_failures", iv.tool_failures},
         {"sandbox_failures", iv.sandbox_failures},
+        {"generate_retries", iv.generate_retries},
         {"sandbox_recoveries", sandbox_recoveries},
         {"time_split",
          {{"generate_s", iv.generate_s},

@@ -61,6 +61,8 @@ constexpr Field kCounters[] = {
      "Tool calls whose server hung, crashed or was killed."},
     {"bragg_rl_sandbox_failures_total", "sandbox_failures",
      "Rollouts that lost their sandbox or could not get one."},
+    {"bragg_rl_generate_retries_total", "generate_retries",
+     "Model turns asked again after an engine or the gateway failed them."},
 };
 
 double Number(const json& v) { return v.is_number() ? v.get<double>() : 0.0; }
@@ -238,8 +240,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& l
     res.set_content(metrics->Render(), "text/plain; version=0.0.4");
   });
   BRAGG_ASSIGN_OR_RETURN(int port, BindServer(impl->http, hp.first, hp.second));
-  Impl* raw = impl.get();
-  impl->thread = std::thread([raw] { raw->http.listen_after_bind(); });
+  BRAGG_ASSIGN_OR_RETURN(impl->thread, ServeInBackground(impl->http));
   std::unique_ptr<MetricsServer> server(new MetricsServer(std::move(impl)));
   std::string host = hp.first.find(':') != std::string::npos ? Cat("[", hp.first, "]") : hp.first;
   server->url_ = Cat("http://", host, ":", port, "/metrics");

@@ -58,6 +58,26 @@ int64_t VersionNumber(const std::string& name) {
   return v;
 }
 
+Verifier PboxVerifier(pbox::client::Client* pbox, std::string sandbox_id, const TaskConfig* task) {
+  return [pbox, sandbox_id = std::move(sandbox_id),
+          task](const std::string& input) -> Result<VerifierOutput> {
+    BRAGG_ASSIGN_OR_RETURN(
+        auto v, pbox->Run({.sandbox_id = sandbox_id,
+                           .argv = task->verifier,
+                           .timeout_ms = static_cast<uint64_t>(task->tool_timeout_s * 1000),
+                           .stdin = input,
+                           .max_output_bytes = 4096}));
+    const auto& res = v.result();
+    VerifierOutput out;
+    if (!res.error().empty() || res.signal() != 0 || res.exit_code() != 0 || res.timed_out()) {
+      out.failure = Cat("exit ", res.exit_code(), " signal ", res.signal(),
+                        res.timed_out() ? " (timed out)" : "", ": ", v.stderr().substr(0, 200));
+    }
+    out.output = v.stdout();
+    return out;
+  };
+}
+
 Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
                                  const std::string& group, const Prompt& prompt,
                                  const SamplingConfig& sampling, uint64_t seed) {
@@ -95,6 +115,7 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
     // An engine that dies mid-turn: the gateway fails over; the turn is asked again (the
     // engine's cache of the rollout is gone, the tokens so far are not).
     for (int attempt = 0; attempt < 4; ++attempt) {
+      r.generate_retries += attempt > 0 ? 1 : 0;
       if (env.on_generate) env.on_generate(+1);
       out = env.gateway->Generate(id, t.tokens, sp);
       if (env.on_generate) env.on_generate(-1);
@@ -181,27 +202,22 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
              {"observations", observations},
              {"done", r.done}};
   auto t2 = Clock::now();
-  auto v = env.pbox->Run({.sandbox_id = env.sandbox_id,
-                          .argv = task.verifier,
-                          .timeout_ms = static_cast<uint64_t>(task.tool_timeout_s * 1000),
-                          .stdin = in.dump(-1, ' ', false, json::error_handler_t::replace),
-                          .max_output_bytes = 4096});
+  auto v = env.verify(in.dump(-1, ' ', false, json::error_handler_t::replace));
   r.verify_s = Since(t2);
   if (!v.ok()) {
     // The call itself failed: the sandbox (or its agent) is gone, not the verifier.
     return Dropped(std::move(r), "sandbox_failed", std::string(v.status().message()));
   }
-  const auto& res = v->result();
-  if (!res.error().empty() || res.signal() != 0 || res.exit_code() != 0 || res.timed_out()) {
-    return Dropped(std::move(r), "verifier_failed",
-                   Cat("exit ", res.exit_code(), " signal ", res.signal(),
-                       res.timed_out() ? " (timed out)" : "", ": ", v->stderr().substr(0, 200)));
+  if (!v->failure.empty()) {
+    return Dropped(std::move(r), "verifier_failed", v->failure);
   }
   double reward = 0;
-  absl::string_view text = absl::StripAsciiWhitespace(v->stdout());
+  absl::string_view text = absl::StripAsciiWhitespace(v->output);
   if (!absl::SimpleAtod(text, &reward) || !std::isfinite(reward)) {
-    return Dropped(std::move(r), "verifier_no_number",
-                   Cat("the verifier printed ", json(std::string(text.substr(0, 80))).dump()));
+    return Dropped(
+        std::move(r), "verifier_no_number",
+        Cat("the verifier printed ", json(std::string(text.substr(0, 80)))
+                                         .dump(-1, ' ', false, json::error_handler_t::replace)));
   }
   r.reward = reward;
   t.reward = reward;

@@ -50,6 +50,7 @@ struct RolloutResult {
   // them the engine found in its cache.
   int64_t later_prompt_tokens = 0, later_cached_tokens = 0;
   int64_t generated_tokens = 0;
+  int generate_retries = 0;  // /generate calls asked again after a transport or worker failure
   double generate_s = 0, tools_s = 0, verify_s = 0;
   // The fleet's weight version when the rollout began (set by the controller; -1: unknown).
   // The gateway salts a rollout's cache with the version live at its first request, so its
@@ -58,14 +59,24 @@ struct RolloutResult {
   int64_t start_version = -1;
 };
 
+// The task's verifier run on one rollout (its JSON on stdin): what it printed, or why it failed.
+struct VerifierOutput {
+  std::string failure;  // "" when it exited 0; else its exit, signal or timeout and stderr
+  std::string output;   // its stdout
+};
+// A Status error means the verifier could not be run at all (its sandbox or the agent is gone).
+using Verifier = std::function<Result<VerifierOutput>(const std::string& input_json)>;
+
+// The task's verifier (`task.verifier`) in `sandbox_id`, through pbox exec.
+Verifier PboxVerifier(pbox::client::Client* pbox, std::string sandbox_id, const TaskConfig* task);
+
 struct RolloutEnv {
   const Vocab* vocab;
   const TaskConfig* task;
   std::vector<int32_t> stop_ids;
   gateway::RolloutClient* gateway;  // this thread's
-  pbox::client::Client* pbox;
-  std::string sandbox_id;
-  ToolServer* tools;
+  ToolChannel* tools;
+  Verifier verify;
   // Called around each /generate (in flight: +1, then -1): the engine-idle accounting.
   std::function<void(int)> on_generate;
 };

@@ -36,22 +36,34 @@ struct ToolReply {
   size_t bytes = 0;     // size of the reply line
 };
 
-class ToolServer {
+// What an agent loop needs of a task's tools: one call per model turn, and a fresh start after a
+// failure. ToolServer, a server in the rollout's pbox sandbox, is the real one; the controller
+// benchmark uses an in-process stub.
+class ToolChannel {
+ public:
+  virtual ~ToolChannel() = default;
+  // A failure (timeout, exit, bad reply) is a reply with `failure` set and an error
+  // observation, not a Status: the rollout goes on.
+  virtual ToolReply Call(std::string_view text, std::chrono::milliseconds timeout) = 0;
+  virtual Status Restart() = 0;
+};
+
+class ToolServer : public ToolChannel {
  public:
   // Starts `argv` in `sandbox_id`. The client must outlive the server.
   static Result<std::unique_ptr<ToolServer>> Start(pbox::client::Client* client,
                                                    std::string sandbox_id,
                                                    std::vector<std::string> argv);
   // Closes the server's stdin, waits a moment for it to exit, then kills it.
-  ~ToolServer();
+  ~ToolServer() override;
   ToolServer(const ToolServer&) = delete;
   ToolServer& operator=(const ToolServer&) = delete;
 
   // Sends one turn and waits for the reply line. A failure (timeout, exit, bad reply) is a
   // reply with `failure` set and an error observation, not a Status: the rollout goes on.
-  ToolReply Call(std::string_view text, std::chrono::milliseconds timeout);
+  ToolReply Call(std::string_view text, std::chrono::milliseconds timeout) override;
   // Kills whatever runs in the sandbox and starts the server again.
-  Status Restart();
+  Status Restart() override;
   bool alive() const;
   // How the last server process ended ("" while it runs).
   std::string exit_description() const;

@@ -1223,13 +1223,8 @@ Status Server::Start() {
     return absl::FailedPreconditionError("the server is already started");
   }
   BRAGG_ASSIGN_OR_RETURN(s.port, BindServer(s.http, s.options.host, s.options.port));
+  BRAGG_ASSIGN_OR_RETURN(s.thread, ServeInBackground(s.http));
   s.started = true;
-  s.thread = std::thread([&s] { s.http.listen_after_bind(); });
-  // httplib's stop() is a no-op until the listening loop runs: a Stop() right after Start()
-  // would otherwise leave the thread in accept() for good.
-  while (!s.http.is_running() && s.thread.joinable()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
   return absl::OkStatus();
 }
 

@@ -43,6 +43,7 @@ struct SimWorker::GenerateJob {
   std::vector<int32_t> input_ids;
   size_t max_new_tokens = 16;
   bool return_routed_experts = false;
+  bool return_logprob = false;
   int64_t routed_experts_start_len = 0;
   std::string extra_key;
   std::string rid;
@@ -70,7 +71,7 @@ std::string SimWorker::url() const { return fmt::format("http://{}:{}", options_
 
 Status SimWorker::Start() {
   BRAGG_ASSIGN_OR_RETURN(port_, BindServer(server_, options_.host, options_.port));
-  thread_ = std::thread([this] { server_.listen_after_bind(); });
+  BRAGG_ASSIGN_OR_RETURN(thread_, ServeInBackground(server_));
   return absl::OkStatus();
 }
 
@@ -203,6 +204,16 @@ json SimWorker::Generate(GenerateJob& job, const std::function<bool(const json&)
                {"weight_version", version_now},
                {"weight_versions", spans},
                {"finish_reason", {{"type", finish}, {"length", out.size()}}}};
+  if (job.return_logprob) {
+    // SGLang's shape: [logprob, token id, token text (null unless asked)] per output token; a
+    // made-up log-prob in [-5, -0.005], fixed by the prompt and the position.
+    json lps = json::array();
+    for (size_t i = 0; i < out.size(); ++i) {
+      double lp = -static_cast<double>(1 + SplitMix64(prompt_hash ^ (i + 1)) % 1000) / 200.0;
+      lps.push_back({lp, out[i], nullptr});
+    }
+    meta["output_token_logprobs"] = std::move(lps);
+  }
   if (job.return_routed_experts) {
     std::vector<int32_t> all(job.input_ids);
     all.insert(all.end(), out.begin(), out.end());
@@ -301,6 +312,7 @@ void SimWorker::HandleGenerate(const httplib::Request& req, httplib::Response& r
     }
   }
   job->return_routed_experts = body.value("return_routed_experts", false);
+  job->return_logprob = body.value("return_logprob", false);
   if (body.contains("routed_experts_start_len")) {
     if (!body["routed_experts_start_len"].is_number_integer() ||
         body["routed_experts_start_len"].get<int64_t>() < 0) {

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "HOST:PORT to serve on (port 0: any)");
   app.add_option("--cache-tokens", o.cache_tokens, "prefix cache capacity in tokens");
   app.add_option("--seed", o.seed, "seed of the output tokens");
+  app.add_option("--vocab", o.vocab, "output token ids are below this")->check(CLI::PositiveNumber);
   app.add_option("--prefill-us", o.prefill_us_per_token, "microseconds per uncached prompt token");
   app.add_option("--decode-us", o.decode_us_per_token, "microseconds per output token");
   app.add_option("--moe-layers", o.moe.layers, "MoE layers in routed_experts");
