@@ -108,11 +108,40 @@ def engine_figures(data):
     return {"engine-decode": "; ".join(parts) + f", {date}"} if parts else {}
 
 
+def rl_figures(data):
+    """bench/rl/run.py's controller overhead."""
+    date = str(data.get("date", "")).split(" ")[0]
+    t = {x["key"]: x for x in data.get("targets", [])}
+    if not {"turns_per_cpu_s", "cpu_ratio", "memory_ratio"} <= set(t):
+        return {}
+    kib = statistics.median(r["bytes_per_loop"] for r in data["runs"]["controller"]) / 1024
+    return {"rl-controller": (
+        f"{data['args']['loops']:,} concurrent loops: "
+        f"{t['turns_per_cpu_s']['spread'][1]:,.0f} turns per controller CPU-second "
+        f"({t['turns_per_cpu_s']['verdict']} for >= 1,000), CPU per turn "
+        f"{t['cpu_ratio']['spread'][1]:.2f}x the bare /generate calls' "
+        f"({t['cpu_ratio']['verdict']} for <= 1.5x), {kib:,.0f} KiB per live rollout, {date}")}
+
+
+def rl_async_figures(data):
+    """bench/rl/async_sync.py's pairs."""
+    date = str(data.get("date", "")).split(" ")[0]
+    t = {x["key"]: x for x in data.get("targets", [])}
+    if not {"speedup", "step_rate"} <= set(t):
+        return {}
+    return {"rl-async": (
+        f"asynchronous RL trains {t['step_rate']['spread'][1]:.2f}x the steps per second of "
+        f"synchronous ({t['step_rate']['verdict']}) and reaches reward {data['args']['target']:g} "
+        f"{t['speedup']['spread'][1]:.2f}x sooner at the median "
+        f"({t['speedup']['verdict']}; {len(data['runs']['async'])} seed pairs, {date})")}
+
+
 def expected(data_dir):
     """{figure name: text} for every figure the data in data_dir supports."""
     figs = {}
     for name, fn in (("pack.json", pack_figures), ("pbox_bench.json", pbox_figures),
-                     ("engine.json", engine_figures)):
+                     ("engine.json", engine_figures), ("rl.json", rl_figures),
+                     ("rl_async.json", rl_async_figures)):
         data = _load(data_dir, name)
         if data is not None:
             figs.update(fn(data))

@@ -7,6 +7,7 @@ per target, with its goal, peer, measured value, verdict and date, read from doc
   engine.json        bench/engine/run.py (make bench; left out while absent)
   train.json         bench/train/run.py (make bench; left out while absent)
   rl.json            bench/rl/run.py (make bench; left out while absent)
+  rl_async.json      bench/rl/async_sync.py (make bench; left out while absent)
   manual_targets.json  targets whose tables are manual runs, kept by hand (their date and command)
 
 Verdicts follow bench/verdict.py: generated ones are copied from the data; a manual entry with
@@ -125,6 +126,7 @@ def rows_from(data_dir):
     for name, fn in (("pack.json", pack_rows), ("pbox_bench.json", pbox_rows),
                      ("engine.json", engine_rows), ("train.json", generated_rows("train")),
                      ("rl.json", generated_rows("rl")),
+                     ("rl_async.json", generated_rows("rl")),
                      ("manual_targets.json", manual_rows)):
         data = load(os.path.join(data_dir, name))
         if data is not None:
@@ -132,7 +134,8 @@ def rows_from(data_dir):
             rows += fn(data)
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
-                                "engine.json, train.json, rl.json, manual_targets.json)")
+                                "engine.json, train.json, rl.json, rl_async.json, "
+                                "manual_targets.json)")
     for r in rows:
         if r["verdict"] not in (MET, MISSED, TIE):
             raise ValueError(f"{r['part']}: {r['goal']}: verdict {r['verdict']!r} is not one "

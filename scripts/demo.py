@@ -132,21 +132,12 @@ def main() -> int:
         return 2
 
     root = Path(tempfile.mkdtemp(prefix="pbox-demo-", dir="/tmp"))
-    ready = root / "ready.json"
-    log = open(root / "pboxd.log", "wb")
-    agent = subprocess.Popen(
-        [str(pboxd), "--listen", f"unix://{root}/pbox.sock", "--state-dir", str(root / "state"),
-         "--ready-file", str(ready), "--max-sandboxes",
-         str(args.sandboxes + 8 if args.skip_rl else max(args.sandboxes + 8, 96)),
-         "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+    agent = start_pboxd(build, root, args.sandboxes + 8 if args.skip_rl
+                        else max(args.sandboxes + 8, 96))
+    if agent is None:
+        return 1
     ok = False
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if agent.poll() is not None or time.monotonic() > deadline:
-                fail(f"pboxd did not start:\n{(root / 'pboxd.log').read_text()[-2000:]}")
-                return 1
-            time.sleep(0.05)
         ok = run_workload(pbox, f"unix://{root}/pbox.sock", args.sandboxes, args.workers)
         if ok and not args.skip_rl:
             import demo_rl
@@ -161,17 +152,8 @@ def main() -> int:
                   "workers (a real Qwen3-MoE), pbox tools, bragg_pack ==", flush=True)
             ok = demo_rollout.run_rollout_step(build, pbox, f"unix://{root}/pbox.sock", root)
     finally:
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                rc = agent.wait(30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                rc = agent.wait()
-            if rc != 0:
-                fail(f"pboxd exited with {rc} on SIGTERM")
-                ok = False
-        log.close()
+        if not stop_pboxd(agent):
+            ok = False
         if ok and args.skip_rl:
             shutil.rmtree(root, ignore_errors=True)
         elif ok:
@@ -180,6 +162,44 @@ def main() -> int:
             print(f"demo: agent log kept in {root}/pboxd.log", file=sys.stderr)
     print("demo: OK" if ok else "demo: FAILED", flush=True)
     return 0 if ok else 1
+
+
+def start_pboxd(build: Path, root: Path, max_sandboxes: int):
+    """pboxd on unix://ROOT/pbox.sock with its state and log (pboxd.log) in ROOT, once it has
+    written its ready file; None (and the log's tail printed) if it did not start in 30 s. The
+    demo's and bench/rl/async_sync.py's agent."""
+    ready = root / "ready.json"
+    with open(root / "pboxd.log", "wb") as log:
+        agent = subprocess.Popen(
+            [str(build / "src" / "pbox" / "pboxd"), "--listen", f"unix://{root}/pbox.sock",
+             "--state-dir", str(root / "state"), "--ready-file", str(ready),
+             "--max-sandboxes", str(max_sandboxes), "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if agent.poll() is not None or time.monotonic() > deadline:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            fail(f"pboxd did not start:\n{(root / 'pboxd.log').read_text()[-2000:]}")
+            return None
+        time.sleep(0.05)
+    return agent
+
+
+def stop_pboxd(agent) -> bool:
+    """SIGTERM (SIGKILL after 30 s); True if pboxd exited 0."""
+    if agent.poll() is None:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+    if agent.returncode != 0:
+        fail(f"pboxd exited with {agent.returncode} on SIGTERM")
+        return False
+    return True
 
 
 def run_workload(pbox, endpoint: str, n: int, workers: int) -> bool:

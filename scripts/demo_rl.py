@@ -35,8 +35,18 @@ XRD = ROOT / "examples" / "xrd"
 
 
 def write_config(path: Path, run_dir: Path, data: Path, *, staleness: int, model: str,
-                 warm_steps: int, time_limit: float, steps: int) -> None:
+                 warm_steps: int, time_limit: float, steps: int, target: tuple = None,
+                 seed: int = None) -> None:
+    """examples/xrd/config.toml for one run. model: start from this model (no second warm
+    start); target: (reward, window), the run's stop rule in place of the config's; seed: the
+    run's (sampling and prompt order), not the model's."""
     text = (XRD / "config.toml").read_text()
+    if target is not None:
+        text = re.sub(r"^target_reward = .*$", f"target_reward = {target[0]}", text, flags=re.M)
+        text = re.sub(r"^target_window = .*$", f"target_window = {target[1]}", text, flags=re.M)
+    if seed is not None:
+        text = re.sub(r"^(\[run\][^\[]*?)^seed = \d+$", rf"\g<1>seed = {seed}", text,
+                      flags=re.S | re.M)
     text = re.sub(r'^dir = ".*"$', f'dir = "{run_dir}"', text, flags=re.M)
     text = re.sub(r"^max_staleness = \d+$", f"max_staleness = {staleness}", text, flags=re.M)
     text = re.sub(r"^time_limit_s = .*$", f"time_limit_s = {time_limit}", text, flags=re.M)

@@ -114,5 +114,61 @@ class Wording(unittest.TestCase):
             self.assertIn(word, RULE)
 
 
+class AsyncSyncJudge(unittest.TestCase):
+    """bench/rl/async_sync.py's targets, judged per pair (same seed): a run that never reached
+    the reward target counts against async whichever side it is on."""
+
+    @staticmethod
+    def judge(async_times, sync_times, idle=(0.4, 0.6), step_s=(2.8, 3.0)):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "bench", "rl"))
+        import argparse
+        import async_sync
+        runs = {"async": [{"time_to_target_s": t, "engine_idle_fraction": idle[0],
+                           "seconds_per_step": step_s[0]} for t in async_times],
+                "sync": [{"time_to_target_s": t, "engine_idle_fraction": idle[1],
+                          "seconds_per_step": step_s[1]} for t in sync_times]}
+        args = argparse.Namespace(target=0.75, window=3, time_limit_s=300.0)
+        return {t["key"]: t for t in async_sync.judge(runs, args)}
+
+    def test_sooner_everywhere_is_met(self):
+        t = self.judge([100, 110], [130, 150])
+        self.assertEqual(t["speedup"]["verdict"], MET)
+        self.assertEqual(t["idle_ratio"]["verdict"], MET)
+        self.assertEqual(t["step_rate"]["verdict"], MET)
+        self.assertEqual(t["demo_time"]["verdict"], MET)
+
+    def test_ratios_are_within_pairs(self):
+        # Across pairs 100 s against 140 s would be a loss; within each pair async is sooner.
+        t = self.judge([100, 150], [110, 160])
+        self.assertEqual(t["speedup"]["verdict"], MET)
+        self.assertAlmostEqual(t["speedup"]["spread"][0], 160 / 150)
+
+    def test_async_not_reaching_is_never(self):
+        t = self.judge([None, 100], [150, 150])
+        self.assertEqual(t["speedup"]["verdict"], TIE)
+        t = self.judge([None, None], [150, 150])
+        self.assertEqual(t["speedup"]["verdict"], MISSED)
+        self.assertEqual(t["demo_time"]["verdict"], MISSED)
+        self.assertIn("not reached", t["demo_time"]["measured"])
+        self.assertIsNone(t["demo_time"]["spread"][1])  # JSON has no infinity
+        self.assertIsNone(t["demo_time"]["runs"][0])
+
+    def test_sync_not_reaching_counts_as_its_limit(self):
+        # Sync at its 300 s limit against async at 310 s: not a win for async.
+        t = self.judge([310], [None])
+        self.assertEqual(t["speedup"]["verdict"], MISSED)
+        t = self.judge([290], [None])
+        self.assertEqual(t["speedup"]["verdict"], MET)
+
+    def test_busier_sync_engines_miss_the_idle_target(self):
+        self.assertEqual(self.judge([100], [120], idle=(0.7, 0.5))["idle_ratio"]["verdict"],
+                         MISSED)
+
+    def test_slower_async_steps_miss_the_step_rate(self):
+        self.assertEqual(self.judge([100], [120], step_s=(3.1, 3.0))["step_rate"]["verdict"],
+                         MISSED)
+
+
 if __name__ == "__main__":
     unittest.main()

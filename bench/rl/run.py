@@ -1,11 +1,11 @@
 #!/usr/bin/python3
 """bragg-rl controller benchmark driver: what the controller's agent loops cost per turn, and the
-memory each live rollout holds, at 5,000 concurrent loops against bragg-sim-worker. Writes
+memory each live rollout holds, at 10,000 concurrent loops against bragg-sim-worker. Writes
 docs/data/rl.json and the rl section of docs/benchmarks.md (between the rl-bench markers; the
 rest of the file is kept).
 
-    bench/rl/run.py --build build [--loops 5000] [--repeat 3] [--measure-s 10]
-                    [--budget-s 420] [--no-doc]
+    bench/rl/run.py --build build [--loops 10000] [--repeat 3] [--measure-s 10]
+                    [--budget-s 900] [--no-doc]
 
 Each run is one bragg-rl-controller-bench process (bench/rl/controller_bench.cc): --loops
 threads, one per agent loop as bragg-rl runs them (fleet.concurrency), through real
@@ -172,11 +172,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
-    ap.add_argument("--loops", type=int, default=5000)
+    ap.add_argument("--loops", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each mode at most")
     ap.add_argument("--warmup-s", type=float, default=5)
     ap.add_argument("--measure-s", type=float, default=10)
-    ap.add_argument("--budget-s", type=int, default=420,
+    ap.add_argument("--budget-s", type=int, default=900,
                     help="repeats stop when another pair of runs would pass it")
     ap.add_argument("--no-doc", action="store_true", help="print the data; write nothing")
     args = ap.parse_args()

@@ -3,16 +3,22 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <memory>
+#include <system_error>
+#include <utility>
 
 namespace bragg {
 
-ElasticTaskQueue::ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
+ElasticTaskQueue::ElasticTaskQueue(size_t max_threads, ThreadStarter start)
+    : start_(start ? std::move(start)
+                   : [](std::function<void()> fn) { return std::thread(std::move(fn)); }),
+      max_threads_(max_threads) {}
 
 ElasticTaskQueue::~ElasticTaskQueue() { shutdown(); }
 
@@ -22,10 +28,24 @@ void ElasticTaskQueue::enqueue(std::function<void()> fn) {
   // Each job is a connection that may stay open for long: never leave one waiting for a thread
   // when the cap allows another.
   if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
-    threads_.emplace_back([this] { Loop(); });
-  } else {
-    cv_.notify_one();
+    try {
+      threads_.push_back(start_([this] { Loop(); }));
+      if (refused_) {
+        refused_ = false;
+        spdlog::info("http server: threads start again ({} now)", threads_.size());
+      }
+      return;
+    } catch (const std::system_error& e) {
+      if (!refused_) {
+        refused_ = true;
+        spdlog::warn(
+            "http server: the kernel refused thread {} ({}); new connections wait for one of "
+            "the {} there (pid_max, threads-max, a pids cgroup or RLIMIT_NPROC is reached)",
+            threads_.size() + 1, e.what(), threads_.size());
+      }
+    }
   }
+  cv_.notify_one();
 }
 
 void ElasticTaskQueue::Loop() {

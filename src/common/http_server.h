@@ -20,16 +20,23 @@ namespace bragg {
 
 // httplib task queue that grows a thread per connection when all are busy, up to `max_threads`,
 // and keeps idle threads for reuse: httplib serves one connection per thread, and a pool of
-// fixed size would queue long-lived streams behind each other. Thread-safe.
+// fixed size would queue long-lived streams behind each other. When the kernel refuses a new
+// thread (pid_max, threads-max, a pids cgroup, RLIMIT_NPROC, memory) the connection waits for
+// a thread already there, as it does at the cap, and a warning says so once per refusal streak:
+// the refusal used to escape httplib's accept loop and end the process. Thread-safe.
 class ElasticTaskQueue : public httplib::TaskQueue {
  public:
-  explicit ElasticTaskQueue(size_t max_threads);
+  // Starts a thread running `fn`; throws std::system_error when it cannot (std::thread's way).
+  using ThreadStarter = std::function<std::thread(std::function<void()> fn)>;
+
+  explicit ElasticTaskQueue(size_t max_threads, ThreadStarter start = nullptr);
   ~ElasticTaskQueue() override;
   void enqueue(std::function<void()> fn) override;
   void shutdown() override;
 
  private:
   void Loop();
+  ThreadStarter start_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::function<void()>> jobs_;
@@ -37,6 +44,7 @@ class ElasticTaskQueue : public httplib::TaskQueue {
   size_t idle_ = 0;
   size_t max_threads_;
   bool stop_ = false;
+  bool refused_ = false;  // the last attempt to start a thread failed
 };
 
 // Binds `server` to `host`:`port` (0: any free port) and raises its listen backlog (Debian's

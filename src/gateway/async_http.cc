@@ -102,6 +102,19 @@ class UpstreamPool {
       v.push_back(std::move(c));
     }
   }
+  // Closes the connections idle for longer than `max_idle`: Take would never reuse them, and
+  // each holds a worker's connection (a thread, in a thread-per-connection server) until the
+  // worker's own keep-alive timeout.
+  void Sweep(std::chrono::milliseconds max_idle) {
+    auto now = std::chrono::steady_clock::now();
+    for (auto it = idle_.begin(); it != idle_.end();) {
+      auto& v = it->second;  // ordered by the time they were put back
+      auto fresh = std::find_if(v.begin(), v.end(),
+                                [&](const auto& c) { return now - c->idle_since <= max_idle; });
+      v.erase(v.begin(), fresh);
+      it = v.empty() ? idle_.erase(it) : std::next(it);
+    }
+  }
   void Clear() { idle_.clear(); }
 
  private:
@@ -111,6 +124,7 @@ class UpstreamPool {
 struct IoThread {
   net::io_context ioc{1};
   UpstreamPool pool;
+  std::unique_ptr<net::steady_timer> sweep;                  // after ioc: destroyed before it
   std::unordered_map<std::string, tcp::endpoint> endpoints;  // resolved upstreams
   std::thread thread;
 };
@@ -139,6 +153,20 @@ Result<tcp::endpoint> Endpoint(IoThread& io, const HostPort& hp, const std::stri
 }
 
 std::string Key(const HostPort& hp) { return fmt::format("{}:{}", hp.host, hp.port); }
+
+// Sweeps `io`'s idle pool every `max_idle` (within 100 ms .. 10 s) on its own loop.
+void SweepIdle(IoThread* io, std::chrono::milliseconds max_idle) {
+  auto period =
+      std::clamp(max_idle, std::chrono::milliseconds(100), std::chrono::milliseconds(10000));
+  io->sweep->expires_after(period);
+  io->sweep->async_wait([io, max_idle](error_code ec) {
+    if (ec) {
+      return;
+    }
+    io->pool.Sweep(max_idle);
+    SweepIdle(io, max_idle);
+  });
+}
 
 // A keep-alive POST of a JSON `body` to the worker `key` ("host:port").
 void PreparePost(http::request<http::string_body>& req, const std::string& key,
@@ -916,6 +944,8 @@ Status AsyncHttpServer::Start() {
   s.Accept();
   for (auto& io : s.io) {
     IoThread* t = io.get();
+    t->sweep = std::make_unique<net::steady_timer>(t->ioc);
+    SweepIdle(t, std::chrono::milliseconds(std::max(0, s.options.upstream_max_idle_ms)));
     t->thread = std::thread([t] {
       auto guard = net::make_work_guard(t->ioc);
       t->ioc.run();

@@ -134,7 +134,9 @@ struct AsyncHttpOptions {
   // Larger buffered worker responses fail the exchange (kFailed); streamed bodies are passed
   // through chunk by chunk and not limited.
   size_t max_upstream_response = size_t{1} << 30;
-  // Pooled keep-alive worker connections idle longer than this are closed instead of reused.
+  // Pooled keep-alive worker connections idle longer than this are closed instead of reused;
+  // a sweep closes them within about this long (at least 100 ms, at most 10 s) even when no
+  // request comes for that worker.
   int upstream_max_idle_ms = 2000;
   int keep_alive_timeout_s = 60;  // idle client connections are closed after this
   // Client connections served at once; beyond it new ones wait in the listen backlog. 0: what

@@ -851,6 +851,7 @@ class OneRequestPerConnectionWorker {
   }
   std::string url() const { return fmt::format("http://127.0.0.1:{}", port_); }
   int generates() const { return generates_.load(); }
+  int hangups() const { return hangups_.load(); }
 
  private:
   // One request's head and body; false at EOF or error.
@@ -889,7 +890,8 @@ class OneRequestPerConnectionWorker {
     if (!ReadRequest(fd.get(), &head)) {
       return;
     }
-    if (head.rfind("POST /generate", 0) == 0) {
+    bool generate = head.rfind("POST /generate", 0) == 0;
+    if (generate) {
       generates_++;
     }
     std::string body =
@@ -910,7 +912,9 @@ class OneRequestPerConnectionWorker {
       ::setsockopt(fd.get(), SOL_SOCKET, SO_LINGER, &l, sizeof(l));
       return;  // closed with the request unread: a reset
     }
-    if (ReadRequest(fd.get(), &head) && head.rfind("POST /generate", 0) == 0) {
+    if (!ReadRequest(fd.get(), &head)) {
+      hangups_ += generate ? 1 : 0;  // the gateway closed the idle /generate connection
+    } else if (head.rfind("POST /generate", 0) == 0) {
       generates_++;
     }
   }
@@ -922,6 +926,7 @@ class OneRequestPerConnectionWorker {
   std::mutex mu_;
   std::vector<std::thread> conns_;
   std::atomic<int> generates_{0};
+  std::atomic<int> hangups_{0};
 };
 
 TEST_F(GatewayIntegrationTest, StaleKeepAliveConnectionsAreNotReused) {
@@ -938,6 +943,24 @@ TEST_F(GatewayIntegrationTest, StaleKeepAliveConnectionsAreNotReused) {
   json res = PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
   EXPECT_EQ(status, 200) << res.dump();
   EXPECT_EQ(w.generates(), 2);
+}
+
+TEST_F(GatewayIntegrationTest, IdleWorkerConnectionsAreClosedNotHeld) {
+  // A pooled connection too old to reuse is closed by the gateway's sweep, not held until the
+  // next request to that worker: each one holds a worker thread in thread-per-connection
+  // servers (bragg-sim-worker at 10,000 rollouts ran out of them).
+  OneRequestPerConnectionWorker w(OneRequestPerConnectionWorker::Mode::kClose);
+  Proc fake{ChildProcess(), w.url(), 0};
+  Proc gw = Gateway({&fake}, "round_robin", {"--upstream-idle-ms", "200", "--io-threads", "1"});
+  auto c = Http(gw);
+  int status = 0;
+  PostJson(*c, "/generate", {{"input_ids", {1, 2}}}, &status);
+  ASSERT_EQ(status, 200);
+  for (int i = 0; i < 100 && w.hangups() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(w.hangups(), 1);  // within 5 s, not the worker's keep-alive timeout
+  EXPECT_EQ(w.generates(), 1);
 }
 
 TEST_F(GatewayIntegrationTest, ResetReusedConnectionIsRetriedOnceOrderlyCloseIsNot) {
