@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(ROOT / "scripts"))
 import docsection  # noqa: E402  (bench/docsection.py)
 import verdict as shared_verdict  # noqa: E402  (bench/verdict.py: the one verdict rule)
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 import demo  # noqa: E402  (scripts/demo.py: pboxd)
 import demo_rl  # noqa: E402  (scripts/demo_rl.py: the demo's configs and runs)
 
@@ -114,14 +115,6 @@ def run_one(build, endpoint, work, data, mode, seed, warm, args):
     return r, run_dir / "models" / "warm"
 
 
-def cpu_model():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def judge(runs, args):
