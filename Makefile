@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 # The same interpreter as CMake's BRAGG_PYTHON (root CMakeLists.txt); keep the two in step.
 PY := /usr/bin/python3
 
-.PHONY: all deps build test test-vm demo bench soak fuzz chaos fmt clean
+.PHONY: all deps build install test test-wheel test-vm demo bench soak fuzz chaos fmt clean
 
 all: build
 
@@ -17,6 +17,12 @@ $(BUILD)/build.ninja: | deps
 build: deps $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The programs, Python packages, C++ libraries with find_package(Bragg), the pboxd systemd unit
+# and deploy/ under PREFIX (layout: cmake/BraggInstall.cmake). DESTDIR stages it for packaging.
+PREFIX ?= /usr/local
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
+
 # Every test, then what was skipped and why (scripts/test-summary); under CI=true a skip that
 # tests/allowed-skips.txt does not name fails the run: CI must run what its install provides.
 test: build
@@ -24,6 +30,11 @@ test: build
 	cd $(BUILD) && rc=0 && \
 	  { ctest --output-on-failure -j $(JOBS) --output-junit ctest-junit.xml $(CTEST_ARGS) || rc=$$?; } && \
 	  { $(PY) $(CURDIR)/scripts/test-summary . || rc=1; } && exit $$rc
+
+# `pip install .` into fresh venvs (Debian's Python and the one on PATH), then the Python suites
+# against what was installed (scripts/check-wheel; CI runs it after make test).
+test-wheel: build
+	scripts/check-wheel --build $(BUILD)
 
 # pbox's cgroup v2 path on a real cgroup v2 kernel: Debian's kernel booted under qemu (KVM when
 # /dev/kvm works) on a root made with mmdebstrap, the checkout shared over 9p (tests/vm/run-vm).

@@ -542,13 +542,66 @@ def test_stop_and_normal_job_exit_leave_nothing(cluster) -> None:
           f"{_pbox_leftovers(cluster.pboxd, scratch, job)}")
 
 
-def test_example_sbatch_script_parses() -> None:
-    bash = shutil.which("bash") or "/bin/bash"
-    if not os.access(bash, os.X_OK):
-        pytest.skip("no bash")
-    r = subprocess.run([bash, "-n", str(REPO / "deploy" / "slurm" / "rl-job.sbatch")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+EXAMPLE_TRAIN_PY = r'''
+import json, os, sys
+import pbox
+with pbox.ClusterClient() as cluster, cluster.session(client_name="example") as s:
+    out = s.create().run(["sh", "-c", "echo $((6*7))"], timeout=60).stdout.decode().strip()
+json.dump({"out": out, "pbox": pbox.__file__,
+           "pbox_slurm": os.popen("command -v pbox-slurm").read().strip(),
+           "cpus": sorted(os.sched_getaffinity(0))}, open(sys.argv[1], "w"))
+'''
+
+
+def test_example_sbatch_job_runs_from_an_installed_prefix(cluster) -> None:
+    """deploy/slurm/rl-job.sbatch, the example users start from, run as it is from a
+    `cmake --install` prefix: pbox-slurm, pboxd and the pbox package all come from the prefix
+    (none from the checkout or the build tree); only its #SBATCH lines (4 GPU nodes) are the
+    test's own."""
+    r = cluster.root / "example"
+    r.mkdir()
+    os.chmod(r, 0o755)
+    build = Path(cluster.pboxd).resolve().parents[2]
+    prefix = r / "prefix"
+    subprocess.run(["cmake", "--install", str(build), "--prefix", str(prefix)], check=True,
+                   capture_output=True, timeout=120)
+    example = (prefix / "share" / "bragg" / "deploy" / "slurm" / "rl-job.sbatch").read_text()
+    body = [ln for ln in example.splitlines() if not ln.startswith("#SBATCH")]
+    assert len(body) < len(example.splitlines())
+    (r / "job.sh").write_text("\n".join(
+        [body[0], "#SBATCH --job-name=rl-example", "#SBATCH --nodes=1", "#SBATCH --exclusive",
+         "#SBATCH --time=5"] + body[1:]) + "\n")
+    (r / "train.py").write_text(EXAMPLE_TRAIN_PY)
+    result = r / "result.json"
+    scratch = r / "scratch"
+    scratch.mkdir()
+    # The job sees neither the checkout's PYTHONPATH nor the build's PBOXD: only BRAGG_PREFIX.
+    env = {k: v for k, v in cluster.env.items() if k not in ("PYTHONPATH", "PBOXD")}
+    env.update(BRAGG_PREFIX=str(prefix), SANDBOX_CPUS="1", TMPDIR=str(scratch),
+               TRAIN_CMD=f"/usr/bin/python3 {r / 'train.py'} {result}")
+    sub = subprocess.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                          "--export=ALL", str(r / "job.sh")], env=env, capture_output=True,
+                         text=True, timeout=30, check=True)
+    job = sub.stdout.strip().split(";")[0]
+
+    def finished() -> bool:
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
+        return state == ""
+
+    def log() -> str:
+        return (r / "job.out").read_text(errors="replace")[-4000:] if (r / "job.out").exists() \
+            else ""
+
+    _wait(finished, 120, f"the example job {job}:\n{log()}")
+    assert result.exists(), f"the example job {job} did not run TRAIN_CMD:\n{log()}"
+    res = json.loads(result.read_text())
+    assert res["out"] == "42", res
+    assert res["pbox"].startswith(str(prefix) + "/"), res
+    assert res["pbox_slurm"] == str(prefix / "bin" / "pbox-slurm"), res
+    assert res["cpus"] != sorted(os.sched_getaffinity(0)), "the trainer was not kept off the " \
+        "sandbox CPU"
+    _wait(lambda: not _pbox_leftovers(str(prefix / "bin" / "pboxd"), scratch, job), 20,
+          f"nothing of pbox after the example job {job}")
 
 
 def test_launcher_refuses_outside_a_job(tmp_path) -> None:
