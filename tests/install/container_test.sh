@@ -18,6 +18,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 77
 fi
 fail() { echo "FAIL: $*" >&2; exit 1; }
+work=$(mktemp -d /tmp/bragg-container-XXXXXX)
 tag=localhost/bragg-test:$(head -c4 /dev/urandom | od -An -tx1 | tr -d ' \n')
 name=bragg-gw-$$
 worker=""
@@ -25,14 +26,13 @@ cleanup() {
   podman rm -f "$name" > /dev/null 2>&1 || true
   podman rmi -f "$tag" > /dev/null 2>&1 || true
   if [ -n "$worker" ]; then kill "$worker" 2>/dev/null || true; fi
-  rm -f "${CONTAINERS_CONF:-}"
+  rm -rf "$work"
 }
 trap cleanup EXIT
 # podman's packaged defaults ask runc for an open-files limit past what this kind of host
 # grants (hard limit 20,000 here) and for systemd's cgroup manager, which needs systemd as
 # PID 1: this run's own containers.conf drops both (as bench/peers/podman_peer.py does).
-CONTAINERS_CONF=$(mktemp /tmp/bragg-containers-XXXXXX.conf)
-export CONTAINERS_CONF
+export CONTAINERS_CONF=$work/containers.conf
 printf '%s\n' '[containers]' 'default_ulimits = []' '[engine]' 'runtime = "runc"' \
   'cgroup_manager = "cgroupfs"' 'events_logger = "file"' > "$CONTAINERS_CONF"
 run() { podman run --rm --network none "$tag" "$@"; }
@@ -43,9 +43,8 @@ echo "== scripts/build-image"
 
 echo "== the programs in the image"
 for p in pboxd pbox bragg-gateway bragg-pack bragg-reshard; do
-  run "$p" --help > /tmp/help.$$ 2>&1 || { cat /tmp/help.$$; rm -f /tmp/help.$$; fail "$p --help"; }
+  run "$p" --help > "$work/help.txt" 2>&1 || { cat "$work/help.txt"; fail "$p --help"; }
 done
-rm -f /tmp/help.$$
 [ "$(run sh -c 'ls /opt/bragg/bin | tr "\n" " "')" = \
   "bragg-gateway bragg-pack bragg-reshard pbox pbox-init pboxd " ] || fail "unexpected programs"
 missing=$(run sh -c 'for b in /opt/bragg/bin/*; do ldd "$b" 2>&1 | grep "not found"; done' || true)
@@ -57,12 +56,11 @@ fi
 run pboxd --help | grep -q "pbox sandbox agent" || fail "pboxd --help does not describe pboxd"
 
 echo "== bragg-gateway in the container in front of a worker on the host"
-out=$(mktemp)
+out=$work/worker.out
 "$sim_worker" --listen 127.0.0.1:0 > "$out" 2>/dev/null &
 worker=$!
 for _ in $(seq 100); do grep -q "^listening on" "$out" && break; sleep 0.05; done
 wurl=$(awk '/^listening on/ { print $3; exit }' "$out")
-rm -f "$out"
 [ -n "$wurl" ] || fail "bragg-sim-worker did not start"
 port=$("$python" -c '
 import socket

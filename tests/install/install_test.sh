@@ -37,9 +37,7 @@ echo "== layout"
 for prog in pboxd pbox-init pbox pbox-slurm bragg-gateway bragg-engine bragg-train bragg-rl \
             bragg-reshard bragg-pack; do
   [ -x "$prefix/bin/$prog" ] || fail "bin/$prog is not installed"
-done
-for prog in pboxd pbox bragg-gateway bragg-engine bragg-train bragg-rl bragg-reshard bragg-pack \
-            pbox-slurm; do
+  [ "$prog" != pbox-init ] || continue  # the agent's init, run by pboxd only: no --help
   "$prefix/bin/$prog" --help > "$work/help.txt" 2>&1 ||
     { cat "$work/help.txt"; fail "$prog --help"; }
 done
