@@ -23,12 +23,15 @@ PREFIX ?= /usr/local
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
-# Every test, then what was skipped and why (scripts/test-summary); under CI=true a skip that
-# tests/allowed-skips.txt does not name fails the run: CI must run what its install provides.
+# Every test but the cgroup v2 VM (make test-vm: its emulated VM holds both cores for about five
+# minutes, past make test's 30-minute budget; .ci/run runs it after make test), then what was
+# skipped and why (scripts/test-summary); under CI=true a skip that tests/allowed-skips.txt does
+# not name fails the run: CI must run what its install provides.
 test: build
 	rm -rf $(BUILD)/skips && mkdir -p $(BUILD)/skips
 	cd $(BUILD) && rc=0 && \
-	  { ctest --output-on-failure -j $(JOBS) --output-junit ctest-junit.xml $(CTEST_ARGS) || rc=$$?; } && \
+	  { ctest --output-on-failure -j $(JOBS) -LE '^vm$$' --output-junit ctest-junit.xml \
+	      $(CTEST_ARGS) || rc=$$?; } && \
 	  { $(PY) $(CURDIR)/scripts/test-summary . || rc=1; } && exit $$rc
 
 # `pip install .` into fresh venvs (Debian's Python and the one on PATH), then the Python suites

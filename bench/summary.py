@@ -8,6 +8,8 @@ per target, with its goal, peer, measured value, verdict and date, read from doc
   train.json         bench/train/run.py (make bench; left out while absent)
   rl.json            bench/rl/run.py (make bench; left out while absent)
   rl_async.json      bench/rl/async_sync.py (make bench; left out while absent)
+  fusion.json        bench/pbox/fusion.py (make bench; left out while absent)
+  gateway_sglang_router.json  bench/gateway/sglang_router.py (make bench; left out while absent)
   manual_targets.json  targets whose tables are manual runs, kept by hand (their date and command)
 
 Verdicts follow bench/verdict.py: generated ones are copied from the data; a manual entry with
@@ -127,6 +129,8 @@ def rows_from(data_dir):
                      ("engine.json", engine_rows), ("train.json", generated_rows("train")),
                      ("rl.json", generated_rows("rl")),
                      ("rl_async.json", generated_rows("rl")),
+                     ("fusion.json", generated_rows("pbox-fusion")),
+                     ("gateway_sglang_router.json", generated_rows("gateway")),
                      ("manual_targets.json", manual_rows)):
         data = load(os.path.join(data_dir, name))
         if data is not None:
@@ -135,6 +139,7 @@ def rows_from(data_dir):
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
                                 "engine.json, train.json, rl.json, rl_async.json, "
+                                "fusion.json, gateway_sglang_router.json, "
                                 "manual_targets.json)")
     for r in rows:
         if r["verdict"] not in (MET, MISSED, TIE):

@@ -1,10 +1,11 @@
 # `cmake --install BUILD --prefix PREFIX` (`make install PREFIX=...`): one self-contained tree.
 #
 #   PREFIX/bin/                  the CLIs and servers: pboxd with pbox-init beside it (where the
-#                                agent looks), pbox, pbox-slurm, bragg-gateway, bragg-engine,
-#                                bragg-train, bragg-rl, bragg-reshard, bragg-pack
+#                                agent looks), pbox, pbox-fusion, pbox-slurm, bragg-gateway,
+#                                bragg-engine, bragg-train, bragg-rl, bragg-reshard, bragg-pack
 #   PREFIX/lib/bragg/python/     the Python packages (pbox with its generated stubs, bragg_pack
-#                                with its extension, bragg_gateway, bragg_rl), for PYTHONPATH
+#                                with its extension, bragg_gateway, bragg_reshard, bragg_rl),
+#                                for PYTHONPATH
 #   PREFIX/include/bragg/        the public headers of the C++ libraries, generated ones included
 #   PREFIX/lib/lib*.a            the C++ libraries (static, position-independent)
 #   PREFIX/lib/cmake/Bragg/      BraggConfig.cmake: find_package(Bragg) gives bragg::common,
@@ -19,9 +20,10 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 # What a user runs, and the Python packages as the build assembles them under <build>/python.
-set(BRAGG_PROGRAMS pboxd pbox-init pbox bragg-gateway bragg-engine bragg-train bragg-rl
-                   bragg-reshard bragg-pack)
-set(BRAGG_PYTHON_TARGETS pbox_python bragg_pack_core gateway_python bragg_rl_python)
+set(BRAGG_PROGRAMS pboxd pbox-init pbox pbox-fusion bragg-gateway bragg-engine bragg-train
+                   bragg-rl bragg-reshard bragg-pack)
+set(BRAGG_PYTHON_TARGETS pbox_python bragg_pack_core gateway_python bragg_rl_python
+                         bragg_reshard_python)
 # Everything `pip install .` ships, and nothing else (pyproject.toml builds this target only).
 add_custom_target(bragg_wheel DEPENDS ${BRAGG_PROGRAMS} ${BRAGG_PYTHON_TARGETS})
 

@@ -55,6 +55,8 @@ RULES = {
     # random-model writer.
     "rl": ["common/", "rl/", "train/trainer.h", "train/trajectory.h", "gateway/client.h",
            "pbox/client/client.h", PROTO_PBOX, "pack/plan.h", "engine/testing/"],
+    # fusion, SandboxFusion's API in front of pbox: pbox's client door only, as rl.
+    "fusion": ["common/", "fusion/", "pbox/client/client.h", PROTO_PBOX],
 }
 
 # Prefixes a folder may never include, though its rule above would allow them.

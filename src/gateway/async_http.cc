@@ -40,6 +40,51 @@ std::string HttpRequest::Header(std::string_view name) const {
   return "";
 }
 
+namespace {
+
+int HexDigit(char c) {
+  if (c >= '0' && c <= '9') {
+    return c - '0';
+  }
+  c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+// application/x-www-form-urlencoded decoding: "+" is a space, "%XY" a byte; a malformed escape
+// is kept as it is.
+std::string UrlDecode(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '+') {
+      out.push_back(' ');
+    } else if (s[i] == '%' && i + 2 < s.size() && HexDigit(s[i + 1]) >= 0 &&
+               HexDigit(s[i + 2]) >= 0) {
+      out.push_back(static_cast<char>(HexDigit(s[i + 1]) * 16 + HexDigit(s[i + 2])));
+      i += 2;
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<std::string> HttpRequest::QueryParam(std::string_view name) const {
+  std::string_view rest = query;
+  while (!rest.empty()) {
+    size_t amp = rest.find('&');
+    std::string_view pair = rest.substr(0, amp);
+    rest = amp == std::string_view::npos ? std::string_view() : rest.substr(amp + 1);
+    size_t eq = pair.find('=');
+    if (UrlDecode(pair.substr(0, eq)) == name) {
+      return eq == std::string_view::npos ? std::string() : UrlDecode(pair.substr(eq + 1));
+    }
+  }
+  return std::nullopt;
+}
+
 HttpResponse ErrorResponse(int status, std::string_view message) {
   HttpResponse r;
   r.status = status;
@@ -169,14 +214,18 @@ void SweepIdle(IoThread* io, std::chrono::milliseconds max_idle) {
 }
 
 // A keep-alive POST of a JSON `body` to the worker `key` ("host:port").
+// `authorization`, when not empty, is sent as the Authorization header (the workers' API key).
 void PreparePost(http::request<http::string_body>& req, const std::string& key,
-                 const std::string& path, std::string body) {
+                 const std::string& path, std::string body, const std::string& authorization) {
   req = {};
   req.method(http::verb::post);
   req.target(path);
   req.version(11);
   req.set(http::field::host, key);
   req.set(http::field::content_type, "application/json");
+  if (!authorization.empty()) {
+    req.set(http::field::authorization, authorization);
+  }
   req.keep_alive(true);
   req.body() = std::move(body);
   req.prepare_payload();
@@ -218,7 +267,7 @@ class OneShot : public std::enable_shared_from_this<OneShot> {
         key_(Key(hp_)),
         path_(std::move(path)),
         done_(std::move(done)) {
-    PreparePost(req_, key_, path_, std::move(body));
+    PreparePost(req_, key_, path_, std::move(body), options.upstream_authorization);
     res_.body_limit(options.max_upstream_response);
   }
   void Run() {
@@ -399,7 +448,11 @@ class Session : public std::enable_shared_from_this<Session> {
     HttpRequest req;
     req.method = std::string(msg.method_string());
     std::string_view target(msg.target().data(), msg.target().size());
-    req.path = std::string(target.substr(0, target.find('?')));
+    size_t question = target.find('?');
+    req.path = std::string(target.substr(0, question));
+    if (question != std::string_view::npos) {
+      req.query = std::string(target.substr(question + 1));
+    }
     req.body = std::move(msg.body());
     req.headers.reserve(8);
     for (const auto& f : msg) {
@@ -515,7 +568,8 @@ class Session : public std::enable_shared_from_this<Session> {
     Watch();
     up_ = io_.pool.Take(up_key_, std::chrono::milliseconds(server_.options.upstream_max_idle_ms));
     up_reused_ = up_ != nullptr;
-    PreparePost(up_req_, up_key_, fwd_.path, std::move(fwd_.body));
+    PreparePost(up_req_, up_key_, fwd_.path, std::move(fwd_.body),
+                server_.options.upstream_authorization);
     if (up_) {
       WriteUpstream();
       return;

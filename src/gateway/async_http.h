@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -26,10 +27,14 @@ using HeaderList = std::vector<std::pair<std::string, std::string>>;
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
   std::string path;    // request target without the query string
+  std::string query;   // what followed the first '?' of the target, "" when none
   std::string body;
   HeaderList headers;
   // Value of header `name` (case-insensitive), "" when absent.
   std::string Header(std::string_view name) const;
+  // The first value of query parameter `name`, URL-decoded ("+" and "%XY"); "" for a name
+  // without "="; nullopt when absent.
+  std::optional<std::string> QueryParam(std::string_view name) const;
 };
 
 struct HttpResponse {
@@ -139,6 +144,8 @@ struct AsyncHttpOptions {
   // request comes for that worker.
   int upstream_max_idle_ms = 2000;
   int keep_alive_timeout_s = 60;  // idle client connections are closed after this
+  // Sent as the Authorization header of every upstream request ("Bearer <key>"), "" for none.
+  std::string upstream_authorization;
   // Client connections served at once; beyond it new ones wait in the listen backlog. 0: what
   // RLIMIT_NOFILE allows, (soft limit - 64) / 2, since each proxied request also holds a
   // worker connection: running out of descriptors would fail requests and health checks.

@@ -16,8 +16,10 @@ RouterOptions Sticky(RouterOptions options) {
 
 }  // namespace
 
-Pool::Pool(std::string name, RouterOptions options)
-    : name_(std::move(name)), router_(std::move(options)) {}
+Pool::Pool(std::string name, RouterOptions options, std::string worker_api_key)
+    : name_(std::move(name)),
+      worker_api_key_(std::move(worker_api_key)),
+      router_(std::move(options)) {}
 
 Worker& Pool::Record(int worker) const {
   if (worker < 0 || static_cast<size_t>(worker) >= size_) {
@@ -26,16 +28,73 @@ Worker& Pool::Record(int worker) const {
   return *router_.record(worker);
 }
 
-Status Pool::AddWorker(const std::string& url, bool healthy) {
-  BRAGG_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(url));
-  std::string canonical = fmt::format("http://{}:{}", hp.host, hp.port);
+namespace {
+
+Result<std::string> Canonical(const std::string& url, HostPort* hp) {
+  BRAGG_ASSIGN_OR_RETURN(*hp, ParseHostPort(url));
+  return fmt::format("http://{}:{}", hp->host, hp->port);
+}
+
+}  // namespace
+
+Result<bool> Pool::AddWorker(const std::string& url, bool healthy, int bootstrap_port) {
+  if (bootstrap_port < -1 || bootstrap_port > 65535) {
+    return absl::InvalidArgumentError(
+        fmt::format("bootstrap port {} is not a port (0-65535)", bootstrap_port));
+  }
+  HostPort hp;
+  BRAGG_ASSIGN_OR_RETURN(std::string canonical, Canonical(url, &hp));
   std::lock_guard<std::mutex> lock(mu_);
-  int index = router_.AddWorker(canonical, healthy);
+  bool added = false;
+  int index = router_.AddWorker(canonical, healthy, &added);
+  Worker* w = router_.record(index);
   if (static_cast<size_t>(index) == size_) {
-    router_.record(index)->client = std::make_unique<ClientPool>(hp);
+    w->client = std::make_unique<ClientPool>(hp, worker_api_key_);
     ++size_;
   }
-  return absl::OkStatus();
+  if (added) {
+    // A member again after a removal starts afresh: the health loop checks its version.
+    w->bootstrap_port = bootstrap_port;
+    w->health_failures = 0;
+    w->quarantined = false;
+    w->needs_continue = false;
+    w->version.clear();
+  }
+  return added;
+}
+
+bool Pool::RemoveWorker(const std::string& url) {
+  HostPort hp;
+  Result<std::string> canonical = Canonical(url, &hp);
+  if (!canonical.ok()) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<WorkerSnapshot> snap = router_.Snapshot();
+  for (size_t i = 0; i < snap.size() && i < size_; ++i) {
+    if (snap[i].url == *canonical && router_.RemoveWorker(static_cast<int>(i))) {
+      spdlog::info("worker {} removed from pool {}", *canonical, name_);
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<std::string> Pool::MemberUrls() const {
+  size_t n = size();
+  std::vector<std::string> out;
+  std::vector<WorkerSnapshot> snap = router_.Snapshot();
+  for (size_t i = 0; i < snap.size() && i < n; ++i) {
+    if (!snap[i].removed) {
+      out.push_back(snap[i].url);
+    }
+  }
+  return out;
+}
+
+int Pool::bootstrap_port(int worker) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Record(worker).bootstrap_port;
 }
 
 size_t Pool::size() const {
@@ -95,6 +154,11 @@ void Pool::SetVersion(int worker, std::string version) {
   Record(worker).version = std::move(version);
 }
 
+std::string Pool::version(int worker) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Record(worker).version;
+}
+
 void Pool::Admitted(int worker, std::string version) {
   std::lock_guard<std::mutex> lock(mu_);
   Worker& w = Record(worker);
@@ -112,8 +176,10 @@ std::vector<std::string> Pool::Versions() const {
   return out;
 }
 
-Fleet::Fleet(const RouterOptions& main)
-    : main_("main", main), prefill_("prefill", Sticky(main)), decode_("decode", Sticky(main)) {}
+Fleet::Fleet(const RouterOptions& main, std::string worker_api_key)
+    : main_("main", main, worker_api_key),
+      prefill_("prefill", Sticky(main), worker_api_key),
+      decode_("decode", Sticky(main), worker_api_key) {}
 
 std::vector<Target> Fleet::HealthyTargets() {
   std::vector<Target> out;
@@ -121,6 +187,20 @@ std::vector<Target> Fleet::HealthyTargets() {
     std::vector<WorkerSnapshot> snap = pool->router().Snapshot();
     for (size_t i = 0; i < snap.size(); ++i) {
       if (snap[i].healthy) {
+        out.push_back({pool, static_cast<int>(i), snap[i].url});
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<Target> Fleet::Members() {
+  std::vector<Target> out;
+  for (Pool* pool : pools()) {
+    size_t n = pool->size();
+    std::vector<WorkerSnapshot> snap = pool->router().Snapshot();
+    for (size_t i = 0; i < snap.size() && i < n; ++i) {
+      if (!snap[i].removed) {
         out.push_back({pool, static_cast<int>(i), snap[i].url});
       }
     }

@@ -38,6 +38,7 @@ struct Worker {
   // Routing part: the Router's, under its mutex.
   const std::string url;  // canonical "http://HOST:PORT"
   bool healthy = true;
+  bool removed = false;  // Router::RemoveWorker; never healthy while removed
   WorkerSnapshot stats;
   RadixCache tree;  // approximate prefix tree of what the gateway sent it
 
@@ -49,13 +50,17 @@ struct Worker {
   // version check (and a continue_generation when it may be paused).
   bool quarantined = false;
   bool needs_continue = false;  // may still be paused by a failed update
+  // KV bootstrap port of a prefill worker (sgl-router's `--prefill URL PORT`); -1: the gateway's
+  // --bootstrap-port.
+  int bootstrap_port = -1;
 };
 
 // One pool of workers and its Router. Thread-safe. Workers are numbered in the order they are
-// added, as in the Router, and never removed.
+// added, as in the Router; a removed worker keeps its number and record (Router::RemoveWorker).
 class Pool {
  public:
-  Pool(std::string name, RouterOptions options);
+  // `worker_api_key`: see Fleet.
+  Pool(std::string name, RouterOptions options, std::string worker_api_key = "");
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
@@ -63,9 +68,16 @@ class Pool {
   Router& router() { return router_; }
 
   // Adds the worker at `url` ("http://HOST:PORT" or "HOST:PORT"), healthy or out of rotation
-  // until the health loop admits it; an existing url is left as it is. InvalidArgument for a bad
-  // url.
-  Status AddWorker(const std::string& url, bool healthy);
+  // until the health loop admits it, with KV bootstrap port `bootstrap_port` (-1: the gateway's;
+  // prefill workers); an existing member is left as it is, a removed one becomes a member again.
+  // Returns whether it became a member now (false: it already was). InvalidArgument for a bad
+  // url or port.
+  Result<bool> AddWorker(const std::string& url, bool healthy, int bootstrap_port = -1);
+  // Removes the member at `url` (canonicalized as AddWorker does); false when there is none.
+  bool RemoveWorker(const std::string& url);
+  // The canonical urls of the members (removed workers left out).
+  std::vector<std::string> MemberUrls() const;
+  int bootstrap_port(int worker) const;
   // Workers with a record.
   size_t size() const;
   // Keep-alive connections to `worker`; valid as long as the pool.
@@ -83,6 +95,8 @@ class Pool {
   bool needs_continue(int worker) const;
   void SetNeedsContinue(int worker, bool needs_continue);
   void SetVersion(int worker, std::string version);
+  // Last known weight version of `worker`, "" when unknown.
+  std::string version(int worker) const;
   // `worker` passed the version check on `version`: its quarantine ends.
   void Admitted(int worker, std::string version);
   // Last known weight version per worker.
@@ -94,6 +108,7 @@ class Pool {
   Worker& Record(int worker) const;
 
   const std::string name_;
+  const std::string worker_api_key_;
   mutable Router router_;  // owns the records; thread-safe
   mutable std::mutex mu_;
   size_t size_ = 0;  // records whose fleet part is set up; guarded by mu_
@@ -110,7 +125,9 @@ struct Target {
 // version every worker in rotation must report. Thread-safe.
 class Fleet {
  public:
-  explicit Fleet(const RouterOptions& main);
+  // `worker_api_key`, when not empty, is sent to every worker as "Authorization: Bearer <key>"
+  // by the keep-alive clients of Pool::Client.
+  explicit Fleet(const RouterOptions& main, std::string worker_api_key = "");
   Fleet(const Fleet&) = delete;
   Fleet& operator=(const Fleet&) = delete;
 
@@ -121,6 +138,8 @@ class Fleet {
   std::array<Pool*, 3> pools() { return {&main_, &prefill_, &decode_}; }
   // The workers in rotation now, pool by pool.
   std::vector<Target> HealthyTargets();
+  // Every member (removed workers left out), healthy or not, pool by pool.
+  std::vector<Target> Members();
 
   std::string version() const;
   void set_version(std::string version);

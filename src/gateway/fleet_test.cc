@@ -39,7 +39,7 @@ TEST(PoolTest, OneRecordHoldsTheRoutingAndTheFleetPart) {
 TEST(PoolTest, BadUrlsAreRefused) {
   Pool pool("main", RouterOptions{});
   for (const char* url : {"", "no-port", "http://h:notaport", "ftp://h:1"}) {
-    Status st = pool.AddWorker(url, true);
+    Status st = pool.AddWorker(url, true).status();
     EXPECT_FALSE(st.ok()) << url;
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << url;
   }

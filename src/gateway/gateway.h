@@ -26,8 +26,19 @@ struct GatewayOptions {
   std::vector<std::string> workers;
   // Prefill/decode disaggregation: when both are given, every /generate goes to one pair.
   std::vector<std::string> prefill_workers;
+  // KV bootstrap port per prefill worker, in order (sgl-router's `--prefill URL PORT`); missing
+  // or -1: `bootstrap_port`.
+  std::vector<int> prefill_bootstrap_ports;
   std::vector<std::string> decode_workers;
+  // Prefill/decode mode even with no worker given at start (they come with POST /add_worker).
+  bool pd_disaggregation = false;
   int bootstrap_port = 8998;  // the prefill workers' KV bootstrap port
+  // When not empty, every request but /health, /metrics and the read-only worker queries
+  // (/v1/models, /get_model_info, /get_server_info) must carry "Authorization: Bearer
+  // <api_key>" (401 otherwise).
+  std::string api_key;
+  // Sent to every worker as "Authorization: Bearer <worker_api_key>" when not empty.
+  std::string worker_api_key;
   // Data-parallel-attention ranks per worker; above 1, every request of a rollout carries the
   // same routed_dp_rank (unless the client set one).
   int dp_size = 1;
@@ -75,6 +86,18 @@ class Gateway {
   // /generate and the OpenAI endpoints: parsed (400 when malformed), then routed and forwarded.
   Action Handle(Endpoint endpoint, HttpRequest& req);
   void Register();
+  // sgl-router's worker management and fan-out calls (docs/gateway.md, "Drop-in for
+  // sgl-router").
+  void RegisterSglRouter();
+  // Serves `method` `path`; unless `open`, only with the API key (when one is set).
+  void Route(const std::string& method, const std::string& path, Handler handler,
+             bool open = false);
+  // Registers `url` in the pool of `worker_type` ("", "regular", "prefill", "decode") at run
+  // time, out of rotation until the health loop admits it. Returns whether it is new (false: a
+  // member already). InvalidArgument for a bad url, type or port, or a type this mode lacks.
+  Result<bool> AddWorker(const std::string& url, const std::string& worker_type,
+                         int bootstrap_port);
+  bool disaggregated() const;
 
   GatewayOptions options_;
   std::unique_ptr<AsyncHttpServer> server_;

@@ -16,7 +16,16 @@
 
 namespace bragg::gateway {
 
-ClientPool::ClientPool(HostPort target) : target_(std::move(target)) {}
+ClientPool::ClientPool(HostPort target, std::string api_key)
+    : target_(std::move(target)), api_key_(std::move(api_key)) {}
+
+std::unique_ptr<httplib::Client> ClientPool::NewClient() const {
+  auto c = std::make_unique<httplib::Client>(target_.host, target_.port);
+  if (!api_key_.empty()) {
+    c->set_bearer_token_auth(api_key_);
+  }
+  return c;
+}
 
 std::unique_ptr<httplib::Client> ClientPool::Acquire() {
   {
@@ -27,7 +36,7 @@ std::unique_ptr<httplib::Client> ClientPool::Acquire() {
       return c;
     }
   }
-  auto c = std::make_unique<httplib::Client>(target_.host, target_.port);
+  auto c = NewClient();
   c->set_keep_alive(true);
   c->set_connection_timeout(2, 0);
   c->set_read_timeout(3600, 0);

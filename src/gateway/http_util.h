@@ -30,17 +30,21 @@ using ::bragg::RaiseFileLimit;
 using ::bragg::ServeUntilTerminated;
 using ::bragg::WaitForTermination;
 
-// Keep-alive connections to one upstream, reused across requests. Thread-safe.
+// Keep-alive connections to one upstream, reused across requests. Thread-safe. Every client it
+// hands out sends "Authorization: Bearer <api_key>" when `api_key` is not empty.
 class ClientPool {
  public:
-  explicit ClientPool(HostPort target);
+  explicit ClientPool(HostPort target, std::string api_key = "");
   // A connected-or-fresh client; give it back with Release when the exchange ended cleanly.
   std::unique_ptr<httplib::Client> Acquire();
   void Release(std::unique_ptr<httplib::Client> client);
+  // A fresh client of its own (never pooled) for one-off calls with their own timeouts.
+  std::unique_ptr<httplib::Client> NewClient() const;
   const HostPort& target() const { return target_; }
 
  private:
   HostPort target_;
+  const std::string api_key_;
   std::mutex mu_;
   std::vector<std::unique_ptr<httplib::Client>> idle_;
 };

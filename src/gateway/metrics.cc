@@ -28,6 +28,9 @@ std::string RenderMetrics(Fleet& fleet, const MetricCounters& counters) {
     std::vector<std::string> versions = pool->Versions();
     for (size_t i = 0; i < snap.size(); ++i) {
       const WorkerSnapshot& s = snap[i];
+      if (s.removed) {
+        continue;
+      }
       std::string labels =
           fmt::format("pool=\"{}\",worker=\"{}\"", pool->name(), PrometheusLabelValue(s.url));
       out += fmt::format("bragg_gateway_worker_healthy{{{}}} {}\n", labels, s.healthy ? 1 : 0);
@@ -77,6 +80,8 @@ std::string RenderMetrics(Fleet& fleet, const MetricCounters& counters) {
                      counters.weight_updates_ok);
   out += fmt::format("bragg_gateway_weight_updates_total{{result=\"failed\"}} {}\n",
                      counters.weight_updates_failed);
+  out += fmt::format("bragg_gateway_weight_updates_total{{result=\"external\"}} {}\n",
+                     counters.weight_updates_external);
   return out;
 }
 

@@ -15,6 +15,8 @@ struct MetricCounters {
   uint64_t upstream_errors = 0;
   uint64_t weight_updates_ok = 0;
   uint64_t weight_updates_failed = 0;
+  // Fleet versions learnt from the workers (weights changed outside the gateway).
+  uint64_t weight_updates_external = 0;
 };
 
 // Per-worker gauges and counters of every pool of `fleet`, the routing decisions, the weight

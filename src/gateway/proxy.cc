@@ -171,7 +171,8 @@ Action Proxy::StartPd(std::shared_ptr<Generate> g) {
     room = rng_() & ((uint64_t{1} << 63) - 1);
   }
   g->body["bootstrap_host"] = pre->target.host;
-  g->body["bootstrap_port"] = options_.bootstrap_port;
+  int own_port = fleet_->prefill().bootstrap_port(p->worker);
+  g->body["bootstrap_port"] = own_port >= 0 ? own_port : options_.bootstrap_port;
   g->body["bootstrap_room"] = room;
   g->prefill = pre;
   // Both halves at once: the decode worker waits for the KV the prefill worker computes.

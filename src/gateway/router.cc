@@ -25,8 +25,25 @@ Result<Policy> ParsePolicy(std::string_view name) {
   if (name == "sgl_cache_aware") {
     return Policy::kSglCacheAware;
   }
+  // sgl-router's names: "manual" pins a routing key to a worker, as sticky does; power_of_two
+  // sends to the less loaded of two random workers, least_load to the least loaded of all.
+  if (name == "manual") {
+    return Policy::kSticky;
+  }
+  if (name == "power_of_two") {
+    return Policy::kLeastLoad;
+  }
+  if (name == "random" || name == "bucket") {
+    return absl::InvalidArgumentError(fmt::format(
+        "sgl-router's policy '{}' has no counterpart here: use sticky (the default; sgl-router's "
+        "manual), cache_aware, sgl_cache_aware (sgl-router's cache_aware), round_robin or "
+        "least_load (power_of_two)",
+        name));
+  }
   return absl::InvalidArgumentError(fmt::format(
-      "unknown routing policy '{}': use sticky, cache_aware, round_robin or least_load", name));
+      "unknown routing policy '{:.64}': use sticky, cache_aware, sgl_cache_aware, round_robin or "
+      "least_load",
+      name));
 }
 
 std::string_view PolicyName(Policy policy) {
@@ -67,12 +84,25 @@ Worker* Router::record(int worker) {
   return workers_[worker].get();
 }
 
-int Router::AddWorker(std::string url, bool healthy) {
+int Router::AddWorker(std::string url, bool healthy, bool* added) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
-    if (workers_[i]->url == url) {
+    Worker& w = *workers_[i];
+    if (w.url == url) {
+      if (added != nullptr) {
+        *added = w.removed;
+      }
+      if (w.removed) {
+        // Registered again after a removal: a new member, its cache cold.
+        w.removed = false;
+        w.healthy = healthy;
+        w.stats.removed = false;
+      }
       return static_cast<int>(i);
     }
+  }
+  if (added != nullptr) {
+    *added = true;
   }
   workers_.push_back(std::make_unique<Worker>(url, options_.tree_capacity_tokens));
   workers_.back()->healthy = healthy;
@@ -86,11 +116,27 @@ void Router::SetHealthy(int worker, bool healthy) {
     return;
   }
   Worker& w = *workers_[worker];
+  if (w.removed) {
+    return;
+  }
   if (w.healthy && !healthy) {
     // Its KV cache is gone with it; a returning worker starts cold.
     w.tree.Clear();
   }
   w.healthy = healthy;
+}
+
+bool Router::RemoveWorker(int worker) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (worker < 0 || static_cast<size_t>(worker) >= workers_.size() || workers_[worker]->removed) {
+    return false;
+  }
+  Worker& w = *workers_[worker];
+  w.removed = true;
+  w.stats.removed = true;
+  w.healthy = false;
+  w.tree.Clear();
+  return true;
 }
 
 void Router::SetFleetVersion(std::string version) {

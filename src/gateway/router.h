@@ -27,7 +27,9 @@ enum class Policy {
   kSglCacheAware,  // sgl-router's cache_aware rules, for comparison (benchmark baseline)
 };
 
-// "sticky", "cache_aware", "round_robin", "least_load", "sgl_cache_aware"; InvalidArgument else.
+// "sticky", "cache_aware", "round_robin", "least_load", "sgl_cache_aware", and sgl-router's
+// "manual" (sticky) and "power_of_two" (least_load); InvalidArgument else (sgl-router's "random"
+// and "bucket" included, with what to use instead).
 Result<Policy> ParsePolicy(std::string_view name);
 std::string_view PolicyName(Policy policy);
 
@@ -68,13 +70,15 @@ struct WorkerSnapshot {
   uint64_t prompt_tokens = 0;
   uint64_t cached_tokens = 0;
   uint64_t moved_out = 0;  // sticky rollouts moved off this worker because it went down
+  bool removed = false;    // removed from the fleet (RemoveWorker); listed nowhere
 };
 
 struct Worker;  // fleet.h: the one record per worker
 
-// Thread-safe (one internal mutex). Workers are numbered in the order they are added and never
-// removed; an unhealthy worker gets no requests. The Router owns each worker's record (fleet.h)
-// and guards its routing part (url, healthy, stats, tree) with its mutex.
+// Thread-safe (one internal mutex). Workers are numbered in the order they are added; a removed
+// worker keeps its number and record (requests in flight on it still Finish) and gets no
+// requests, like an unhealthy one; an unhealthy worker gets no requests. The Router owns each
+// worker's record (fleet.h) and guards its routing part (url, healthy, stats, tree) with its mutex.
 class Router {
  public:
   explicit Router(RouterOptions options);
@@ -83,9 +87,15 @@ class Router {
   Router& operator=(const Router&) = delete;
 
   // Adds a worker and returns its index; an existing url returns its index (its health
-  // unchanged). A worker added unhealthy gets no request until SetHealthy(true).
-  int AddWorker(std::string url, bool healthy = true);
+  // unchanged, unless it was removed: then it is a member again, with health `healthy`). A worker
+  // added unhealthy gets no request until SetHealthy(true). `*added` (if given): whether the
+  // worker became a member now (new, or added again after a removal).
+  int AddWorker(std::string url, bool healthy = true, bool* added = nullptr);
+  // No effect on a removed worker.
   void SetHealthy(int worker, bool healthy);
+  // Takes `worker` out for good (until added again): no new requests, its rollouts move on
+  // their next turn as from a dead worker. False when there is no such member.
+  bool RemoveWorker(int worker);
   // Weight version new rollouts start on; it salts their cache (extra_key "wv:<version>").
   void SetFleetVersion(std::string version);
 

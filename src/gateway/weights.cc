@@ -90,11 +90,10 @@ void WeightUpdater::ReadFleetVersion() {
   std::vector<std::future<void>> fs;
   for (size_t i = 0; i < targets.size(); ++i) {
     fs.push_back(std::async(std::launch::async, [&, i] {
-      const HostPort& hp = targets[i].pool->Client(targets[i].worker)->target();
-      httplib::Client c(hp.host, hp.port);
-      c.set_connection_timeout(1, 0);
-      c.set_read_timeout(5, 0);
-      infos[i] = GetModelInfo(c);
+      auto c = targets[i].pool->Client(targets[i].worker)->NewClient();
+      c->set_connection_timeout(1, 0);
+      c->set_read_timeout(5, 0);
+      infos[i] = GetModelInfo(*c);
     }));
   }
   for (auto& f : fs) {
@@ -154,13 +153,72 @@ bool WeightUpdater::Admit(Pool& pool, int worker, httplib::Client& c) {
     return false;
   }
   std::string fleet = fleet_->VersionOr(info->weight_version);
-  if (info->weight_version != fleet) {
+  if (info->weight_version != fleet && !ExternalVersion(pool, worker, info->weight_version)) {
     spdlog::warn("worker {} answers but has weights {} instead of {}; kept out", url,
                  info->weight_version, fleet);
     return false;
   }
   pool.Admitted(worker, info->weight_version);
   return true;
+}
+
+bool WeightUpdater::ExternalVersion(Pool& pool, int worker, const std::string& version) {
+  if (pool.quarantined(worker)) {
+    // The gateway's own update left it apart: only the fleet's version brings it back.
+    return false;
+  }
+  std::vector<Target> serving = Serving();
+  if (serving.empty()) {
+    // Nobody serves to compare with (every worker restarted, say on new weights): as at
+    // startup, the version it reports becomes the fleet's.
+    FollowVersion(version);
+    return true;
+  }
+  for (const Target& t : serving) {
+    if (t.pool->version(t.worker) == version) {
+      return true;  // an outside update is under way: a worker in rotation has it too
+    }
+  }
+  return false;
+}
+
+std::vector<Target> WeightUpdater::Serving() {
+  std::vector<Target> out;
+  for (Target& t : fleet_->HealthyTargets()) {
+    if (!t.pool->quarantined(t.worker)) {
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+void WeightUpdater::FollowVersion(const std::string& version) {
+  std::string old = fleet_->version();
+  if (version == old) {
+    return;
+  }
+  spdlog::info("weights changed outside the gateway: the fleet's version is now {} (was {})",
+               version, old.empty() ? "unknown" : old);
+  fleet_->set_version(version);
+  SetSaltVersion(version);
+  updates_external_++;
+}
+
+void WeightUpdater::FollowWorkers() {
+  std::string agreed;
+  for (const Target& t : Serving()) {
+    std::string v = t.pool->version(t.worker);
+    if (v.empty()) {
+      continue;  // not read yet
+    }
+    if (!agreed.empty() && v != agreed) {
+      return;  // an outside update is under way, or the fleet is split: wait
+    }
+    agreed = v;
+  }
+  if (!agreed.empty()) {
+    FollowVersion(agreed);
+  }
 }
 
 WeightUpdateReport WeightUpdater::Update(const std::string& model_path,
@@ -189,8 +247,7 @@ WeightUpdateReport WeightUpdater::Update(const std::string& model_path,
     }
   };
   auto control_client = [&](size_t i) {
-    const HostPort& hp = targets[i].pool->Client(targets[i].worker)->target();
-    auto c = std::make_unique<httplib::Client>(hp.host, hp.port);
+    auto c = targets[i].pool->Client(targets[i].worker)->NewClient();
     c->set_connection_timeout(2, 0);
     c->set_read_timeout(10, 0);
     return c;

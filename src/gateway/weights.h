@@ -81,8 +81,16 @@ class WeightUpdater {
   // decides which workers serve.
   std::unique_lock<std::mutex> TryLockUpdates();
 
+  // Weights changed outside the gateway (a framework's update_weights_from_distributed or
+  // _from_tensor, docs/gateway.md, "Weights changed outside the gateway"). For the health loop,
+  // after a round that recorded the version of every worker in rotation (Pool::SetVersion):
+  // when all of them that reported one report the same version and it is not the fleet's, it
+  // becomes the fleet's and salts new rollouts. Call only while holding TryLockUpdates's lock.
+  void FollowWorkers();
+
   uint64_t updates_ok() const { return updates_ok_.load(); }
   uint64_t updates_failed() const { return updates_failed_.load(); }
+  uint64_t updates_external() const { return updates_external_.load(); }
 
  private:
   struct Upstream {
@@ -93,12 +101,21 @@ class WeightUpdater {
   Upstream Post(Pool& pool, int worker, const std::string& path, const std::string& body);
   // New rollouts on every pool are salted with `version`.
   void SetSaltVersion(const std::string& version);
+  // Whether `worker`, not on the fleet's version, may serve on `version` anyway: it was not
+  // quarantined by the gateway's own update, and a worker in rotation reports `version` too (an
+  // outside update under way), or none is in rotation (then `version` becomes the fleet's).
+  bool ExternalVersion(Pool& pool, int worker, const std::string& version);
+  // The workers in rotation and not quarantined.
+  std::vector<Target> Serving();
+  // The fleet's version becomes `version`, learnt from the workers.
+  void FollowVersion(const std::string& version);
 
   Fleet* const fleet_;
   std::mutex update_mu_;      // one fleet update at a time
   std::string salt_version_;  // the version new rollouts are salted with; under update_mu_
   std::atomic<uint64_t> updates_ok_{0};
   std::atomic<uint64_t> updates_failed_{0};
+  std::atomic<uint64_t> updates_external_{0};
 };
 
 }  // namespace bragg::gateway

@@ -131,6 +131,10 @@ Status RunConvert(ConvertArgs a) {
   }
   BRAGG_ASSIGN_OR_RETURN(std::string cfg_text,
                          bragg::ReadFileToString(a.hf_config_dir + "/config.json"));
+  if (a.model.empty()) {
+    BRAGG_ASSIGN_OR_RETURN(a.model, FamilyFromModelType(cfg_text));
+    spdlog::info("--model {} (from config.json's model_type)", a.model);
+  }
   BRAGG_ASSIGN_OR_RETURN(ModelConfig cfg, ParseModelConfig(a.model, cfg_text));
   if (a.fused_gate_up && cfg.num_experts == 0) {
     return absl::InvalidArgumentError(fmt::format(

@@ -68,6 +68,31 @@ std::string PerLayerKey(const std::string& stacked_key, int64_t layer) {
   return fmt::format("{}{}.{}", kPrefix, layer, stacked_key.substr(kPrefix.size()));
 }
 
+Result<std::string> FamilyFromModelType(const std::string& config_json) {
+  nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("config.json is not a JSON object");
+  }
+  auto it = j.find("model_type");
+  if (it == j.end() || !it->is_string()) {
+    return absl::InvalidArgumentError(
+        fmt::format("config.json has no model_type string: pass --model ({})", kFamilies));
+  }
+  const std::string type = it->get<std::string>();
+  for (const char* family : {"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"}) {
+    if (type == family) {
+      return type;
+    }
+  }
+  if (type == "kimi_k2") {
+    return std::string("deepseek_v3");
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("config.json's model_type '{}' is not supported (supported: {}; Kimi-K2 is "
+                  "deepseek_v3); pass --model if the architecture is one of them",
+                  type, kFamilies));
+}
+
 Result<ModelConfig> ParseModelConfig(const std::string& family, const std::string& config_json) {
   if (family != "llama" && family != "qwen2" && family != "qwen3" && family != "qwen3_moe" &&
       family != "deepseek_v3") {
@@ -127,6 +152,9 @@ class MappingTable {
     out_->push_back(TensorMapping{std::move(hf), std::move(shape), std::move(src), layer, expert,
                                   std::move(seg)});
   }
+
+  // The last mapping added is also found under `src` (TensorMapping::alt_src_key).
+  void SetAlternative(std::string src) { out_->back().alt_src_key = std::move(src); }
 
   // A gated MLP whose fc1 is [gate; up] (rows) of `ffn` each: gate_proj, up_proj, down_proj.
   void AddGatedMlp(const std::string& hf_prefix, const std::string& src_prefix, int64_t layer,
@@ -222,7 +250,11 @@ void AddMoeMlp(const ModelConfig& c, const std::string& p, int64_t i, MappingTab
   const int64_t n = c.num_experts;
   const std::string mlp = kLayers + "mlp.";
   const std::string ex = mlp + "experts.experts.";
+  // The TransformerEngine layer spec keeps the pre-MLP norm as its own module; the local spec's
+  // sharded state dict renames it after the dense layer's fused norm (megatron-core's
+  // sharded_state_dict_keys_map), even where the MoE layer has no linear_fc1.
   t->Add(p + "post_attention_layernorm.weight", {h}, kLayers + "pre_mlp_layernorm.weight", i);
+  t->SetAlternative(kLayers + "mlp.linear_fc1.layer_norm_weight");
   t->Add(p + "mlp.gate.weight", {n, h}, mlp + "router.weight", i);
   if (c.family == "deepseek_v3") {
     t->Add(p + "mlp.gate.e_score_correction_bias", {n}, mlp + "router.expert_bias", i);

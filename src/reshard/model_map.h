@@ -55,6 +55,11 @@ struct ModelConfig {
   bool IsMoeLayer(int64_t layer) const { return num_experts > 0 && layer >= first_k_dense_replace; }
 };
 
+// The family for config.json's `model_type` (llama, qwen2, qwen3, qwen3_moe, deepseek_v3, and
+// kimi_k2 as deepseek_v3): what --model defaults to. InvalidArgument when the config has no
+// model_type or one without a mapping (the message lists the supported ones).
+[[nodiscard]] Result<std::string> FamilyFromModelType(const std::string& config_json);
+
 // Parses config.json text for `family`. InvalidArgument for an unknown family (the message lists
 // the supported ones), a missing or non-positive field, or heads that do not divide evenly;
 // Unimplemented for layouts the tables do not cover (qwen3_moe dense layers, deepseek_v3
@@ -74,6 +79,9 @@ struct TensorMapping {
   int64_t layer = -1;                // index on the stacked layer axis (dim 0); -1: not stacked
   int64_t expert = -1;               // index on the expert axis (right after the layer axis)
   std::vector<RowSegment> segments;  // empty: all rows
+  // Another name Megatron-core gives the same tensor, tried when src_key is absent (layer
+  // tensors: stacked, then per layer). Empty: none.
+  std::string alt_src_key;
 
   // Leading axes fixed to one index (layer, expert); rows are the next dim.
   size_t FixedAxes() const { return (layer >= 0 ? 1 : 0) + (expert >= 0 ? 1 : 0); }

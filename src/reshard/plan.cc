@@ -143,24 +143,38 @@ Result<Plan> BuildPlan(const CheckpointIndex& index, const ModelConfig& cfg,
     if (!names.insert(m.hf_name).second) {
       return absl::InvalidArgumentError(fmt::format("duplicate output tensor '{}'", m.hf_name));
     }
-    auto it = index.tensors.find(m.src_key);
-    if (it == index.tensors.end() && m.layer >= 0) {
-      // Megatron's per-layer keys (MoE and mixed dense/MoE models): no stacked layer axis.
-      std::string per_layer = PerLayerKey(m.src_key, m.layer);
-      it = index.tensors.find(per_layer);
-      if (it == index.tensors.end()) {
-        return absl::InvalidArgumentError(
-            fmt::format("checkpoint has neither '{}' nor '{}' (needed for '{}'); does --model "
-                        "match the checkpoint?",
-                        m.src_key, per_layer, m.hf_name));
+    // The names the tensor may have, in order: its key, then (layer tensors) Megatron's
+    // per-layer key (MoE and mixed dense/MoE models: no stacked layer axis), then the same for
+    // the alternative key.
+    std::vector<std::pair<std::string, bool>> names_tried;  // (key, per layer)
+    for (const std::string* key : {&m.src_key, &m.alt_src_key}) {
+      if (key->empty()) {
+        continue;
       }
-      m.src_key = std::move(per_layer);
-      m.layer = -1;
+      names_tried.emplace_back(*key, false);
+      if (m.layer >= 0) {
+        names_tried.emplace_back(PerLayerKey(*key, m.layer), true);
+      }
+    }
+    auto it = index.tensors.end();
+    for (const auto& [key, per_layer] : names_tried) {
+      it = index.tensors.find(key);
+      if (it != index.tensors.end()) {
+        m.src_key = key;
+        if (per_layer) {
+          m.layer = -1;
+        }
+        break;
+      }
     }
     if (it == index.tensors.end()) {
-      return absl::InvalidArgumentError(fmt::format(
-          "checkpoint has no '{}' (needed for '{}'); does --model match the checkpoint?", m.src_key,
-          m.hf_name));
+      std::vector<std::string> quoted;
+      for (const auto& tried : names_tried) {
+        quoted.push_back("'" + tried.first + "'");
+      }
+      return absl::InvalidArgumentError(
+          fmt::format("checkpoint has no {} (needed for '{}'); does --model match the checkpoint?",
+                      fmt::join(quoted, " or "), m.hf_name));
     }
     BRAGG_RETURN_IF_ERROR(CheckShapes(it->second, m, cfg));
     used.insert(m.src_key);

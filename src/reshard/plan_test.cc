@@ -424,6 +424,61 @@ TEST(PlanTest, DeepseekV3LayerStackedKeys) {
   }
 }
 
+// megatron-core's local layer spec saves an MoE layer's pre-MLP norm under the dense layer's
+// fused-norm name (mlp.linear_fc1.layer_norm_weight); the TransformerEngine spec under
+// pre_mlp_layernorm.weight. Either is found, stacked or per layer; neither names both.
+TEST(PlanTest, MoePreMlpNormUnderEitherName) {
+  auto c = ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "first_k_dense_replace": 0)"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (bool stacked : {false, true}) {
+    CheckpointIndex idx = DeepseekIndex(*c, stacked);
+    CheckpointIndex renamed;
+    for (auto& [key, t] : idx.tensors) {
+      std::string k = key;
+      size_t at = k.find("pre_mlp_layernorm.weight");
+      if (at != std::string::npos) {
+        k.replace(at, std::strlen("pre_mlp_layernorm.weight"), "mlp.linear_fc1.layer_norm_weight");
+        t.key = k;
+      }
+      renamed.tensors[k] = t;
+    }
+    auto names = ExecuteAndCheck(renamed, *c, 5ull << 30);
+    EXPECT_TRUE(Has(names, "model.layers.1.post_attention_layernorm.weight")) << stacked;
+    std::string norm = stacked ? "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+                               : "decoder.layers.1.mlp.linear_fc1.layer_norm_weight";
+    renamed.tensors.erase(norm);
+    auto r = BuildPlan(renamed, *c, 5ull << 30);
+    const std::string msg(r.status().message());
+    // The first layer whose norm is missing: every layer when stacked, else layer 1.
+    EXPECT_NE(msg.find(fmt::format("'decoder.layers.pre_mlp_layernorm.weight' or "
+                                   "'decoder.layers.{0}.pre_mlp_layernorm.weight' or "
+                                   "'decoder.layers.mlp.linear_fc1.layer_norm_weight' or "
+                                   "'decoder.layers.{0}.mlp.linear_fc1.layer_norm_weight'",
+                                   stacked ? 0 : 1)),
+              std::string::npos)
+        << msg;
+  }
+}
+
+TEST(PlanTest, ModelTypeGivesTheFamily) {
+  for (const char* family : {"llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"}) {
+    auto f = FamilyFromModelType(fmt::format(R"({{"model_type": "{}"}})", family));
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(*f, family);
+  }
+  auto kimi = FamilyFromModelType(R"({"model_type": "kimi_k2"})");
+  ASSERT_TRUE(kimi.ok()) << kimi.status();
+  EXPECT_EQ(*kimi, "deepseek_v3");
+  auto unknown = FamilyFromModelType(R"({"model_type": "mistral"})");
+  EXPECT_NE(std::string(unknown.status().message()).find("supported: llama, qwen2"),
+            std::string::npos)
+      << unknown.status();
+  EXPECT_FALSE(FamilyFromModelType(R"({"hidden_size": 8})").ok());
+  EXPECT_FALSE(FamilyFromModelType(R"({"model_type": 3})").ok());
+  EXPECT_FALSE(FamilyFromModelType("[1, 2]").ok());
+  EXPECT_FALSE(FamilyFromModelType("{").ok());
+}
+
 TEST(PlanTest, DeepseekV3WithoutSharedExperts) {
   auto c = ParseModelConfig("deepseek_v3", DeepseekJson(R"(, "n_shared_experts": null)"));
   ASSERT_TRUE(c.ok()) << c.status();

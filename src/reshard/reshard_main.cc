@@ -27,10 +27,9 @@ int main(int argc, char** argv) {
   auto* convert = app.add_subcommand("convert", "write Hugging Face safetensors shards");
   convert->add_option("--src", ca.src, "Megatron torch_dist checkpoint directory")->required();
   convert->add_option("--dst", ca.dst, "output directory")->required();
-  convert
-      ->add_option("--model", ca.model,
-                   "llama, qwen2, qwen3, qwen3_moe, deepseek_v3 (also Kimi-K2)")
-      ->required();
+  convert->add_option("--model", ca.model,
+                      "llama, qwen2, qwen3, qwen3_moe, deepseek_v3 (also Kimi-K2); default: from "
+                      "model_type in --hf-config-dir's config.json");
   convert->add_option("--hf-config-dir", ca.hf_config_dir, "config.json and tokenizer files");
   convert->add_option("--threads", ca.threads, "worker threads (default: all cores)");
   convert->add_option("--mem-budget", ca.mem_budget, "bound on buffer memory (default 2GiB)");

@@ -28,126 +28,14 @@
 #include "common/unique_fd.h"
 #include "gateway/client.h"
 #include "gateway/http_util.h"
+#include "gateway_test_util.h"
 
 namespace bragg::gateway {
 namespace {
 
 using nlohmann::json;
 
-struct Proc {
-  ChildProcess child;
-  std::string url;
-  int port = 0;
-};
-
-class GatewayIntegrationTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    std::signal(SIGPIPE, SIG_IGN);
-    auto dir = TempDir::Create("/tmp", "bragg-gw-test-");
-    ASSERT_TRUE(dir.ok()) << dir.status();
-    dir_ = std::move(*dir);
-  }
-
-  void TearDown() override {
-    if (!HasFailure()) {
-      return;
-    }
-    // The children's logs say why.
-    for (int i = 0; i < counter_; ++i) {
-      auto text = ReadFileToString(fmt::format("{}/out-{}", dir_.path(), i));
-      if (text.ok()) {
-        std::string tail = text->size() > 3000 ? text->substr(text->size() - 3000) : *text;
-        std::printf("--- child %d output (tail) ---\n%s\n", i, tail.c_str());
-      }
-    }
-  }
-
-  // Starts a binary that prints "listening on URL" and returns once it does.
-  Proc Start(std::vector<std::string> argv) {
-    std::string out = fmt::format("{}/out-{}", dir_.path(), counter_++);
-    int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600);
-    EXPECT_GE(fd, 0);
-    UniqueFd owned(fd);
-    SpawnOptions so;
-    so.stdout_fd = fd;
-    so.stderr_fd = fd;
-    auto child = Spawn(argv, so);
-    EXPECT_TRUE(child.ok()) << child.status();
-    Proc p;
-    p.child = std::move(*child);
-    for (int i = 0; i < 200; ++i) {
-      auto text = ReadFileToString(out);
-      size_t at = text.ok() ? text->find("listening on ") : std::string::npos;
-      if (at != std::string::npos && text->find('\n', at) != std::string::npos) {
-        p.url = text->substr(at + 13, text->find('\n', at) - at - 13);
-        p.port = ParseHostPort(p.url)->port;
-        return p;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ADD_FAILURE() << "no 'listening on' from " << argv[0];
-    return p;
-  }
-
-  Proc Worker(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {BRAGG_SIM_WORKER, "--listen", "127.0.0.1:0", "--seed", "1"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return Start(argv);
-  }
-
-  Proc Gateway(const std::vector<Proc*>& workers, const std::string& policy,
-               std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {BRAGG_GATEWAY, "--listen", "127.0.0.1:0",
-                                     "--policy",    policy,     "--health-interval-ms",
-                                     "100"};
-    for (Proc* w : workers) {
-      argv.push_back("--worker");
-      argv.push_back(w->url);
-    }
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return Start(argv);
-  }
-
-  TempDir dir_;
-  int counter_ = 0;
-};
-
-std::unique_ptr<httplib::Client> Http(const Proc& p) {
-  auto c = std::make_unique<httplib::Client>("127.0.0.1", p.port);
-  c->set_read_timeout(60, 0);
-  c->set_keep_alive(true);
-  return c;
-}
-
-// A streaming /generate request for rollout `key`.
-httplib::Request StreamingGenerate(const json& input_ids, const std::string& key,
-                                   int max_new_tokens) {
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/generate";
-  req.body = json{{"input_ids", input_ids},
-                  {"routing_key", key},
-                  {"stream", true},
-                  {"sampling_params", {{"max_new_tokens", max_new_tokens}}}}
-                 .dump();
-  req.set_header("Content-Type", "application/json");
-  return req;
-}
-
-json PostJson(httplib::Client& c, const std::string& path, const json& body, int* status,
-              std::string* worker = nullptr) {
-  auto r = c.Post(path, body.dump(), "application/json");
-  if (!r) {
-    *status = -1;
-    return json{{"transport_error", httplib::to_string(r.error())}};
-  }
-  *status = r->status;
-  if (worker != nullptr) {
-    *worker = r->get_header_value("X-Bragg-Worker");
-  }
-  return json::parse(r->body, nullptr, false);
-}
+class GatewayIntegrationTest : public GatewayTest {};
 
 std::vector<int32_t> Tokens(int seed, int n, int base = 0) {
   std::vector<int32_t> v;
@@ -529,38 +417,6 @@ TEST_F(GatewayIntegrationTest, StreamingAndClientDisconnectAborts) {
 // Opens a plain TCP connection to 127.0.0.1:`port` and sends `request`; the caller hangs up by
 // dropping the fd.
 UniqueFd SendRaw(int port, const std::string& request);
-
-// /workers' "healthy" of the worker at `url` (false if not listed).
-bool Healthy(httplib::Client& c, const std::string& url) {
-  auto r = c.Get("/workers");
-  json j = r ? json::parse(r->body, nullptr, false) : json();
-  if (!j.is_array()) {
-    return false;
-  }
-  for (const json& x : j) {
-    if (x["url"] == url) {
-      return x["healthy"].get<bool>();
-    }
-  }
-  return false;
-}
-
-// Polls until `url` has health `want` (true) or `ms` passed (false).
-bool WaitHealthy(httplib::Client& c, const std::string& url, bool want, int ms = 20000) {
-  auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-  while (std::chrono::steady_clock::now() < end) {
-    if (Healthy(c, url) == want) {
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
-}
-
-// True if `url` never turned healthy within `ms` (health checks run every 100 ms here).
-bool StaysOut(httplib::Client& c, const std::string& url, int ms = 1500) {
-  return !WaitHealthy(c, url, true, ms);
-}
 
 TEST_F(GatewayIntegrationTest, WorkerLeftOnNewWeightsByAFailedFirstUpdateStaysOut) {
   Proc w0 = Worker(), w1 = Worker(), w2 = Worker();
@@ -1060,24 +916,6 @@ TEST_F(GatewayIntegrationTest, NonStreamingClientDisconnectAborts) {
                {{"input_ids", {1, 2}}, {"sampling_params", {{"max_new_tokens", 2}}}}, &status);
   EXPECT_EQ(status, 200) << res.dump();
   EXPECT_EQ(res["meta_info"]["completion_tokens"], 2);
-}
-
-// GET /sim/stats of worker `w`.
-json SimStats(const Proc& w) {
-  auto r = Http(w)->Get("/sim/stats");
-  return r ? json::parse(r->body, nullptr, false) : json();
-}
-
-// Polls worker `w` (up to ~20 s) until `pred` holds for its /sim/stats.
-bool WaitStats(const Proc& w, const std::function<bool(const json&)>& pred) {
-  for (int i = 0; i < 800; ++i) {
-    json s = SimStats(w);
-    if (s.is_object() && pred(s)) {
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  return false;
 }
 
 bool LastRidIs(const json& stats, const std::string& rid) {

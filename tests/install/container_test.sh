@@ -42,11 +42,11 @@ echo "== scripts/build-image"
   fail "build-image did not print the tag"
 
 echo "== the programs in the image"
-for p in pboxd pbox bragg-gateway bragg-pack bragg-reshard; do
+for p in pboxd pbox pbox-fusion bragg-gateway bragg-pack bragg-reshard; do
   run "$p" --help > "$work/help.txt" 2>&1 || { cat "$work/help.txt"; fail "$p --help"; }
 done
 [ "$(run sh -c 'ls /opt/bragg/bin | tr "\n" " "')" = \
-  "bragg-gateway bragg-pack bragg-reshard pbox pbox-init pboxd " ] || fail "unexpected programs"
+  "bragg-gateway bragg-pack bragg-reshard pbox pbox-fusion pbox-init pboxd " ] || fail "unexpected programs"
 missing=$(run sh -c 'for b in /opt/bragg/bin/*; do ldd "$b" 2>&1 | grep "not found"; done' || true)
 [ -z "$missing" ] || fail "libraries missing in the image: $missing"
 run test -f /opt/bragg/share/doc/bragg/LICENSE || fail "no LICENSE in the image"

@@ -34,8 +34,8 @@ cmake --install "$build" --prefix "$prefix" > "$work/install.log" ||
   { cat "$work/install.log"; fail "install"; }
 
 echo "== layout"
-for prog in pboxd pbox-init pbox pbox-slurm bragg-gateway bragg-engine bragg-train bragg-rl \
-            bragg-reshard bragg-pack; do
+for prog in pboxd pbox-init pbox pbox-fusion pbox-slurm bragg-gateway bragg-engine bragg-train \
+            bragg-rl bragg-reshard bragg-pack; do
   [ -x "$prefix/bin/$prog" ] || fail "bin/$prog is not installed"
   [ "$prog" != pbox-init ] || continue  # the agent's init, run by pboxd only: no --help
   "$prefix/bin/$prog" --help > "$work/help.txt" 2>&1 ||
@@ -45,7 +45,8 @@ for f in lib/cmake/Bragg/BraggConfig.cmake lib/cmake/Bragg/BraggConfigVersion.cm
          lib/cmake/Bragg/BraggTargets.cmake include/bragg/pbox/client/client.h \
          include/bragg/bragg/pbox/v1/pbox.grpc.pb.h share/bragg/proto/bragg/pbox/v1/pbox.proto \
          share/doc/bragg/LICENSE lib/bragg/python/pbox/_proto/pbox_pb2.py \
-         lib/bragg/python/bragg_gateway/__init__.py lib/bragg/python/bragg_rl/__init__.py; do
+         lib/bragg/python/bragg_gateway/__init__.py lib/bragg/python/bragg_rl/__init__.py \
+         lib/bragg/python/bragg_reshard/ray.py; do
   [ -f "$prefix/$f" ] || fail "$f is not installed"
 done
 ls "$prefix"/lib/bragg/python/bragg_pack/_core*.so > /dev/null || fail "bragg_pack's extension"
@@ -98,8 +99,8 @@ fi
 echo "== Python from the prefix"
 pyenv=(env -u PYTHONPATH PYTHONPATH="$prefix/lib/bragg/python" PYTHONDONTWRITEBYTECODE=1)
 where=$(cd "$work" && "${pyenv[@]}" "$python" -c '
-import bragg_gateway, bragg_pack, bragg_rl, pbox
-for m in (bragg_gateway, bragg_pack, bragg_rl, pbox):
+import bragg_gateway, bragg_pack, bragg_reshard.ray, bragg_rl, pbox
+for m in (bragg_gateway, bragg_pack, bragg_reshard, bragg_rl, pbox):
     print(m.__file__)
 ')
 while read -r f; do

@@ -364,6 +364,21 @@ void SimWorker::HandleGenerate(const httplib::Request& req, httplib::Response& r
 }
 
 void SimWorker::Register() {
+  server_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (options_.api_key.empty() || req.path.rfind("/health", 0) == 0 ||
+        req.path.rfind("/sim/", 0) == 0) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    std::string auth = req.get_header_value("Authorization");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auth != "Bearer " + options_.api_key) {
+      unauthorized_++;
+      SetError(res, 401, "missing or wrong API key");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    last_authorization_ = auth;
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
   server_.Post("/generate", [this](const httplib::Request& req, httplib::Response& res) {
     HandleGenerate(req, res);
   });
@@ -467,7 +482,40 @@ void SimWorker::Register() {
   server_.Post("/flush_cache", [this](const httplib::Request&, httplib::Response& res) {
     std::lock_guard<std::mutex> lock(mu_);
     cache_.Clear();
+    flushes_++;
     Reply(res, {{"success", true}});
+  });
+  // A framework pushing weights itself (NCCL, CUDA IPC), bypassing the gateway: the version
+  // changes here alone. SGLang flushes the cache unless told not to.
+  auto external_update = [this](const httplib::Request& req, httplib::Response& res) {
+    json body;
+    if (!ParseBody(req, res, &body)) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (body.contains("weight_version") && body["weight_version"].is_string()) {
+      version_ = body["weight_version"].get<std::string>();
+      version_names_[VersionId(version_)] = version_;
+    }
+    if (body.value("flush_cache", true)) {
+      cache_.Clear();
+    }
+    updates_++;
+    Reply(res, {{"success", true}, {"message", "updated"}, {"weight_version", version_}});
+  };
+  server_.Post("/update_weights_from_distributed", external_update);
+  server_.Post("/update_weights_from_tensor", external_update);
+  server_.Post("/init_weights_update_group", [](const httplib::Request&, httplib::Response& res) {
+    Reply(res, {{"success", true}, {"message", "group initialized"}});
+  });
+  server_.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Reply(res, {{"object", "list"},
+                {"data",
+                 {{{"id", model_path_},
+                   {"object", "model"},
+                   {"owned_by", "sglang"},
+                   {"root", model_path_}}}}});
   });
   // Test knobs: {"error_rate": p, "fail_update": bool, "fail_update_after": n, "fail_continue":
   // bool, "update_delay_ms": ms, "drop_update_replies": n, "healthy": bool}.
@@ -492,6 +540,9 @@ void SimWorker::Register() {
                 {"aborts", aborts_},
                 {"aborted_rids", aborted_rids_},
                 {"updates", updates_},
+                {"flushes", flushes_},
+                {"unauthorized", unauthorized_},
+                {"last_authorization", last_authorization_},
                 {"cache_tokens", cache_.size_tokens()},
                 {"weight_version", version_},
                 {"paused", paused_},

@@ -41,6 +41,9 @@ struct SimWorkerOptions {
   size_t max_threads = 8192;
   // Answer every /generate at once with a fixed body (a no-op worker for overhead benchmarks).
   bool noop = false;
+  // When not empty, every call but /health, /health_generate and the /sim/ test knobs needs
+  // "Authorization: Bearer <api_key>" (401 otherwise), as SGLang's --api-key.
+  std::string api_key;
 };
 
 // Owns an HTTP server on its own thread. Start/Stop from one thread; handlers are thread-safe.
@@ -94,6 +97,9 @@ class SimWorker {
   uint64_t requests_ = 0;
   uint64_t aborts_ = 0;
   uint64_t updates_ = 0;
+  uint64_t flushes_ = 0;
+  uint64_t unauthorized_ = 0;       // calls refused for a missing or wrong API key
+  std::string last_authorization_;  // the Authorization header of the last authorized call
   nlohmann::json last_request_;
   std::atomic<uint64_t> rid_counter_{0};
 };

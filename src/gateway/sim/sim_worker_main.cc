@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
   app.add_option("--weight-version", o.weight_version, "initial weight version");
   app.add_option("--model-path", o.model_path, "initial model path");
   app.add_flag("--noop", o.noop, "answer /generate at once with a fixed body");
+  app.add_option("--api-key", o.api_key,
+                 "calls but /health and /sim/ need Authorization: Bearer KEY (SGLang's)");
   CLI11_PARSE(app, argc, argv);
   (void)bragg::InitLogging(argv[0], "info");
   std::optional<bragg::gateway::SimWorker> worker;

@@ -1,0 +1,1 @@
+"""bragg-reshard's Python side: `bragg_reshard.ray` runs its ranks as Ray tasks."""
