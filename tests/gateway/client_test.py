@@ -92,6 +92,86 @@ class ClientTest(unittest.TestCase):
             dead.forget("r0")
 
 
+class StreamAndKeyTest(unittest.TestCase):
+    """generate_stream keeps the routed-experts bookkeeping of generate(); the API key."""
+
+    def setUp(self):
+        self.procs = []
+        p, worker = start([os.environ["BRAGG_SIM_WORKER"], "--listen", "127.0.0.1:0", "--seed",
+                           "3", "--moe-layers", "4", "--moe-topk", "2"])
+        self.procs.append(p)
+        p, self.gw = start([os.environ["BRAGG_GATEWAY"], "--listen", "127.0.0.1:0", "--worker",
+                            worker, "--api-key", "k1"])
+        self.procs.append(p)
+
+    def tearDown(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+    def test_streamed_turns_equal_whole_ones(self):
+        streamed = bgc.RolloutClient(self.gw, return_routed_experts=True, api_key="k1")
+        whole = bgc.RolloutClient(self.gw, return_routed_experts=True, delta=False,
+                                  api_key="k1")
+        convo = list(range(1, 120))
+        for turn in range(3):
+            events = list(streamed.generate_stream("s", convo, {"max_new_tokens": 8}))
+            res = whole.generate("w", convo, {"max_new_tokens": 8})
+            self.assertGreaterEqual(len(events), 2, "one event per token, then the answer")
+            self.assertEqual(events[-1]["output_ids"], res["output_ids"])
+            self.assertNotIn("routed_experts", events[-1]["meta_info"])
+            self.assertEqual(streamed.routed_experts("s"), whole.routed_experts("w"), turn)
+            convo += res["output_ids"] + [900 + turn] * 10
+
+    def test_api_key(self):
+        with self.assertRaises(bgc.GatewayError) as e:
+            bgc.RolloutClient(self.gw).generate("r", [1, 2], {"max_new_tokens": 1})
+        self.assertEqual(e.exception.status, 401)
+        with self.assertRaises(bgc.GatewayError) as e:
+            list(bgc.RolloutClient(self.gw, api_key="wrong").generate_stream("r", [1, 2], {}))
+        self.assertEqual(e.exception.status, 401)
+        ok = bgc.RolloutClient(self.gw, api_key="k1")
+        self.assertEqual(len(ok.generate("r", [1, 2], {"max_new_tokens": 3})["output_ids"]), 3)
+        ok.forget("r")
+
+
+class _BadStream(http.server.BaseHTTPRequestHandler):
+    """Streams what the class says: an error event, or events without an answer."""
+    lines = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for line in _BadStream.lines:
+            self.wfile.write(line)
+
+    def log_message(self, *args):
+        pass
+
+
+class BadStreamTest(unittest.TestCase):
+    def test_broken_streams_raise(self):
+        srv = http.server.HTTPServer(("127.0.0.1", 0), _BadStream)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        c = bgc.RolloutClient(f"http://127.0.0.1:{srv.server_port}", timeout=10)
+        try:
+            for lines, message in (
+                    ([b'data: {"text": "a"}\n\n', b'data: {"error": "worker died"}\n\n'],
+                     "worker died"),
+                    ([b"data: [DONE]\n\n"], "without an answer"),
+                    ([b"data: {not json\n\n"], "not JSON"),
+                    ([b'data: {"text": "a"}\n\n'], "no meta_info")):
+                _BadStream.lines = lines
+                with self.assertRaises(bgc.GatewayError) as e:
+                    list(c.generate_stream("b", [1], {}))
+                self.assertIn(message, str(e.exception))
+        finally:
+            srv.shutdown()
+            srv.server_close()
+
+
 class _Hostile(http.server.BaseHTTPRequestHandler):
     """Answers /generate with 2 routed-expert ids per position on the first call, 3 after."""
     calls = 0
