@@ -303,7 +303,8 @@ def run_trace(url, args, seed):
 def measure_cache(args, procs, sim, gw_bin, sgl, deadline, repeat):
     workers = [procs.start_listening([sim, "--listen", "127.0.0.1:0", "--seed", "1",
                                       "--prefill-us", str(args.prefill_us), "--decode-us",
-                                      str(args.decode_us)]) for _ in range(4)]
+                                      str(args.decode_us), "--cache-tokens",
+                                      str(args.cache_tokens)]) for _ in range(4)]
     gateway = procs.start_listening([gw_bin, "--listen", "127.0.0.1:0",
                                      *sum((["--worker", w] for w in workers), [])])
     wait_healthy(gateway, len(workers))
@@ -392,7 +393,9 @@ def section(data):
               f"{a['shared_tokens']}-token system prompt shared by all, {a['first_tokens']} "
               f"own tokens in the first turn, then per turn {a['output_tokens']} output and "
               f"{a['tool_tokens']} tool tokens; workers with --prefill-us {a['prefill_us']:g} "
-              f"--decode-us {a['decode_us']:g}, flushed before each router's run. Misses = "
+              f"--decode-us {a['decode_us']:g} and a prefix cache of {a['cache_tokens']:,} "
+              "tokens each (LRU: the live rollouts fit in the four caches together, not in "
+              "one, as a GPU's KV cache is bounded), flushed before each router's run. Misses = "
               "prompt - cached tokens; own misses leave out the shared prompt. Medians over "
               "the runs.", "",
               "| router | runs | requests | prompt tokens | miss tokens | own miss tokens | "
@@ -439,6 +442,8 @@ def main():
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--tool-tokens", type=int, default=100)
     ap.add_argument("--prefill-us", type=float, default=5)
+    ap.add_argument("--cache-tokens", type=int, default=16384,
+                    help="each worker's prefix cache (tokens)")
     ap.add_argument("--decode-us", type=float, default=100)
     ap.add_argument("--no-doc", action="store_true", help="print the data; write nothing")
     args = ap.parse_args()
