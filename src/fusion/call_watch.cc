@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
+#include "common/unique_fd.h"
 
 namespace bragg::fusion {
 namespace {
@@ -36,15 +36,14 @@ bool AddressOf(const sockaddr_storage& ss, std::string* addr, int* port) {
 }  // namespace
 
 Result<int> FindConnectionFd(const std::string& remote_addr, int remote_port, int local_port) {
-  DIR* dir = opendir("/proc/self/fd");
+  UniqueDir dir(opendir("/proc/self/fd"));
   if (dir == nullptr) {
     return ErrnoError("opendir", "/proc/self/fd");
   }
-  absl::Cleanup close_dir = [dir] { closedir(dir); };
-  while (dirent* entry = readdir(dir)) {
+  while (dirent* entry = readdir(dir.get())) {
     char* end = nullptr;
     long fd = std::strtol(entry->d_name, &end, 10);
-    if (end == entry->d_name || *end != '\0' || fd == dirfd(dir)) {
+    if (end == entry->d_name || *end != '\0' || fd == dirfd(dir.get())) {
       continue;
     }
     sockaddr_storage local{}, peer{};
