@@ -9,6 +9,7 @@ per target, with its goal, peer, measured value, verdict and date, read from doc
   rl.json            bench/rl/run.py (make bench; left out while absent)
   rl_async.json      bench/rl/async_sync.py (make bench; left out while absent)
   fusion.json        bench/pbox/fusion.py (make bench; left out while absent)
+  pbox_rootless.json bench/pbox/rootless.py (make bench; left out while absent)
   gateway_sglang_router.json  bench/gateway/sglang_router.py (make bench; left out while absent)
   manual_targets.json  targets whose tables are manual runs, kept by hand (their date and command)
 
@@ -130,6 +131,7 @@ def rows_from(data_dir):
                      ("rl.json", generated_rows("rl")),
                      ("rl_async.json", generated_rows("rl")),
                      ("fusion.json", generated_rows("pbox-fusion")),
+                     ("pbox_rootless.json", generated_rows("pbox-rootless")),
                      ("gateway_sglang_router.json", generated_rows("gateway")),
                      ("manual_targets.json", manual_rows)):
         data = load(os.path.join(data_dir, name))
@@ -139,7 +141,7 @@ def rows_from(data_dir):
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
                                 "engine.json, train.json, rl.json, rl_async.json, "
-                                "fusion.json, gateway_sglang_router.json, "
+                                "fusion.json, pbox_rootless.json, gateway_sglang_router.json, "
                                 "manual_targets.json)")
     for r in rows:
         if r["verdict"] not in (MET, MISSED, TIE):

@@ -92,6 +92,7 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/deploy/ DESTINATION ${CMAKE_INSTALL_DATA
         PATTERN pbox-slurm EXCLUDE PATTERN *.in EXCLUDE)
 install(FILES ${PROJECT_SOURCE_DIR}/LICENSE ${PROJECT_SOURCE_DIR}/NOTICE
               ${PROJECT_SOURCE_DIR}/README.md ${PROJECT_SOURCE_DIR}/docs/pbox.md
+              ${PROJECT_SOURCE_DIR}/docs/security.md
         DESTINATION ${CMAKE_INSTALL_DOCDIR})
 # The systemd unit names its programs by absolute path: written at install time, for the prefix
 # of that install (`cmake --install --prefix` may differ from the configured one).
@@ -102,4 +103,8 @@ install(CODE "
   set(unit \"\$ENV{DESTDIR}\${CMAKE_INSTALL_PREFIX}/\${unit}\")
   message(STATUS \"Installing: \${unit}\")
   configure_file(${PROJECT_SOURCE_DIR}/deploy/systemd/pboxd.service.in \${unit} @ONLY)
+  set(user_unit \"${CMAKE_INSTALL_LIBDIR}/systemd/user/pboxd.service\")
+  set(user_unit \"\$ENV{DESTDIR}\${CMAKE_INSTALL_PREFIX}/\${user_unit}\")
+  message(STATUS \"Installing: \${user_unit}\")
+  configure_file(${PROJECT_SOURCE_DIR}/deploy/systemd/pboxd-user.service.in \${user_unit} @ONLY)
 ")

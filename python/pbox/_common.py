@@ -11,6 +11,18 @@ from ._proto import pbox_pb2 as pb
 from .types import AgentInfo, FileInfo, FileType, Health, RunResult, SandboxInfo, SandboxSpec
 
 DEFAULT_ENDPOINT = "unix:///run/pbox/pbox.sock"
+
+
+def default_endpoint() -> str:
+    """The agent a client finds with no endpoint given, by pboxd's rule
+    (src/pbox/wire/default_paths.h): the system agent's socket when it exists or we are root,
+    else our own user's ($XDG_RUNTIME_DIR/pbox, or /tmp/pbox-<uid>: a rootless agent)."""
+    euid = os.geteuid()
+    if euid == 0 or os.path.exists(DEFAULT_ENDPOINT[len("unix://"):]):
+        return DEFAULT_ENDPOINT
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    run_dir = xdg + "/pbox" if xdg.startswith("/") else f"/tmp/pbox-{euid}"
+    return f"unix://{run_dir}/pbox.sock"
 CHUNK_BYTES = 256 * 1024
 # The agent accepts and sends messages up to 16 MiB; leave room on our side for Run output
 # (head and tail of two streams).
@@ -86,7 +98,7 @@ def parse_size(value: Size, what: str = "size") -> int:
 
 def resolve_endpoint(endpoint: Optional[str]) -> Tuple[str, str]:
     """Returns (endpoint, grpc target) for an endpoint, ``$PBOX_ENDPOINT`` or the default."""
-    ep = endpoint or os.environ.get("PBOX_ENDPOINT") or DEFAULT_ENDPOINT
+    ep = endpoint or os.environ.get("PBOX_ENDPOINT") or default_endpoint()
     if ep.startswith("unix://"):
         path = ep[len("unix://"):]
         if not path.startswith("/"):
@@ -366,6 +378,9 @@ def agent_info(m: pb.InfoResponse) -> AgentInfo:
         default_memory_bytes=m.default_memory_bytes,
         default_disk_bytes=m.default_disk_bytes,
         default_pids=m.default_pids,
+        mode=m.mode,
+        limits=list(m.limits),
+        uid=m.uid,
     )
 
 

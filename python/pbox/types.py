@@ -104,6 +104,11 @@ class AgentInfo:
     default_memory_bytes: int
     default_disk_bytes: int
     default_pids: int
+    #: "root", or "rootless": the agent runs as an ordinary user (docs/security.md).
+    mode: str = "root"
+    #: the cgroup controllers sandboxes have: which of memory, pids, cpu, cpuset, freezer hold.
+    limits: List[str] = field(default_factory=list)
+    uid: int = 0
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,55 @@ Result<UniqueFd> LockStateDir(const std::string& state_dir) {
   return lock;
 }
 
+// Creates `dir` with `mode` (0700 for a rootless agent) and, for a rootless agent, checks the
+// path to it: its default run directory may be under the shared /tmp, where another user could
+// have made a directory first to catch the agent's socket and state. Every directory on the
+// way must be the agent user's or root's, and one others may write must be root's and sticky
+// (as /tmp is), so that no one else can rename what the agent makes there.
+Status MakeOwnDirs(const std::string& dir, mode_t mode, bool rootless) {
+  BRAGG_RETURN_IF_ERROR(MakeDirs(dir, rootless ? 0700 : mode));
+  if (!rootless) {
+    return absl::OkStatus();
+  }
+  std::error_code ec;
+  std::string path = std::filesystem::absolute(dir, ec).lexically_normal().string();
+  while (path.size() > 1 && path.back() == '/') {
+    path.pop_back();
+  }
+  for (;;) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) {
+      return ErrnoError("lstat", path);
+    }
+    const bool ours = st.st_uid == ::geteuid();
+    const bool shared = (st.st_mode & 002) != 0 && !(st.st_uid == 0 && (st.st_mode & S_ISVTX));
+    if (!S_ISDIR(st.st_mode) || (!ours && st.st_uid != 0) || shared) {
+      return absl::FailedPreconditionError(fmt::format(
+          "{} (uid {}, mode {:o}) is on the path to {}: a rootless pboxd keeps its socket and "
+          "state only under directories of its own user or root that no one else may rename "
+          "things in; remove it or pass --state-dir and --listen elsewhere",
+          path, st.st_uid, st.st_mode & 07777, dir));
+    }
+    if (path == "/") {
+      return absl::OkStatus();
+    }
+    size_t slash = path.rfind('/');
+    path = slash == 0 ? "/" : path.substr(0, slash);
+  }
+}
+
+// What a rootless agent says when it may not write its cgroup.
+std::string NotDelegatedHint() {
+  return fmt::format(
+      "pboxd runs as uid {} without root, and the cgroup it started in is not delegated to "
+      "that user. Start it in one that is: under systemd, `systemd-run --user --scope -p "
+      "Delegate=yes pboxd ...` or Delegate=yes in its unit; under Slurm, a job cgroup the "
+      "administrator hands to the job user (a prolog that chowns its cgroup.procs, "
+      "cgroup.subtree_control and cgroup.threads, cgroup v2); or run pboxd as root "
+      "(docs/security.md \"Rootless\")",
+      ::geteuid());
+}
+
 CgroupManagerOptions CgroupOptions(const AgentConfig& config) {
   CgroupManagerOptions cg;
   cg.mode = config.cgroup_mode;
@@ -184,7 +233,10 @@ Status RunAgent(const AgentConfig& config) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
-  BRAGG_RETURN_IF_ERROR(MakeDirs(config.state_dir, 0700));
+  // Rootless: an ordinary user's agent (docs/security.md "Rootless"). Its sandboxes get user
+  // namespaces; its cgroups must be delegated to it.
+  const bool rootless = ::geteuid() != 0;
+  BRAGG_RETURN_IF_ERROR(MakeOwnDirs(config.state_dir, 0700, rootless));
   BRAGG_ASSIGN_OR_RETURN(UniqueFd lock, LockStateDir(config.state_dir));
 
   std::string token;
@@ -204,7 +256,11 @@ Status RunAgent(const AgentConfig& config) {
 
   CgroupManagerOptions cg = CgroupOptions(config);
   cg.cpus = sandbox_cpus.ToString();
-  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<CgroupManager> cgroups, CgroupManager::Create(cg));
+  Result<std::unique_ptr<CgroupManager>> made = CgroupManager::Create(cg);
+  if (!made.ok() && rootless && absl::IsPermissionDenied(made.status())) {
+    return Annotate(made.status(), NotDelegatedHint());
+  }
+  BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<CgroupManager> cgroups, std::move(made));
   ReapReport reaped;
   BRAGG_RETURN_IF_ERROR(ReapLeftovers(*cgroups, config.state_dir, &reaped));
   if (!reaped.sandboxes.empty()) {
@@ -214,10 +270,12 @@ Status RunAgent(const AgentConfig& config) {
 
   BRAGG_ASSIGN_OR_RETURN(
       std::unique_ptr<ImageStore> images,
-      ImageStore::Create(config.state_dir + "/images", config.images, "/",
-                         ImageStoreOptions{.max_image_bytes = config.max_image_bytes}));
+      ImageStore::Create(
+          config.state_dir + "/images", config.images, "/",
+          ImageStoreOptions{.max_image_bytes = config.max_image_bytes, .rootless = rootless}));
   NativeRuntimeOptions rt_opts;
   rt_opts.state_dir = config.state_dir;
+  rt_opts.rootless = rootless;
   rt_opts.init_path = config.init_path.empty() ? SelfDir() + "/pbox-init" : config.init_path;
   if (config.runtime != "native" && config.runtime != "gvisor") {
     return absl::InvalidArgumentError(
@@ -235,7 +293,13 @@ Status RunAgent(const AgentConfig& config) {
     gv.runsc_huge_pages = config.runsc_huge_pages;
     gv.nofile_soft = native->sandbox_nofile().rlim_cur;
     gv.nofile_hard = native->sandbox_nofile().rlim_max;
-    auto created = GvisorRuntime::Create(gv);
+    // The gVisor runtime makes host mounts for each bundle and runs runsc as root: a rootless
+    // agent does not offer it (a `runsc --rootless` variant is not built).
+    Result<std::unique_ptr<GvisorRuntime>> created =
+        rootless ? Result<std::unique_ptr<GvisorRuntime>>(absl::FailedPreconditionError(
+                       "a rootless pboxd (not root) offers the native runtime only: run pboxd "
+                       "as root for gVisor sandboxes"))
+                 : GvisorRuntime::Create(gv);
     if (created.ok()) {
       gvisor = std::move(*created);
     } else if (config.runtime == "gvisor" ||
@@ -272,7 +336,12 @@ Status RunAgent(const AgentConfig& config) {
                    .cpuset = sandbox_cpus.ToString(),
                    .images = images->Names(),
                    .hostname = hostname,
-                   .cgroup_version = cgroups->version()};
+                   .cgroup_version = cgroups->version(),
+                   .mode = rootless ? "rootless" : "root",
+                   .limits = cgroups->controllers(),
+                   .uid = static_cast<uint32_t>(::geteuid())};
+  spdlog::info("mode {} (uid {}): sandbox cgroups under {} ({}), limits: {}", info.mode, info.uid,
+               cgroups->parent_path(), cgroups->version(), fmt::join(info.limits, ", "));
   PboxService service(&manager, &metrics, info, token, images.get(), config.client_limits);
 
   // grpc.health.v1.Health, gRPC's own implementation, for Kubernetes' grpc probes and
@@ -311,7 +380,7 @@ Status RunAgent(const AgentConfig& config) {
                                tcp_ports.back().second.get());
     } else {
       std::string path = addr.substr(5);
-      BRAGG_RETURN_IF_ERROR(MakeDirs(path.substr(0, path.rfind('/')), 0755));
+      BRAGG_RETURN_IF_ERROR(MakeOwnDirs(path.substr(0, path.rfind('/')), 0755, rootless));
       ::unlink(path.c_str());  // a stale socket of a dead agent
       unix_paths.push_back(path);
       builder.AddListeningPort(addr, grpc::InsecureServerCredentials());

@@ -1,8 +1,11 @@
 #include "pbox/agent_config.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <limits>
+
+#include "pbox/wire/default_paths.h"
 
 namespace bragg::pbox {
 namespace {
@@ -52,6 +55,23 @@ TEST(AgentConfigTest, RejectsBadFlags) {
     auto config = MakeAgentConfig(flags);
     ASSERT_FALSE(config.ok());
     EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument) << config.status();
+  }
+}
+
+// Where an agent listens with no flags, by who runs it; clients follow the same rule.
+TEST(AgentConfigTest, DefaultPathsFollowTheUser) {
+  EXPECT_EQ(DefaultRunDir(0, "/run/user/0"), "/run/pbox");
+  EXPECT_EQ(DefaultRunDir(1001, "/run/user/1001"), "/run/user/1001/pbox");
+  EXPECT_EQ(DefaultRunDir(1001, ""), "/tmp/pbox-1001");
+  EXPECT_EQ(DefaultRunDir(1001, "relative/dir"), "/tmp/pbox-1001");  // not a path to trust
+
+  auto config = MakeAgentConfig(AgentFlags{});
+  ASSERT_TRUE(config.ok()) << config.status();
+  const std::string run_dir = DefaultRunDir();
+  EXPECT_EQ(config->state_dir, run_dir + "/state");
+  EXPECT_EQ(config->listen, std::vector<std::string>{"unix://" + run_dir + "/pbox.sock"});
+  if (::geteuid() == 0) {
+    EXPECT_EQ(run_dir, "/run/pbox");
   }
 }
 

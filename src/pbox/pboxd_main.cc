@@ -45,11 +45,12 @@ int main(int argc, char** argv) {
   std::string log_level = "info";
   CLI::App app{"pboxd: the pbox sandbox agent (one per node)"};
   app.add_option("--listen", flags.listen,
-                 "unix:///path.sock (default unix:///run/pbox/pbox.sock) and/or tcp://HOST:PORT "
-                 "(needs --token-file); repeatable");
+                 "unix:///path.sock (default unix://RUN/pbox.sock, RUN: /run/pbox as root, "
+                 "else $XDG_RUNTIME_DIR/pbox or /tmp/pbox-UID) and/or tcp://HOST:PORT (needs "
+                 "--token-file); repeatable");
   app.add_option("--token-file", config.token_file, "file holding the bearer token for TCP");
-  app.add_option("--state-dir", config.state_dir, "agent state; reaped on start")
-      ->capture_default_str();
+  app.add_option("--state-dir", config.state_dir,
+                 "agent state; reaped on start (default RUN/state)");
   app.add_option("--cpus", config.cpus, "sandbox CPU set, e.g. 8-15 (default: all)");
   app.add_option("--max-sandboxes", config.max_sandboxes, "admission limit")->capture_default_str();
   bragg::pbox::ClientLimits& cl = config.client_limits;
@@ -99,7 +100,10 @@ int main(int argc, char** argv) {
                  "largest image `pbox image import` accepts (the archive, and its unpacked files)")
       ->capture_default_str();
   app.add_option("--init-path", config.init_path, "pbox-init binary (default: beside pboxd)");
-  app.add_option("--cgroup", config.cgroup_mode, "auto, v1 or v2")->capture_default_str();
+  app.add_option("--cgroup", config.cgroup_mode,
+                 "auto, v1 or v2; without root, the cgroup pboxd starts in must be delegated "
+                 "to its user (docs/security.md)")
+      ->capture_default_str();
   app.add_option("--cgroup-parent", config.cgroup_parent,
                  "name of the cgroup holding the sandboxes (default derived from --state-dir)");
   app.add_option("--ready-file", config.ready_file,

@@ -891,6 +891,11 @@ grpc::Status PboxService::Info(grpc::ServerContext* ctx, const v1::InfoRequest*,
   }
   resp->set_hostname(info_.hostname);
   resp->set_cgroup_version(info_.cgroup_version);
+  resp->set_mode(info_.mode);
+  for (const std::string& limit : info_.limits) {
+    resp->add_limits(limit);
+  }
+  resp->set_uid(info_.uid);
   resp->set_default_memory_bytes(manager_->defaults().memory_bytes);
   resp->set_default_disk_bytes(manager_->defaults().disk_bytes);
   resp->set_default_pids(manager_->defaults().pids);

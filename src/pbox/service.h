@@ -40,6 +40,9 @@ struct ServiceInfo {
   std::vector<std::string> images;
   std::string hostname;
   std::string cgroup_version;
+  std::string mode;                 // "root" or "rootless"
+  std::vector<std::string> limits;  // the cgroup controllers sandboxes have
+  uint32_t uid = 0;
 };
 
 // Thread-safe; every call may run concurrently.

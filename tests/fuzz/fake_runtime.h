@@ -33,6 +33,7 @@ class FakeCgroupManager : public CgroupManager {
   Result<std::vector<std::string>> ReapAll() override { return std::vector<std::string>{}; }
   Status RemoveParent() override { return absl::OkStatus(); }
   std::string parent_path() const override { return "/fake"; }
+  std::vector<std::string> controllers() const override { return {"memory", "pids"}; }
 
   // Cgroups created and not yet destroyed.
   static int live();

@@ -64,6 +64,16 @@ if ! systemd-analyze verify "$unit" > "$work/verify.txt" 2>&1 || [ -s "$work/ver
   cat "$work/verify.txt"; fail "systemd-analyze verify pboxd.service"
 fi
 
+# The rootless user unit (docs/security.md "Rootless"), verified as a user manager would load it.
+user_unit=$prefix/lib/systemd/user/pboxd.service
+grep -q "^ExecStart=$prefix/bin/pboxd " "$user_unit" ||
+  fail "the user unit pboxd.service does not run $prefix/bin/pboxd"
+mkdir -m 700 "$work/xdg-run"
+if ! XDG_RUNTIME_DIR=$work/xdg-run systemd-analyze --user verify "$user_unit" \
+    > "$work/verify-user.txt" 2>&1 || [ -s "$work/verify-user.txt" ]; then
+  cat "$work/verify-user.txt"; fail "systemd-analyze --user verify pboxd.service"
+fi
+
 echo "== nothing installed names the checkout or the build tree"
 if grep -rIl -e "$src" -e "$build" "$prefix" > "$work/refs.txt"; then
   cat "$work/refs.txt"; fail "installed files name the source or build tree"

@@ -103,6 +103,9 @@ class CgroupManager {
   virtual std::string parent_path() const = 0;
   // Every parent directory (v1: one per hierarchy), whether or not it exists now.
   virtual std::vector<std::string> parent_paths() const { return {parent_path()}; }
+  // The controllers sandboxes' cgroups have, from {"cpu", "cpuset", "memory", "pids",
+  // "freezer"} (v2's freezer is built in): which limits hold.
+  virtual std::vector<std::string> controllers() const = 0;
 };
 
 }  // namespace bragg::pbox

@@ -278,6 +278,18 @@ class CgroupV1Manager : public CgroupManager {
       : fs_(std::move(fs)), layout_(std::move(layout)) {}
 
   std::string version() const override { return "v1"; }
+  std::vector<std::string> controllers() const override {
+    std::vector<std::string> out;
+    for (const Hierarchy& h : layout_.hierarchies) {
+      for (const std::string& c : h.controllers) {
+        if (c != "cpuacct") {
+          out.push_back(c);
+        }
+      }
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
   std::string parent_path() const override {
     return layout_.hierarchies[static_cast<size_t>(layout_.memory)].parent;
   }

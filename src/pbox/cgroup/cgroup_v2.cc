@@ -180,6 +180,12 @@ class CgroupV2Manager : public CgroupManager {
                   std::vector<std::string> controllers)
       : fs_(std::move(fs)), parent_(std::move(parent)), controllers_(std::move(controllers)) {}
 
+  std::vector<std::string> controllers() const override {
+    std::vector<std::string> out = controllers_;
+    out.emplace_back("freezer");
+    std::sort(out.begin(), out.end());
+    return out;
+  }
   std::string version() const override { return "v2"; }
   std::string parent_path() const override { return parent_; }
 

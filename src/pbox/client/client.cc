@@ -17,11 +17,10 @@
 #include "common/process.h"
 #include "fmt/format.h"
 #include "pbox/client/data_client.h"
+#include "pbox/wire/default_paths.h"
 
 namespace bragg::pbox::client {
 namespace {
-
-constexpr const char* kDefaultEndpoint = "unix:///run/pbox/pbox.sock";
 
 }  // namespace
 
@@ -44,7 +43,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
     c->endpoint_ = bragg::GetEnv("PBOX_ENDPOINT");
   }
   if (c->endpoint_.empty()) {
-    c->endpoint_ = kDefaultEndpoint;
+    c->endpoint_ = DefaultEndpoint();
   }
   c->token_ = options.token;
   std::random_device random;

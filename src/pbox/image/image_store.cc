@@ -40,7 +40,9 @@ constexpr const char* kEtcCopies[] = {
     "localtime",
     "os-release",
     "debian_version",
-    "ssl",
+    // Not all of ssl/: ssl/private holds the host's private keys.
+    "ssl/certs",
+    "ssl/openssl.cnf",
     "ca-certificates.conf",
     "profile",
     "bash.bashrc",
@@ -98,18 +100,25 @@ Status BuildHostSkeleton(const std::string& dir, const std::string& host_root) {
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(dir + "/etc/hostname", "pbox\n"));
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(dir + "/etc/nsswitch.conf", kNsswitch));
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(dir + "/etc/resolv.conf", ""));
-  std::vector<std::string> cp = {"cp", "-a", "--no-preserve=ownership"};
-  bool any = false;
-  for (const char* name : kEtcCopies) {
+  // One cp per directory of the image's /etc that receives copies ("" and "ssl").
+  std::map<std::string, std::vector<std::string>> copies;
+  for (std::string_view name : kEtcCopies) {
     std::string src = fmt::format("{}/etc/{}", host_root == "/" ? "" : host_root, name);
     struct stat st;
     if (::lstat(src.c_str(), &st) == 0) {
-      cp.push_back(src);
-      any = true;
+      size_t slash = name.rfind('/');
+      copies[std::string(slash == std::string_view::npos ? "" : name.substr(0, slash))]
+          .push_back(src);
     }
   }
-  if (any) {
-    cp.push_back(dir + "/etc/");
+  for (auto& [sub, sources] : copies) {
+    const std::string into = sub.empty() ? dir + "/etc/" : fmt::format("{}/etc/{}/", dir, sub);
+    if (!sub.empty()) {
+      BRAGG_RETURN_IF_ERROR(MakeDir(into, 0755));
+    }
+    std::vector<std::string> cp = {"cp", "-a", "--no-preserve=ownership"};
+    cp.insert(cp.end(), sources.begin(), sources.end());
+    cp.push_back(into);
     BRAGG_ASSIGN_OR_RETURN(ChildProcess child, Spawn(cp));
     BRAGG_ASSIGN_OR_RETURN(ExitInfo exit, child.Wait());
     if (exit.signal != 0 || exit.exit_code != 0) {
@@ -413,6 +422,7 @@ Result<std::pair<std::string, uint64_t>> ImageStore::AddLayer(const std::string&
   BRAGG_RETURN_IF_ERROR(MakeDirs(root, 0755));
   UnpackLimits limits;
   limits.max_bytes = options_.max_image_bytes;
+  limits.rootless = options_.rootless;
   BRAGG_ASSIGN_OR_RETURN(LayerStats stats, UnpackLayer(tarball, root, limits));
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(
       tmp.path() + "/layer.json",

@@ -35,6 +35,8 @@ struct Image {
 struct ImageStoreOptions {
   // Largest import: the uploaded archive, and separately the sum of its unpacked files.
   uint64_t max_image_bytes = 4ull << 30;
+  // The agent runs without root: imported layers are unpacked as UnpackLimits::rootless.
+  bool rootless = false;
 };
 
 // What `pbox image ls` shows of one image.

@@ -256,7 +256,9 @@ Status Unpacker::SetXattrs(struct archive_entry* e, int fd, std::string_view ent
     std::string_view n(name);
     // trusted.overlay.* (forged whiteouts, redirects) and security.selinux never come from
     // an archive.
-    if (n.substr(0, 5) != "user." && n != "security.capability") {
+    // user.overlay.* is what an overlay mounted with `userxattr` (rootless) reads as its own.
+    if ((n.substr(0, 5) != "user." && n != "security.capability") ||
+        n.substr(0, 13) == "user.overlay." || (limits_.rootless && n == "security.capability")) {
       continue;
     }
     if (::fsetxattr(fd, name, value, size, 0) != 0) {
@@ -288,8 +290,9 @@ Status Unpacker::Entry(struct archive* a, struct archive_entry* e) {
   if (std::string_view(name).substr(0, kWhiteoutPrefix.size()) == kWhiteoutPrefix) {
     BRAGG_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(parts, depth, true, raw));
     if (name == kOpaqueMarker) {
-      if (::fsetxattr(dir.get(), "trusted.overlay.opaque", "y", 1, 0) != 0) {
-        return EntryErrno("fsetxattr trusted.overlay.opaque", raw);
+      const char* opaque = limits_.rootless ? "user.overlay.opaque" : "trusted.overlay.opaque";
+      if (::fsetxattr(dir.get(), opaque, "y", 1, 0) != 0) {
+        return EntryErrno(fmt::format("fsetxattr {}", opaque), raw);
       }
       return absl::OkStatus();
     }
@@ -305,8 +308,9 @@ Status Unpacker::Entry(struct archive* a, struct archive_entry* e) {
     return absl::OkStatus();
   }
 
-  const uid_t uid = static_cast<uid_t>(archive_entry_uid(e));
-  const gid_t gid = static_cast<gid_t>(archive_entry_gid(e));
+  // Rootless: chown to oneself, which cannot fail for want of privilege.
+  const uid_t uid = limits_.rootless ? ::geteuid() : static_cast<uid_t>(archive_entry_uid(e));
+  const gid_t gid = limits_.rootless ? ::getegid() : static_cast<gid_t>(archive_entry_gid(e));
   const mode_t perm = archive_entry_perm(e) & 07777;
   BRAGG_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(parts, depth, true, raw));
 

@@ -42,6 +42,10 @@ std::string ArchiveErrorString(struct archive* a);
 struct UnpackLimits {
   uint64_t max_bytes = 4ull << 30;  // sum of the sizes of the regular files
   uint64_t max_entries = 2'000'000;
+  // Unpacking without root, for an overlay mounted in a user namespace with `userxattr`:
+  // every file is the caller's (the archive's owners are dropped), the opaque marker is
+  // user.overlay.opaque, and file capabilities are dropped.
+  bool rootless = false;
 };
 
 struct LayerStats {
@@ -53,7 +57,7 @@ struct LayerStats {
 // owns (and removes on failure: a failed unpack leaves a partial tree behind). Errors:
 // InvalidArgument naming the offending entry for a hostile or malformed archive,
 // ResourceExhausted past `limits`, the errno's code for I/O failures. Must run as root
-// (ownership, whiteout devices, trusted.* xattrs).
+// (ownership, trusted.* xattrs) unless `limits.rootless`.
 Result<LayerStats> UnpackLayer(const std::string& archive_path, const std::string& dest,
                                const UnpackLimits& limits);
 

@@ -33,6 +33,7 @@ namespace {
 // Steps of the child's setup, reported to the parent with errno when one fails.
 enum Step : int {
   kStepSync = 1,
+  kStepIdMap,
   kStepCgroupNs,
   kStepPrivate,
   kStepTmpfs,
@@ -60,6 +61,8 @@ const char* StepName(int step) {
   switch (step) {
     case kStepSync:
       return "waiting for the agent";
+    case kStepIdMap:
+      return "writing the user namespace's uid and gid maps";
     case kStepCgroupNs:
       return "unshare(CLONE_NEWCGROUP)";
     case kStepPrivate:
@@ -138,6 +141,11 @@ struct ChildPlan {
   std::vector<std::pair<std::string, std::string>> binds;  // host source, path under root
   std::string dev, shm, shm_opts, proc, hostname;
   std::vector<std::string> dev_nodes, dev_links_from, dev_links_to;
+  // Rootless: the maps written to /proc/self/{uid,gid}_map; device nodes are bind mounts of
+  // the host's (a user namespace may not mknod them).
+  bool rootless = false;
+  std::string uid_map, gid_map;
+  std::vector<std::string> dev_sources;
   std::vector<std::string> proc_ro, proc_masked;
 };
 
@@ -216,8 +224,16 @@ Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
   return UniqueFd(fd);
 }
 
+// Writes `data` to the file at `path`; false on any failure (errno set). System calls only.
+bool WriteOnce(const char* path, const std::string& data) {
+  UniqueFd fd(::open(path, O_WRONLY | O_CLOEXEC));
+  return fd.valid() &&
+         ::write(fd.get(), data.data(), data.size()) == static_cast<ssize_t>(data.size());
+}
+
 // Runs on its own stack in the agent's address space (CLONE_VM | CLONE_VFORK) while the
 // calling agent thread waits for its exec: system calls only, no allocation, no locks.
+
 [[noreturn]] void ChildMain(ChildPlan& plan) {
   ::umask(0);
   // Into the sandbox's cgroups before anything else runs ("0" is the writing process), then
@@ -227,6 +243,14 @@ Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
     if (!fd.valid() || ::write(fd.get(), "0", 1) != 1) {
       Fail(plan, kStepSync);
     }
+  }
+  // Rootless: the clone made a user namespace, in which the child holds every capability but
+  // whose ids map to nothing yet (files it created would fail with EOVERFLOW). An unprivileged
+  // process may map its own ids, one each, once setgroups is denied.
+  if (plan.rootless && (!WriteOnce("/proc/self/uid_map", plan.uid_map) ||
+                        !WriteOnce("/proc/self/setgroups", "deny") ||
+                        !WriteOnce("/proc/self/gid_map", plan.gid_map))) {
+    Fail(plan, kStepIdMap);
   }
   if (::unshare(CLONE_NEWCGROUP) != 0) {
     Fail(plan, kStepCgroupNs);
@@ -274,7 +298,15 @@ Result<UniqueFd> ReceiveWritableLayer(int sock, const std::string& id) {
   }
   for (size_t i = 0; i < plan.dev_nodes.size(); ++i) {
     const DevNode& n = kDevNodes[i];
-    if (::mknod(plan.dev_nodes[i].c_str(), S_IFCHR | 0666, makedev(n.major, n.minor)) != 0) {
+    if (plan.rootless) {
+      // A tmpfs mounted in a user namespace is nodev: the host's node, bound onto a file.
+      UniqueFd target(
+          ::open(plan.dev_nodes[i].c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0666));
+      if (!target.valid() || ::mount(plan.dev_sources[i].c_str(), plan.dev_nodes[i].c_str(),
+                                     nullptr, MS_BIND, nullptr) != 0) {
+        Fail(plan, kStepDevNodes);
+      }
+    } else if (::mknod(plan.dev_nodes[i].c_str(), S_IFCHR | 0666, makedev(n.major, n.minor)) != 0) {
       Fail(plan, kStepDevNodes);
     }
   }
@@ -475,12 +507,21 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   }
   plan.overlay_opts =
       fmt::format("lowerdir={},upperdir={},workdir={}", lower, plan.upper, plan.work);
+  if (options_.rootless) {
+    // trusted.overlay.* needs root in the host's user namespace; without its xattrs the
+    // overlay could not mark a directory opaque (rm -r then mkdir fails with EIO).
+    plan.overlay_opts += ",userxattr";
+    plan.rootless = true;
+    plan.uid_map = fmt::format("0 {} 1\n", ::geteuid());
+    plan.gid_map = fmt::format("0 {} 1\n", ::getegid());
+  }
   for (const BindMount& b : spec.image->binds) {
     plan.binds.emplace_back(b.source, plan.root + b.target);
   }
   plan.dev = plan.root + "/dev";
   for (const DevNode& n : kDevNodes) {
     plan.dev_nodes.push_back(fmt::format("{}/{}", plan.dev, n.name));
+    plan.dev_sources.push_back(fmt::format("/dev/{}", n.name));
   }
   for (auto [from, to] : {std::pair{"fd", "/proc/self/fd"},
                           {"stdin", "/proc/self/fd/0"},
@@ -522,11 +563,19 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
 
   // The child shares the agent's memory until it execs (like posix_spawn): no copy of the
   // agent's page tables, which with a large agent costs more than the rest of the setup.
-  Result<ChildProcess> spawned = SpawnSharingMemory(
-      [](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); }, &plan,
-      CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, 256 << 10, spec.id);
-  if (absl::IsPermissionDenied(spawned.status())) {
-    return Annotate(spawned.status(), "cannot create sandbox namespaces: pboxd must run as root");
+  // Rootless: the user namespace is created first and owns the others.
+  Result<ChildProcess> spawned =
+      SpawnSharingMemory([](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); }, &plan,
+                         CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
+                             (options_.rootless ? CLONE_NEWUSER : 0),
+                         256 << 10, spec.id);
+  if (!spawned.ok() && (options_.rootless || absl::IsPermissionDenied(spawned.status()))) {
+    return Annotate(spawned.status(),
+                    options_.rootless
+                        ? "cannot create a user namespace: unprivileged user namespaces are off "
+                          "on this host (sysctl user.max_user_namespaces, or "
+                          "kernel.apparmor_restrict_unprivileged_userns on Ubuntu)"
+                        : "cannot create sandbox namespaces");
   }
   if (!spawned.ok()) {
     return spawned.status();

@@ -7,6 +7,13 @@
 // sandbox's last process dies, even if the agent was SIGKILLed). PID 1 is pbox-init; all
 // capabilities are dropped, no_new_privs is set and a seccomp filter is loaded before it
 // runs. The agent reaches the root filesystem through /proc/<init pid>/root.
+//
+// Rootless (an agent without root, NativeRuntimeOptions::rootless): the same, with each
+// sandbox in its own user namespace as well, which owns the others. The agent's user and group
+// are mapped to root inside and nothing else is: files of other host users (the host image's
+// /usr) read as nobody, and sandbox processes cannot change to another user. Device nodes are
+// bind mounts of the host's, and the overlay keeps its metadata in user.overlay.* xattrs
+// (`userxattr`, Linux 5.11).
 
 #include <sys/resource.h>
 
@@ -24,6 +31,8 @@ struct NativeRuntimeOptions {
   std::string state_dir;   // the runtime uses <state_dir>/mnt as a private mount point
   std::string init_path;   // the static pbox-init binary
   bool cgroup_v2 = false;  // use clone3(CLONE_INTO_CGROUP) and a cgroup namespace
+  // Each sandbox in its own user namespace (the agent runs without root).
+  bool rootless = false;
 };
 
 class NativeRuntime : public Runtime {
@@ -35,6 +44,7 @@ class NativeRuntime : public Runtime {
   static Result<std::unique_ptr<NativeRuntime>> Create(const NativeRuntimeOptions& options);
 
   std::string name() const override { return "native"; }
+  bool rootless() const { return options_.rootless; }
   Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) override;
   // The limit on open files sandboxes get: the agent's own before Create raised it.
   const struct rlimit& sandbox_nofile() const { return sandbox_nofile_; }

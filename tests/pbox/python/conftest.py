@@ -50,12 +50,14 @@ _ensure_import_path()
 
 import pbox  # noqa: E402
 
+import rootless_user  # noqa: E402
+
 
 class Agent:
     """One pboxd process with its own state dir and socket, under a temp dir (owned)."""
 
     def __init__(self, binary: str, root: Path, extra: Optional[List[str]] = None,
-                 tcp_token: Optional[str] = None) -> None:
+                 tcp_token: Optional[str] = None, rootless: Optional[bool] = None) -> None:
         self.binary = binary
         self.root = root
         self.state_dir = root / "state"
@@ -66,11 +68,20 @@ class Agent:
         # --runtime / $PBOX_TEST_RUNTIME: the agent's default runtime (native or gvisor).
         if TEST_RUNTIME:
             self.extra = ["--runtime", TEST_RUNTIME] + self.extra
+        # $PBOX_TEST_ROOTLESS: pboxd runs as an ordinary user in a cgroup delegated to it
+        # (rootless_user.py); made at the first start, kept by restarts.
+        if rootless is None:
+            rootless = rootless_user.ROOTLESS
+        self.user = rootless_user.ensure_user() if rootless else None
+        self.delegation: Optional[rootless_user.DelegatedCgroup] = None
+        if self.user is not None:
+            rootless_user.chown_tree(root, self.user)
         self.token_file: Optional[Path] = None
         if tcp_token is not None:
             self.token_file = root / "token"
             self.token_file.write_text(tcp_token + "\n")
             os.chmod(self.token_file, 0o600)
+            rootless_user.chown_tree(self.token_file, self.user)
         self.proc: Optional[subprocess.Popen] = None
         self.endpoints: List[str] = []
 
@@ -96,7 +107,8 @@ class Agent:
             args += ["--listen", "tcp://127.0.0.1:0", "--token-file", str(self.token_file)]
         args += self.extra
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self._argv(args), stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=self._preexec())
         log.close()
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
@@ -108,8 +120,31 @@ class Agent:
             time.sleep(0.02)
         ready = json.loads(self.ready_file.read_text())
         assert ready["pid"] == self.proc.pid
+        if self.user is not None:
+            # A rootless run that silently ran pboxd as root would prove nothing.
+            uids = Path(f"/proc/{self.proc.pid}/status").read_text().split("\nUid:")[1].split()
+            assert int(uids[1]) == self.user.pw_uid, f"pboxd runs as euid {uids[1]}"
         self.endpoints = ready["endpoints"]
         return self
+
+    def _argv(self, args: List[str]) -> List[str]:
+        return args if self.user is None else rootless_user.as_user(self.user, args)
+
+    def _preexec(self):
+        """Rootless: the child enters the delegated cgroup while still root."""
+        if self.user is None:
+            return None
+        if self.delegation is None:
+            self.delegation = rootless_user.DelegatedCgroup(self.user)
+        return self.delegation.enter
+
+    def remove_delegation(self) -> List[str]:
+        """Rootless: removes the delegated cgroup once the agent is gone; what would not go."""
+        if self.delegation is None or self.alive():
+            return []
+        left = self.delegation.remove()
+        self.delegation = None
+        return left
 
     def log(self) -> str:
         try:
@@ -158,9 +193,14 @@ class Agent:
                 args += [flag, self.extra[self.extra.index(flag) + 1]]
         return args
 
+    def run_like_agent(self, argv: List[str], **kw) -> subprocess.CompletedProcess:
+        """Runs argv (pboxd --reap, say) as the agent ran: its user, its cgroup."""
+        return subprocess.run(self._argv(argv), capture_output=True, text=True,
+                              preexec_fn=self._preexec(), **kw)
+
     def reap(self, timeout: float = 60.0) -> subprocess.CompletedProcess:
         """Runs `pboxd --reap` on this agent's state dir (the agent must be dead)."""
-        return subprocess.run(self.reap_args(), capture_output=True, text=True, timeout=timeout)
+        return self.run_like_agent(self.reap_args(), timeout=timeout)
 
     def cgroup_parents(self) -> List[Path]:
         """The agent's parent cgroup directories that exist now. It started in this process's
@@ -170,7 +210,8 @@ class Agent:
         if "--cgroup-parent" in self.extra:
             name = self.extra[self.extra.index("--cgroup-parent") + 1]
         found = []
-        for d in own_cgroup_dirs():
+        started_in = self.delegation.dirs if self.delegation is not None else own_cgroup_dirs()
+        for d in started_in:
             for base in ([d, d.parent] if d.name == "agent" else [d]):
                 if (base / name).is_dir() and base / name not in found:
                     found.append(base / name)
@@ -229,6 +270,11 @@ def pytest_configure(config) -> None:
         TEST_RUNTIME = config.getoption("--runtime")
 
 
+def on_rootless() -> bool:
+    """Agents run as an ordinary user ($PBOX_TEST_ROOTLESS): native runtime only."""
+    return rootless_user.ROOTLESS
+
+
 def on_gvisor() -> bool:
     """For tests that cannot hold under gVisor (skip them with the reason)."""
     return TEST_RUNTIME == "gvisor"
@@ -250,8 +296,10 @@ def pboxd_binary() -> str:
     return binary
 
 
-def _tempdir() -> Path:
+def _tempdir(rootless: Optional[bool] = None) -> Path:
     # Unix socket paths are limited to 108 bytes: keep the root short.
+    if rootless_user.ROOTLESS if rootless is None else rootless:
+        return rootless_user.owned_tempdir(rootless_user.ensure_user())
     return Path(tempfile.mkdtemp(prefix="pbx-", dir="/tmp"))
 
 
@@ -262,11 +310,13 @@ class AgentFactory:
         self.dirs: List[Path] = []
 
     def __call__(self, extra: Optional[List[str]] = None, tcp_token: Optional[str] = None,
-                 root: Optional[Path] = None, start: bool = True) -> Agent:
+                 root: Optional[Path] = None, start: bool = True,
+                 rootless: Optional[bool] = None) -> Agent:
+        """rootless: run this agent as the test's ordinary user (default $PBOX_TEST_ROOTLESS)."""
         if root is None:
-            root = _tempdir()
+            root = _tempdir(rootless)
             self.dirs.append(root)
-        agent = Agent(self.binary, root, extra, tcp_token)
+        agent = Agent(self.binary, root, extra, tcp_token, rootless)
         self.agents.append(agent)
         _ALL_AGENTS.append(agent)
         return agent.start() if start else agent
@@ -289,6 +339,17 @@ class AgentFactory:
             r = a.reap()
             if r.returncode != 0:
                 failures.append(f"pboxd --reap {a.state_dir}: {r.returncode}: {r.stderr}")
+        # Rootless: the delegated cgroups go with their agents; a parent left in one is a leak
+        # (checked here, before the directory holding it is removed).
+        for a in self.agents:
+            if a.delegation is None or a.alive():
+                continue
+            left = [str(p) for p in a.cgroup_parents()]
+            if left:
+                failures.append(f"agent {a.state_dir} left its parent cgroups {left}")
+            left = a.remove_delegation()
+            if left:
+                failures.append(f"delegated cgroups that would not go: {left}")
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
         assert not failures, failures

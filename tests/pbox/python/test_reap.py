@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import time
 
-from conftest import host_processes_with_argv
+from conftest import host_processes_with_argv, on_rootless
 from test_faults import _cgroup_dirs_named, _host_processes_naming, _mounts_under
 
 MARKER = ["sleep", "7773"]
@@ -73,7 +73,7 @@ def test_reap_after_sigkill_removes_everything(make_agent) -> None:
         # A clone leaves a frozen layer under <state>/frozen.
         clones = sb.clone(1)
         ids.update(cl.id for cl in clones)
-        if _have_runsc():
+        if _have_runsc() and not on_rootless():
             g = c.create(memory="128M", disk="16M", runtime="gvisor")
             assert g.run(["true"]).ok
             ids.add(g.id)
@@ -145,8 +145,8 @@ def test_reap_finds_the_parent_however_the_state_dir_is_spelled(make_agent) -> N
     assert agent.cgroup_parents()
     state = agent.state_dir
     spelled = os.path.relpath(state.parent, "/tmp") + "//./" + state.name + "/"
-    r = subprocess.run([os.path.abspath(agent.binary), "--reap", "--state-dir", spelled],
-                       capture_output=True, text=True, timeout=60, cwd="/tmp")
+    r = agent.run_like_agent([os.path.abspath(agent.binary), "--reap", "--state-dir", spelled],
+                             timeout=60, cwd="/tmp")
     assert r.returncode == 0, r.stderr
     assert "removed cgroup" in r.stdout, r.stdout
     assert agent.cgroup_parents() == []

@@ -1,0 +1,161 @@
+"""pboxd without root (docs/security.md "Rootless"): what is particular to the mode.
+
+The isolation probes, hostile workloads, reaping, clones and image imports run rootless in
+ctest `pbox_python_rootless` (the same files with $PBOX_TEST_ROOTLESS=1). Here: the mode as the
+agent reports it, the user namespace as a sandbox sees it, the refusals of a rootless agent
+(gVisor; a cgroup not delegated; a run directory that is not its own), and the default paths
+that let a user start `pboxd` and use `pbox` with no flags.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import pbox
+import rootless_user
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"pboxd still running after {timeout} s")
+
+
+def test_rootless_agent_reports_its_mode_and_sandboxes_get_a_user_namespace(make_agent) -> None:
+    agent = make_agent(rootless=True)
+    user = agent.user
+    with agent.client() as c:
+        info = c.info()
+        assert info.mode == "rootless" and info.uid == user.pw_uid, info
+        assert {"memory", "pids"} <= set(info.limits), info.limits
+        assert info.runtimes == ["native"], info.runtimes
+        with pytest.raises(pbox.errors.FailedPrecondition, match="rootless"):
+            c.create(runtime="gvisor")
+        sb = c.create(memory="128M", disk="32M")
+        try:
+            r = sb.run(["sh", "-c", "cat /proc/self/uid_map /proc/self/gid_map; id -u; "
+                        "stat -c %u /usr /etc/passwd; "
+                        "python3 -c 'import os; os.setuid(1000)' 2>&1 | tail -1"], timeout=30)
+            assert r.ok, r
+            lines = r.stdout.decode().split("\n")
+            # The agent's user and group are root inside, and nothing else is mapped.
+            assert lines[0].split() == ["0", str(user.pw_uid), "1"], lines
+            assert lines[1].split() == ["0", str(user.pw_gid), "1"], lines
+            assert lines[2] == "0"
+            # The host's /usr (real root's files) reads as nobody; the image's own files are
+            # the agent's, so root's inside.
+            assert lines[3] == "65534" and lines[4] == "0", lines
+            # No other id to change to (EINVAL: unmapped), and no capability to try.
+            assert "OSError" in lines[5] or "PermissionError" in lines[5], lines
+            # Its processes are the agent's user on the host, never real root.
+            host = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                    and _uid_of(int(p)) is not None and _in_sandbox(int(p), sb.id)]
+            assert host and all(_uid_of(p) == user.pw_uid for p in host), host
+        finally:
+            sb.destroy()
+
+
+def _uid_of(pid: int):
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[2])  # effective
+    except OSError:
+        return None
+    return None
+
+
+def _in_sandbox(pid: int, sandbox_id: str) -> bool:
+    try:
+        return sandbox_id in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+
+
+def test_a_cgroup_not_delegated_is_refused_naming_what_to_do(pboxd_binary: str) -> None:
+    """Started in the test's own cgroup, which belongs to root: pboxd stops at once and says
+    how to get a delegated one."""
+    user = rootless_user.ensure_user()
+    root = rootless_user.owned_tempdir(user)
+    try:
+        proc = subprocess.Popen(
+            rootless_user.as_user(user, [pboxd_binary, "--listen", f"unix://{root}/s.sock",
+                                         "--state-dir", str(root / "state")]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        rc = _wait_exit(proc, 30)
+        out = proc.stdout.read().decode()
+        assert rc == 1, out
+        assert "not delegated" in out and "Delegate=yes" in out and "Slurm" in out, out
+        assert not (root / "s.sock").exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_run_directory_of_another_user_is_refused(pboxd_binary: str) -> None:
+    """$XDG_RUNTIME_DIR/pbox made first by another user (here nobody, mode 0777, who could
+    rename the state dir and socket made in it): a rootless agent does not use it."""
+    user = rootless_user.ensure_user()
+    xdg = rootless_user.owned_tempdir(user)
+    try:
+        (xdg / "pbox").mkdir()
+        os.chmod(xdg / "pbox", 0o777)
+        os.chown(xdg / "pbox", 65534, 65534)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "XDG_RUNTIME_DIR": str(xdg)}
+        proc = subprocess.Popen(rootless_user.as_user(user, [pboxd_binary]), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        rc = _wait_exit(proc, 30)
+        out = proc.stdout.read().decode()
+        assert rc == 1, out
+        assert f"{xdg}/pbox (uid 65534, mode 777) is on the path" in out, out
+        assert not (xdg / "pbox" / "pbox.sock").exists()
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
+
+
+def test_default_paths_let_a_user_run_pboxd_and_pbox_without_flags(pboxd_binary: str) -> None:
+    """As a user with a delegated cgroup: `pboxd` with no flags listens under
+    $XDG_RUNTIME_DIR/pbox, and a client of that user given no endpoint finds it."""
+    user = rootless_user.ensure_user()
+    xdg = rootless_user.owned_tempdir(user)
+    os.chmod(xdg, 0o700)
+    delegation = rootless_user.DelegatedCgroup(user)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "XDG_RUNTIME_DIR": str(xdg),
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(rootless_user.as_user(user, [pboxd_binary]), env=env,
+                            preexec_fn=delegation.enter, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        sock = xdg / "pbox" / "pbox.sock"
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "no socket under $XDG_RUNTIME_DIR/pbox"
+            time.sleep(0.05)
+        assert (xdg / "pbox" / "state").is_dir()
+        assert (xdg / "pbox").stat().st_mode & 0o077 == 0, "the run dir is not private"
+        code = ("import pbox; c = pbox.Client(); i = c.info(); "
+                "print(i.mode, c.create(disk='16M').run(['id', '-u']).stdout.decode().strip())")
+        r = subprocess.run(rootless_user.as_user(user, [sys.executable, "-c", code]), env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["rootless", "0"], r.stdout
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = _wait_exit(proc, 30)
+        log = proc.stdout.read().decode()
+        left = delegation.remove()
+        shutil.rmtree(xdg, ignore_errors=True)
+    assert rc == 0, log
+    assert not left, f"cgroups left behind: {left}"
