@@ -159,3 +159,27 @@ def test_default_paths_let_a_user_run_pboxd_and_pbox_without_flags(pboxd_binary:
         shutil.rmtree(xdg, ignore_errors=True)
     assert rc == 0, log
     assert not left, f"cgroups left behind: {left}"
+
+
+@pytest.mark.parametrize("rootless", [False, True], ids=["root", "rootless"])
+def test_cpu_quota_holds_in_both_modes(make_agent, rootless: bool) -> None:
+    """A quarter of a CPU: a command spinning for 2 s gets about 0.5 s of CPU time, as root and
+    rootless (the cpu controller of the agent's cgroup, delegated in rootless mode)."""
+    agent = make_agent(rootless=rootless)
+    spin = ("import time\n"
+            "t0, c0 = time.monotonic(), time.process_time()\n"
+            "while time.monotonic() - t0 < 2.0:\n"
+            "    pass\n"
+            "print(time.process_time() - c0, time.monotonic() - t0)\n")
+    with agent.client() as c:
+        assert "cpu" in c.info().limits
+        sb = c.create(memory="128M", disk="16M", cpu_quota=0.25)
+        try:
+            r = sb.run(["python3", "-c", spin], timeout=60)
+            assert r.ok, r
+            cpu, wall = map(float, r.stdout.split())
+            # CFS gives 25 ms per 100 ms period; a machine busy elsewhere only lowers it.
+            assert cpu / wall < 0.4, (cpu, wall)
+            assert cpu > 0.05, (cpu, wall)
+        finally:
+            sb.destroy()
