@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "common/fs.h"
@@ -140,16 +141,29 @@ Status MakeOwnDirs(const std::string& dir, mode_t mode, bool rootless) {
   }
 }
 
+// Whether this process is in the host's user namespace, whose id map is the whole identity
+// ("0 0 4294967295"); an unreadable map (no /proc) counts as the host's.
+bool InInitialUserNamespace() {
+  Result<std::string> map = ReadFileToString("/proc/self/uid_map");
+  if (!map.ok()) {
+    return true;
+  }
+  std::istringstream in(*map);
+  uint64_t inside = 1, outside = 1, count = 0;
+  in >> inside >> outside >> count;
+  return inside == 0 && outside == 0 && count == 4294967295ull;
+}
+
 // What a rootless agent says when it may not write its cgroup.
 std::string NotDelegatedHint() {
   return fmt::format(
-      "pboxd runs as uid {} without root, and the cgroup it started in is not delegated to "
+      "pboxd runs rootless (uid {}{}), and the cgroup it started in is not delegated to "
       "that user. Start it in one that is: under systemd, `systemd-run --user --scope -p "
       "Delegate=yes pboxd ...` or Delegate=yes in its unit; under Slurm, a job cgroup the "
       "administrator hands to the job user (a prolog that chowns its cgroup.procs, "
       "cgroup.subtree_control and cgroup.threads, cgroup v2); or run pboxd as root "
       "(docs/security.md \"Rootless\")",
-      ::geteuid());
+      ::geteuid(), ::geteuid() == 0 ? " in a user namespace" : "");
 }
 
 CgroupManagerOptions CgroupOptions(const AgentConfig& config) {
@@ -233,9 +247,10 @@ Status RunAgent(const AgentConfig& config) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
-  // Rootless: an ordinary user's agent (docs/security.md "Rootless"). Its sandboxes get user
-  // namespaces; its cgroups must be delegated to it.
-  const bool rootless = ::geteuid() != 0;
+  // Rootless: an ordinary user's agent, or root of a user namespace (a rootless container),
+  // which can no more make device nodes or trusted.* xattrs than a user can (docs/security.md
+  // "Rootless"). Its sandboxes get user namespaces; its cgroups must be delegated to it.
+  const bool rootless = ::geteuid() != 0 || !InInitialUserNamespace();
   BRAGG_RETURN_IF_ERROR(MakeOwnDirs(config.state_dir, 0700, rootless));
   BRAGG_ASSIGN_OR_RETURN(UniqueFd lock, LockStateDir(config.state_dir));
 
@@ -297,8 +312,8 @@ Status RunAgent(const AgentConfig& config) {
     // agent does not offer it (a `runsc --rootless` variant is not built).
     Result<std::unique_ptr<GvisorRuntime>> created =
         rootless ? Result<std::unique_ptr<GvisorRuntime>>(absl::FailedPreconditionError(
-                       "a rootless pboxd (not root) offers the native runtime only: run pboxd "
-                       "as root for gVisor sandboxes"))
+                       "a rootless pboxd offers the native runtime only: run pboxd as root "
+                       "of the host for gVisor sandboxes"))
                  : GvisorRuntime::Create(gv);
     if (created.ok()) {
       gvisor = std::move(*created);

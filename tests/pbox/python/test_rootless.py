@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -183,3 +184,35 @@ def test_cpu_quota_holds_in_both_modes(make_agent, rootless: bool) -> None:
             assert cpu > 0.05, (cpu, wall)
         finally:
             sb.destroy()
+
+
+def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
+    """pboxd as uid 0 of a user namespace (a rootless container's root: `unshare -Ur`) can no
+    more make device nodes or trusted.* xattrs than a user: it runs rootless too, its sandboxes
+    in user namespaces nested in its own."""
+    root = Path(tempfile.mkdtemp(prefix="pbu-", dir="/tmp"))
+    sock = root / "p.sock"
+    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", pboxd_binary, "--listen",
+                             f"unix://{sock}", "--state-dir", str(root / "state")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "pboxd did not listen"
+            time.sleep(0.05)
+        with pbox.Client(f"unix://{sock}") as c:
+            info = c.info()
+            assert (info.mode, info.uid, info.runtimes) == ("rootless", 0, ["native"]), info
+            sb = c.create(memory="64M", disk="16M")
+            r = sb.run(["sh", "-c", "cat /proc/self/uid_map; echo x > /dev/null && echo ok"],
+                       timeout=30)
+            assert r.ok, r
+            assert r.stdout.decode().split() == ["0", "0", "1", "ok"], r.stdout
+            sb.destroy()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = _wait_exit(proc, 30)
+        shutil.rmtree(root, ignore_errors=True)
+    assert rc == 0, proc.stdout.read().decode()
