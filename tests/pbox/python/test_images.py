@@ -7,6 +7,7 @@ The test image is busybox (Debian's busybox-static) in a tarball built here with
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import io
 import json
@@ -474,10 +475,14 @@ def test_cli_image_commands(img_agent: Agent, tmp_path: Path) -> None:
                            "scripts/make-base-image --minimal>")
 def test_base_image_from_make_base_image(make_agent: AgentFactory, tmp_path: Path) -> None:
     out = Path(os.environ.get("PBOX_BASE_IMAGE") or tmp_path / "base.tar.zst")
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(REPO / "scripts/make-base-image"), "--minimal", str(out)],
-                       check=True, timeout=1800)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # ctest runs this file as root and rootless at once: one of them builds the cached tarball
+    # on a machine's first run, the other waits for it.
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            subprocess.run([str(REPO / "scripts/make-base-image"), "--minimal", str(out)],
+                           check=True, timeout=1800)
     agent = make_agent()
     c = agent.client()
     c.import_image("debian-min", out)
