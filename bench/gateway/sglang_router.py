@@ -147,7 +147,7 @@ def wait_healthy(gateway, n):
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
-            ws = get_json(gateway, "/workers")
+            ws = get_json(gateway, "/workers")["workers"]
             if len(ws) == n and all(w["healthy"] for w in ws):
                 return
         except (OSError, ValueError, http.client.HTTPException):

@@ -13,6 +13,7 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -237,6 +238,9 @@ struct AsyncHttpServer::Impl {
   explicit Impl(AsyncHttpOptions o) : options(std::move(o)) {}
   AsyncHttpOptions options;
   std::map<std::string, Handler> routes;  // "METHOD PATH"
+  // RoutePrefix: "METHOD PREFIX" -> handler, tried (longest prefix first) when no exact route
+  // matched.
+  std::map<std::string, Handler, std::greater<>> prefix_routes;
   std::vector<std::unique_ptr<IoThread>> io;
   std::unique_ptr<tcp::acceptor> acceptor;
   std::unique_ptr<net::steady_timer> accept_retry;
@@ -251,6 +255,20 @@ struct AsyncHttpServer::Impl {
 
   IoThread& NextIo() { return *io[next_io.fetch_add(1, std::memory_order_relaxed) % io.size()]; }
   void Accept();
+  // The handler of `method` `path`: its exact route, else its longest route prefix that is
+  // shorter than it; nullptr when none.
+  const Handler* FindRoute(const std::string& method, const std::string& path) const {
+    std::string key = method + " " + path;
+    if (auto it = routes.find(key); it != routes.end()) {
+      return &it->second;
+    }
+    for (const auto& [prefix, handler] : prefix_routes) {
+      if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
+        return &handler;
+      }
+    }
+    return nullptr;
+  }
 };
 
 namespace {
@@ -458,14 +476,14 @@ class Session : public std::enable_shared_from_this<Session> {
     for (const auto& f : msg) {
       req.headers.emplace_back(std::string(f.name_string()), std::string(f.value()));
     }
-    auto it = server_.routes.find(req.method + " " + req.path);
-    if (it == server_.routes.end()) {
+    const Handler* handler = server_.FindRoute(req.method, req.path);
+    if (handler == nullptr) {
       WriteResponse(ErrorResponse(404, fmt::format("no route {} {}", req.method, req.path)));
       return;
     }
     Action a;
     try {
-      a = it->second(req);
+      a = (*handler)(req);
     } catch (const std::exception& e) {
       // A handler bug must not take the io thread (and every connection on it) down.
       spdlog::error("handler {} {} threw: {}", req.method, req.path, e.what());
@@ -951,6 +969,10 @@ AsyncHttpServer::~AsyncHttpServer() { Stop(); }
 
 void AsyncHttpServer::Route(std::string method, std::string path, Handler handler) {
   impl_->routes[method + " " + path] = std::move(handler);
+}
+
+void AsyncHttpServer::RoutePrefix(std::string method, std::string prefix, Handler handler) {
+  impl_->prefix_routes[method + " " + prefix] = std::move(handler);
 }
 
 int AsyncHttpServer::port() const { return impl_->port; }

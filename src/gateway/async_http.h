@@ -162,6 +162,10 @@ class AsyncHttpServer {
 
   // Serves `method` `path` (exact match) with `handler`. Unknown paths get 404.
   void Route(std::string method, std::string path, Handler handler);
+  // Serves `method` on every path that starts with `prefix` and is longer than it (e.g.
+  // "/workers/" for "/workers/{id}"), unless an exact Route matches; the longest prefix wins.
+  // The handler finds the rest in HttpRequest::path, still percent-encoded.
+  void RoutePrefix(std::string method, std::string prefix, Handler handler);
   // Binds and starts the io threads. Unavailable if the address cannot be bound.
   Status Start();
   // Stops accepting, waits for blocking handlers, stops the io threads. Idempotent.

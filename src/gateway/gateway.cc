@@ -114,6 +114,56 @@ std::vector<WorkerAnswer> FanOut(const std::vector<Target>& targets, const std::
   return out;
 }
 
+// sgl-router's error body on its /workers routes (protocols/worker_spec.rs WorkerErrorResponse).
+HttpResponse WorkerError(int status, std::string message, std::string_view code) {
+  return JsonResponse({{"error", std::move(message)}, {"code", code}}, status);
+}
+
+// A path segment's percent-decoding ("+" stays "+"). InvalidArgument for a malformed escape or
+// a NUL byte.
+Result<std::string> DecodePathSegment(std::string_view s) {
+  auto hex = [](char c) {
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+  };
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out.push_back(s[i]);
+      continue;
+    }
+    if (i + 2 >= s.size() || hex(s[i + 1]) < 0 || hex(s[i + 2]) < 0) {
+      return absl::InvalidArgumentError("malformed %-escape in the worker id or url");
+    }
+    out.push_back(static_cast<char>(hex(s[i + 1]) * 16 + hex(s[i + 2])));
+    i += 2;
+  }
+  if (out.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("NUL byte in the worker id or url");
+  }
+  return out;
+}
+
+// The id GET /workers gives a worker: UUID-shaped, as sgl-router's, but derived from its
+// canonical url (two FNV-1a hashes), so that it is the same after a restart or a re-add.
+std::string WorkerId(std::string_view url) {
+  auto fnv = [url](uint64_t h) {
+    for (char c : url) {
+      h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
+    }
+    return h;
+  };
+  uint64_t hi = fnv(0xcbf29ce484222325ULL);
+  uint64_t lo = fnv(0x84222325cbf29ce4ULL);
+  hi = (hi & ~uint64_t{0xf000}) | 0x8000;                  // version 8: custom
+  lo = (lo & ~(uint64_t{3} << 62)) | (uint64_t{2} << 62);  // RFC 4122 variant
+  return fmt::format("{:08x}-{:04x}-{:04x}-{:04x}-{:012x}", hi >> 32, (hi >> 16) & 0xffff,
+                     hi & 0xffff, lo >> 48, lo & 0xffffffffffffULL);
+}
+
 HttpResponse TextResponse(std::string text, int status = 200) {
   HttpResponse r;
   r.status = status;
@@ -213,33 +263,30 @@ void Gateway::Register() {
         return Action::Respond(std::move(r));
       },
       /*open=*/true);
+  // sgl-router's worker API (its server.rs, protocols/worker_spec.rs): GET /workers,
+  // POST /workers, GET and DELETE /workers/{id or url-encoded url}.
   Route("GET", "/workers", [this](HttpRequest&) {
-    json out = json::array();
-    for (Pool* pool : fleet_.pools()) {
-      std::vector<std::string> versions = pool->Versions();
-      std::vector<WorkerSnapshot> snap = pool->router().Snapshot();
-      for (size_t i = 0; i < snap.size() && i < versions.size(); ++i) {
-        const WorkerSnapshot& w = snap[i];
-        if (w.removed) {
-          continue;
-        }
-        json j = {{"pool", pool->name()},         {"url", w.url},
-                  {"healthy", w.healthy},         {"in_flight", w.in_flight},
-                  {"rollouts", w.rollouts},       {"requests", w.requests},
-                  {"weight_version", versions[i]}};
-        if (pool == &fleet_.prefill()) {
-          int port = pool->bootstrap_port(static_cast<int>(i));
-          j["bootstrap_port"] = port >= 0 ? port : options_.bootstrap_port;
-        }
-        out.push_back(std::move(j));
-      }
+    json workers = WorkerInfos();
+    size_t counts[3] = {0, 0, 0};  // regular, prefill, decode
+    for (const json& w : workers) {
+      const std::string& type = w["worker_type"].get_ref<const std::string&>();
+      ++counts[type == "prefill" ? 1 : type == "decode" ? 2 : 0];
     }
-    return Action::Respond(JsonResponse(out));
+    size_t total = workers.size();
+    return Action::Respond(JsonResponse({{"workers", std::move(workers)},
+                                         {"total", total},
+                                         {"stats",
+                                          {{"prefill_count", counts[1]},
+                                           {"decode_count", counts[2]},
+                                           {"regular_count", counts[0]}}}}));
   });
   Route("POST", "/workers", [this](HttpRequest& req) {
     json body = json::parse(req.body, nullptr, false);
+    auto string_or_null = [&body](const char* key) {
+      return !body.contains(key) || body[key].is_string() || body[key].is_null();
+    };
     if (!body.is_object() || !body.contains("url") || !body["url"].is_string() ||
-        (body.contains("worker_type") && !body["worker_type"].is_string())) {
+        !string_or_null("worker_type") || !string_or_null("api_key")) {
       return Action::Respond(
           ErrorResponse(400,
                         "body must be {\"url\": \"http://HOST:PORT\"[, \"worker_type\": "
@@ -253,14 +300,65 @@ void Gateway::Register() {
       }
       port = p.get<int>();
     }
+    // sgl-router keeps a key per worker; the gateway sends one key (--worker-api-key) to all.
+    if (body.contains("api_key") && body["api_key"].is_string() &&
+        body["api_key"].get<std::string>() != options_.worker_api_key) {
+      return Action::Respond(
+          ErrorResponse(400,
+                        "a per-worker api_key is not supported: every worker gets the gateway's "
+                        "--worker-api-key; leave api_key out or give that key"));
+    }
+    std::string type =
+        body["worker_type"].is_string() ? body["worker_type"].get<std::string>() : std::string();
     // Out of rotation until the health loop checked its weight version.
-    Result<bool> added =
-        AddWorker(body["url"].get<std::string>(), body.value("worker_type", std::string()), port);
+    Result<bool> added = AddWorker(body["url"].get<std::string>(), type, port);
     if (!added.ok()) {
       return Action::Respond(ErrorResponse(400, std::string(added.status().message())));
     }
-    return Action::Respond(JsonResponse({{"success", true}, {"added", *added}}));
+    Result<HostPort> hp = ParseHostPort(body["url"].get<std::string>());  // AddWorker parsed it
+    std::string url = fmt::format("http://{}:{}", hp->host, hp->port);
+    std::string id = WorkerId(url);
+    // sgl-router's fields (it answers 202: its job queue adds the worker later; here it is a
+    // member already) and Bragg's.
+    return Action::Respond(
+        JsonResponse({{"status", "accepted"},
+                      {"worker_id", id},
+                      {"url", url},
+                      {"location", "/workers/" + id},
+                      {"message", *added ? "Worker added" : "Worker is already registered"},
+                      {"success", true},
+                      {"added", *added}}));
   });
+  for (const char* method : {"GET", "DELETE"}) {
+    RoutePrefix(method, "/workers/",
+                [this, delete_it = std::string(method) == "DELETE"](HttpRequest& req) {
+                  Result<std::string> key = DecodePathSegment(
+                      std::string_view(req.path).substr(std::string_view("/workers/").size()));
+                  if (!key.ok()) {
+                    return Action::Respond(
+                        WorkerError(400, std::string(key.status().message()), "BAD_REQUEST"));
+                  }
+                  std::optional<json> info = FindWorker(*key);
+                  bool removed = false;
+                  if (info && delete_it) {
+                    for (Pool* pool : fleet_.pools()) {
+                      removed = pool->RemoveWorker((*info)["url"].get<std::string>()) || removed;
+                    }
+                  }
+                  if (!info || (delete_it && !removed)) {
+                    return Action::Respond(WorkerError(
+                        404, fmt::format("Worker {:.200} not found", *key), "WORKER_NOT_FOUND"));
+                  }
+                  if (!delete_it) {
+                    return Action::Respond(JsonResponse(*info));
+                  }
+                  return Action::Respond(JsonResponse({{"status", "accepted"},
+                                                       {"success", true},
+                                                       {"worker_id", (*info)["id"]},
+                                                       {"url", (*info)["url"]},
+                                                       {"message", "Worker removed"}}));
+                });
+  }
   Route("POST", "/weights/update", [this](HttpRequest& req) {
     json body = json::parse(req.body, nullptr, false);
     if (!body.is_object() || !body.contains("model_path") || !body["model_path"].is_string() ||
@@ -297,11 +395,18 @@ bool Gateway::disaggregated() const {
 
 void Gateway::Route(const std::string& method, const std::string& path, Handler handler,
                     bool open) {
+  server_->Route(method, path, Guard(std::move(handler), open));
+}
+
+void Gateway::RoutePrefix(const std::string& method, const std::string& prefix, Handler handler) {
+  server_->RoutePrefix(method, prefix, Guard(std::move(handler), /*open=*/false));
+}
+
+Handler Gateway::Guard(Handler handler, bool open) {
   if (open || options_.api_key.empty()) {
-    server_->Route(method, path, std::move(handler));
-    return;
+    return handler;
   }
-  server_->Route(method, path, [this, handler = std::move(handler)](HttpRequest& req) {
+  return [this, handler = std::move(handler)](HttpRequest& req) {
     std::string auth = req.Header("Authorization");
     constexpr std::string_view kBearer = "Bearer ";
     if (auth.size() < kBearer.size() || auth.compare(0, kBearer.size(), kBearer) != 0 ||
@@ -313,7 +418,7 @@ void Gateway::Route(const std::string& method, const std::string& path, Handler 
       return Action::Respond(std::move(r));
     }
     return handler(req);
-  });
+  };
 }
 
 Result<bool> Gateway::AddWorker(const std::string& url, const std::string& worker_type,
@@ -514,6 +619,68 @@ void Gateway::RegisterSglRouter() {
       return JsonResponse(out, failed.empty() ? 200 : (n > 0 ? 206 : 502));
     });
   });
+  // sgl-router's shape ({"workers": [{"worker", "load"}]}); the load is what the gateway knows:
+  // requests in flight on the worker (sgl-router asks each worker's /get_load for its tokens).
+  Route("GET", "/get_loads", [this](HttpRequest&) {
+    json loads = json::array();
+    for (json& w : WorkerInfos()) {
+      json l = {{"worker", w["url"]}, {"load", w["load"]}, {"rollouts", w["rollouts"]}};
+      if (w["worker_type"] != "regular") {
+        l["worker_type"] = w["worker_type"];
+      }
+      loads.push_back(std::move(l));
+    }
+    return Action::Respond(JsonResponse({{"workers", std::move(loads)}}));
+  });
+}
+
+json Gateway::WorkerInfos() {
+  json out = json::array();
+  for (Pool* pool : fleet_.pools()) {
+    std::vector<std::string> versions = pool->Versions();
+    std::vector<WorkerSnapshot> snap = pool->router().Snapshot();
+    std::string type = pool == &fleet_.main() ? "regular" : pool->name();
+    for (size_t i = 0; i < snap.size() && i < versions.size(); ++i) {
+      const WorkerSnapshot& w = snap[i];
+      if (w.removed) {
+        continue;
+      }
+      // sgl-router's WorkerInfo (model, priority and cost are its defaults: the gateway has
+      // none), then Bragg's fields.
+      json j = {{"id", WorkerId(w.url)},
+                {"url", w.url},
+                {"model_id", "unknown"},
+                {"priority", 50},
+                {"cost", 1.0},
+                {"worker_type", type},
+                {"is_healthy", w.healthy},
+                {"load", w.in_flight},
+                {"connection_mode", "Http"},
+                {"pool", pool->name()},
+                {"healthy", w.healthy},
+                {"in_flight", w.in_flight},
+                {"rollouts", w.rollouts},
+                {"requests", w.requests},
+                {"weight_version", versions[i]}};
+      if (pool == &fleet_.prefill()) {
+        int port = pool->bootstrap_port(static_cast<int>(i));
+        j["bootstrap_port"] = port >= 0 ? port : options_.bootstrap_port;
+      }
+      out.push_back(std::move(j));
+    }
+  }
+  return out;
+}
+
+std::optional<json> Gateway::FindWorker(const std::string& id_or_url) {
+  Result<HostPort> hp = ParseHostPort(id_or_url);
+  std::string url = hp.ok() ? fmt::format("http://{}:{}", hp->host, hp->port) : std::string();
+  for (json& w : WorkerInfos()) {
+    if (w["id"] == id_or_url || (hp.ok() && w["url"] == url)) {
+      return std::move(w);
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace bragg::gateway

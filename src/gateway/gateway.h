@@ -5,6 +5,8 @@
 // runs fleet-wide in-place weight updates, and exports Prometheus metrics.
 
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -92,6 +94,17 @@ class Gateway {
   // Serves `method` `path`; unless `open`, only with the API key (when one is set).
   void Route(const std::string& method, const std::string& path, Handler handler,
              bool open = false);
+  // Serves `method` on every path under `prefix` (AsyncHttpServer::RoutePrefix), with the API
+  // key (when one is set).
+  void RoutePrefix(const std::string& method, const std::string& prefix, Handler handler);
+  // `handler`, behind the API key check unless `open` or no key is set.
+  Handler Guard(Handler handler, bool open);
+  // Every member worker as GET /workers lists it: sgl-router's WorkerInfo fields (id, url,
+  // model_id, priority, cost, worker_type, is_healthy, load, connection_mode[, bootstrap_port])
+  // and Bragg's (pool, healthy, in_flight, rollouts, requests, weight_version), pool by pool.
+  nlohmann::json WorkerInfos();
+  // The member whose id (as WorkerInfos gives it) or url (canonicalized) is `id_or_url`.
+  std::optional<nlohmann::json> FindWorker(const std::string& id_or_url);
   // Registers `url` in the pool of `worker_type` ("", "regular", "prefill", "decode") at run
   // time, out of rotation until the health loop admits it. Returns whether it is new (false: a
   // member already). InvalidArgument for a bad url, type or port, or a type this mode lacks.

@@ -78,7 +78,7 @@ class ClientTest(unittest.TestCase):
 
         def rollouts():
             with bgc.urllib.request.urlopen(self.gw + "/workers", timeout=10) as r:
-                return sum(w["rollouts"] for w in json.loads(r.read()))
+                return sum(w["rollouts"] for w in json.loads(r.read())["workers"])
 
         for k in range(3):
             c.generate(f"r{k}", [1, 2, 3, k], {"max_new_tokens": 1})

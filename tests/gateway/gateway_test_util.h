@@ -143,14 +143,17 @@ inline json PostJson(httplib::Client& c, const std::string& path, const json& bo
   return json::parse(r->body, nullptr, false);
 }
 
+// GET /workers' "workers" array (sgl-router's {"workers", "total", "stats"}); empty when the
+// call failed.
+inline json WorkerList(httplib::Client& c, const httplib::Headers& headers = {}) {
+  auto r = c.Get("/workers", headers);
+  json j = r ? json::parse(r->body, nullptr, false) : json();
+  return j.is_object() && j["workers"].is_array() ? j["workers"] : json::array();
+}
+
 // /workers' "healthy" of the worker at `url` (false if not listed).
 inline bool Healthy(httplib::Client& c, const std::string& url) {
-  auto r = c.Get("/workers");
-  json j = r ? json::parse(r->body, nullptr, false) : json();
-  if (!j.is_array()) {
-    return false;
-  }
-  for (const json& x : j) {
+  for (const json& x : WorkerList(c)) {
     if (x["url"] == url) {
       return x["healthy"].get<bool>();
     }

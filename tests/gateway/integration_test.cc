@@ -210,9 +210,7 @@ TEST_F(GatewayIntegrationTest, HealthChecksTakeOutAndBringBackAWorker) {
   Proc gw = Gateway({&w0, &w1}, "round_robin", {"--health-failures", "3"});
   auto c = Http(gw);
   auto healthy = [&](const Proc& w) {
-    auto r = c->Get("/workers");
-    json j = r ? json::parse(r->body, nullptr, false) : json();
-    for (const json& x : j) {
+    for (const json& x : WorkerList(*c)) {
       if (x["url"] == w.url) {
         return x["healthy"].get<bool>();
       }
@@ -250,9 +248,9 @@ TEST_F(GatewayIntegrationTest, HealthChecksTakeOutAndBringBackAWorker) {
     }
   }
   ASSERT_TRUE(seen) << "the patient gateway never checked the failing worker";
-  auto r = Http(patient)->Get("/workers");
-  ASSERT_TRUE(r);
-  EXPECT_TRUE(json::parse(r->body)[0]["healthy"].get<bool>()) << r->body;
+  json listed = WorkerList(*Http(patient));
+  ASSERT_FALSE(listed.empty());
+  EXPECT_TRUE(listed[0]["healthy"].get<bool>()) << listed;
   ASSERT_TRUE(Http(w1)->Post("/sim/config", R"({"healthy": true})", "application/json"));
   EXPECT_TRUE(wait_for(w1, true)) << "a recovered worker was not brought back";
   // Bad thresholds are refused at startup.
@@ -595,9 +593,8 @@ TEST_F(GatewayIntegrationTest, ClientForgetReleasesTheRollout) {
   auto client = RolloutClient::Create(gw.url, {});
   ASSERT_TRUE(client.ok());
   auto rollouts = [&] {
-    json j = json::parse(Http(gw)->Get("/workers")->body);
     int64_t n = 0;
-    for (const json& w : j) {
+    for (const json& w : WorkerList(*Http(gw))) {
       n += w["rollouts"].get<int64_t>();
     }
     return n;
@@ -879,9 +876,8 @@ TEST_F(GatewayIntegrationTest, NonStreamingClientDisconnectAborts) {
     // Hang up once the gateway has the request in flight on the worker.
     bool in_flight = false;
     for (int i = 0; i < 200 && !in_flight; ++i) {
-      auto r = c->Get("/workers");
-      json j = r ? json::parse(r->body, nullptr, false) : json();
-      in_flight = j.is_array() && !j.empty() && j[0]["in_flight"].get<int>() == 1;
+      json j = WorkerList(*c);
+      in_flight = !j.empty() && j[0]["in_flight"].get<int>() == 1;
       if (!in_flight) {
         std::this_thread::sleep_for(std::chrono::milliseconds(25));
       }
@@ -901,9 +897,8 @@ TEST_F(GatewayIntegrationTest, NonStreamingClientDisconnectAborts) {
   // The gateway forgot the request and still serves.
   bool idle = false;
   for (int i = 0; i < 200 && !idle; ++i) {
-    auto r = c->Get("/workers");
-    json j = r ? json::parse(r->body, nullptr, false) : json();
-    idle = j.is_array() && !j.empty() && j[0]["in_flight"].get<int>() == 0;
+    json j = WorkerList(*c);
+    idle = !j.empty() && j[0]["in_flight"].get<int>() == 0;
     if (!idle) {
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
     }

@@ -7,6 +7,7 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -62,7 +63,9 @@ Answer Call(httplib::Client& c, const std::string& method, const std::string& pa
   if (!key.empty()) {
     h.emplace("Authorization", "Bearer " + key);
   }
-  auto r = method == "GET" ? c.Get(path, h) : c.Post(path, h, body, "application/json");
+  auto r = method == "GET"      ? c.Get(path, h)
+           : method == "DELETE" ? c.Delete(path, h)
+                                : c.Post(path, h, body, "application/json");
   if (!r) {
     return {};
   }
@@ -174,6 +177,156 @@ TEST_F(SglRouterCompatTest, AddRemoveListWorkersAndHostileInputs) {
   EXPECT_EQ(Generate(*c, "after", 10).status, 200);
 }
 
+// "%XY" for every byte of `s` that is not unreserved (RFC 3986).
+std::string PercentEncode(const std::string& s) {
+  std::string out;
+  for (unsigned char ch : s) {
+    if (std::isalnum(ch) || ch == '-' || ch == '.' || ch == '_' || ch == '~') {
+      out.push_back(static_cast<char>(ch));
+    } else {
+      out += fmt::format("%{:02X}", ch);
+    }
+  }
+  return out;
+}
+
+// sgl-router's REST worker API: POST/GET /workers, GET/DELETE /workers/{id or url}, /get_loads.
+TEST_F(SglRouterCompatTest, WorkersRestApiAndLoads) {
+  Proc w0 = Worker({"--decode-us", "200000"}), w1 = Worker();
+  Proc gw = SglGateway({"--worker-urls", w0.url});
+  auto c = Http(gw);
+  json list = json::parse(Call(*c, "GET", "/workers").body, nullptr, false);
+  ASSERT_TRUE(list.is_object()) << list;
+  EXPECT_EQ(list["total"], 1);
+  EXPECT_EQ(list["stats"], json({{"prefill_count", 0}, {"decode_count", 0}, {"regular_count", 1}}));
+  const json& first = list["workers"][0];
+  for (const char* field : {"id", "url", "model_id", "priority", "cost", "worker_type",
+                            "is_healthy", "load", "connection_mode"}) {
+    EXPECT_TRUE(first.contains(field)) << field << " " << first;
+  }
+  EXPECT_EQ(first["url"], w0.url);
+  EXPECT_EQ(first["worker_type"], "regular");
+  EXPECT_EQ(first["connection_mode"], "Http");
+  EXPECT_EQ(first["id"].get<std::string>().size(), 36u) << first;
+
+  // Add by JSON body; sgl-router's extra fields are taken and ignored.
+  int status = 0;
+  json added = PostJson(*c, "/workers",
+                        {{"url", w1.url},
+                         {"worker_type", "regular"},
+                         {"model_id", "m"},
+                         {"priority", 10},
+                         {"labels", {{"tier", "gold"}}},
+                         {"api_key", nullptr}},
+                        &status);
+  EXPECT_EQ(status, 200) << added;
+  EXPECT_EQ(added["status"], "accepted");
+  EXPECT_EQ(added["url"], w1.url);
+  EXPECT_EQ(added["added"], true);
+  std::string id = added["worker_id"].get<std::string>();
+  EXPECT_EQ(added["location"], "/workers/" + id);
+  EXPECT_EQ(PostJson(*c, "/workers", {{"url", w1.url}}, &status)["added"], false);
+  EXPECT_EQ(status, 200) << "adding a member again is idempotent";
+  ASSERT_TRUE(WaitHealthy(*c, w1.url, true));
+  // One worker, three spellings of its key: the id, the url-encoded url, the raw url.
+  for (const std::string& key : {id, PercentEncode(w1.url), w1.url}) {
+    Answer a = Call(*c, "GET", "/workers/" + key);
+    ASSERT_EQ(a.status, 200) << key << " " << a.body;
+    json w = json::parse(a.body);
+    EXPECT_EQ(w["id"], id);
+    EXPECT_EQ(w["url"], w1.url);
+    EXPECT_EQ(w["is_healthy"], true);
+  }
+
+  // /get_loads: sgl-router's {"workers": [{"worker", "load"}]}, the load in flight requests.
+  std::thread slow([&] { Generate(*Http(gw), "slow", 20); });
+  bool busy = Eventually([&] {
+    json l = json::parse(Call(*c, "GET", "/get_loads").body, nullptr, false);
+    if (!l.is_object() || l["workers"].size() != 2) {
+      return false;
+    }
+    int64_t total = 0;
+    for (const json& x : l["workers"]) {
+      total += x["load"].get<int64_t>();
+    }
+    return total == 1;
+  });
+  slow.join();
+  EXPECT_TRUE(busy) << Call(*c, "GET", "/get_loads").body;
+  json loads = json::parse(Call(*c, "GET", "/get_loads").body);
+  EXPECT_EQ(loads["workers"][0]["worker"], w0.url);
+  EXPECT_EQ(loads["workers"][1]["worker"], w1.url);
+  EXPECT_EQ(loads["workers"][0]["load"], 0);
+
+  // Removal by url-encoded url; a second removal and an unknown worker: 404 in sgl-router's shape.
+  Answer d = Call(*c, "DELETE", "/workers/" + PercentEncode(w1.url));
+  EXPECT_EQ(d.status, 200) << d.body;
+  EXPECT_EQ(json::parse(d.body)["worker_id"], id);
+  EXPECT_EQ(ListWorkers(*c), std::vector<std::string>{w0.url});
+  for (const std::string& method : {"DELETE", "GET"}) {
+    for (const std::string& key : {id, PercentEncode(w1.url), std::string("127.0.0.1:1"),
+                                   std::string("00000000-0000-0000-0000-000000000000")}) {
+      Answer gone = Call(*c, method, "/workers/" + key);
+      EXPECT_EQ(gone.status, 404) << method << " " << key << " " << gone.body;
+      json e = json::parse(gone.body, nullptr, false);
+      EXPECT_EQ(e.value("code", ""), "WORKER_NOT_FOUND") << gone.body;
+      EXPECT_TRUE(e["error"].is_string()) << gone.body;
+    }
+  }
+  // Added again, removed by id.
+  id = PostJson(*c, "/workers", {{"url", w1.url}}, &status)["worker_id"].get<std::string>();
+  EXPECT_EQ(Call(*c, "DELETE", "/workers/" + id).status, 200);
+  EXPECT_EQ(ListWorkers(*c), std::vector<std::string>{w0.url});
+
+  // Hostile bodies and paths: 4xx, and the gateway serves on.
+  for (const std::string& body :
+       {std::string("not json"), std::string("[]"), std::string("{}"), std::string("{\"url\": 7}"),
+        std::string("{\"url\": \"\"}"), std::string("{\"url\": \"127.0.0.1:0\"}"),
+        std::string("{\"url\": \"127.0.0.1:1\", \"worker_type\": 3}"),
+        std::string("{\"url\": \"127.0.0.1:1\", \"worker_type\": \"bogus\"}"),
+        std::string("{\"url\": \"127.0.0.1:1\", \"bootstrap_port\": \"9\"}"),
+        std::string("{\"url\": \"127.0.0.1:1\", \"api_key\": \"other\"}"),
+        std::string("{\"url\": \"127.0.0.1:1\", \"api_key\": 5}")}) {
+    Answer h = Call(*c, "POST", "/workers", body);
+    EXPECT_EQ(h.status, 400) << body << " " << h.body;
+  }
+  for (const std::string& path :
+       {std::string("/workers/%zz"), std::string("/workers/%0"), std::string("/workers/a%00b")}) {
+    EXPECT_EQ(Call(*c, "GET", path).status, 400) << path;
+    EXPECT_EQ(Call(*c, "DELETE", path).status, 400) << path;
+  }
+  EXPECT_EQ(Call(*c, "DELETE", "/workers").status, 404);
+  EXPECT_EQ(Call(*c, "DELETE", "/workers/").status, 404);
+  EXPECT_EQ(Call(*c, "GET", "/workers/" + std::string(5000, 'x')).status, 404);
+  EXPECT_EQ(Call(*c, "GET", "/workers/" + std::string(100000, 'x')).status, 413);
+  // sgl-router 0.3.2 serves neither /server_info nor /model_info (its /get_* only).
+  EXPECT_EQ(Call(*c, "GET", "/server_info").status, 404);
+  EXPECT_EQ(Call(*c, "GET", "/model_info").status, 404);
+  EXPECT_EQ(ListWorkers(*c), std::vector<std::string>{w0.url});
+  EXPECT_EQ(Generate(*c, "after", 10).status, 200);
+
+  // Concurrent adds and removals of one worker: every answer 200 or 404, none lost.
+  std::atomic<int> bad{0};
+  std::vector<std::thread> admins;
+  for (int t = 0; t < 4; ++t) {
+    admins.emplace_back([&] {
+      auto a = Http(gw);
+      for (int i = 0; i < 25; ++i) {
+        int s = 0;
+        PostJson(*a, "/workers", {{"url", w1.url}}, &s);
+        int r = Call(*a, "DELETE", "/workers/" + PercentEncode(w1.url)).status;
+        bad += s != 200 || (r != 200 && r != 404);
+      }
+    });
+  }
+  for (auto& t : admins) {
+    t.join();
+  }
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(ListWorkers(*c), std::vector<std::string>{w0.url});
+  EXPECT_EQ(Generate(*c, "end", 10).status, 200);
+}
+
 TEST_F(SglRouterCompatTest, PrefillDecodeWorkersWithBootstrapPorts) {
   Proc p0 = Worker(), p1 = Worker(), d0 = Worker();
   // sgl-router's command line: --prefill URL PORT, --prefill URL none, --decode URL.
@@ -206,7 +359,7 @@ TEST_F(SglRouterCompatTest, PrefillDecodeWorkersWithBootstrapPorts) {
   g = Generate(*c, "b", 20);
   ASSERT_EQ(g.status, 200) << g.body;
   EXPECT_TRUE(prefill_port_is(p1, 9202)) << SimStats(p1);
-  json workers = json::parse(Call(*c, "GET", "/workers").body);
+  json workers = WorkerList(*c);
   bool listed = false;
   for (const json& w : workers) {
     if (w["url"] == p1.url) {
@@ -284,6 +437,13 @@ TEST_F(SglRouterCompatTest, ApiKeysAreCheckedAndForwarded) {
   EXPECT_EQ(Generate(*c, "a", 10, "gk-longer").status, 401);
   EXPECT_EQ(Call(*c, "POST", "/add_worker?url=" + w1.url).status, 401);
   EXPECT_EQ(Call(*c, "GET", "/list_workers").status, 401);
+  EXPECT_EQ(Call(*c, "GET", "/workers").status, 401);
+  EXPECT_EQ(Call(*c, "POST", "/workers", json{{"url", w1.url}}.dump()).status, 401);
+  EXPECT_EQ(Call(*c, "GET", "/workers/" + w0.url).status, 401);
+  EXPECT_EQ(Call(*c, "DELETE", "/workers/" + w0.url, "", "wrong").status, 401);
+  EXPECT_EQ(Call(*c, "GET", "/get_loads").status, 401);
+  EXPECT_EQ(Call(*c, "GET", "/workers/" + w0.url, "", "gk").status, 200);
+  EXPECT_EQ(Call(*c, "GET", "/get_loads", "", "gk").status, 200);
   EXPECT_EQ(Call(*c, "GET", "/health").status, 200);
   EXPECT_EQ(Call(*c, "GET", "/metrics").status, 200);
   Answer g = Generate(*c, "a", 10, "gk");
@@ -291,8 +451,7 @@ TEST_F(SglRouterCompatTest, ApiKeysAreCheckedAndForwarded) {
   // Added at run time: admitted only if the health loop's version check carried the key too.
   EXPECT_EQ(Call(*c, "POST", "/add_worker?url=" + w1.url, "", "gk").status, 200);
   ASSERT_TRUE(Eventually([&] {
-    json ws = json::parse(Call(*c, "GET", "/workers", "", "gk").body, nullptr, false);
-    for (const json& w : ws.is_array() ? ws : json::array()) {
+    for (const json& w : WorkerList(*c, {{"Authorization", "Bearer gk"}})) {
       if (w["url"] == w1.url && w["healthy"] == true) {
         return true;
       }
