@@ -33,24 +33,38 @@ _counter = itertools.count()
 
 
 def ensure_user() -> pwd.struct_passwd:
-    """The test user, created (a system user without home or shell) if it does not exist."""
+    """The test user, created (a system user without home or shell) if it does not exist.
+    ctest runs the root and rootless suites at once: a useradd that loses the race (the user
+    exists, or /etc/passwd is locked) is retried until the user is there."""
+    if shutil.which("useradd") is None:
+        return _ensure_user_without_useradd()
+    last = None
+    for _ in range(50):
+        try:
+            return pwd.getpwnam(USER)
+        except KeyError:
+            pass
+        last = subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                               "/usr/sbin/nologin", "--user-group", USER],
+                              capture_output=True, text=True)
+        if last.returncode != 0:
+            time.sleep(0.1)
+    raise RuntimeError(f"useradd {USER}: {last.stderr if last else ''}")
+
+
+def _ensure_user_without_useradd() -> pwd.struct_passwd:
+    """A minimal root without the passwd package (a test VM's, say): the two lines useradd
+    would write, with an id no one has."""
     try:
         return pwd.getpwnam(USER)
     except KeyError:
         pass
-    if shutil.which("useradd"):
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", "--user-group", USER], check=True,
-                       capture_output=True)
-    else:
-        # A minimal root without the passwd package (the cgroup v2 test VM's, say): the two
-        # lines useradd would write, with an id no one has.
-        taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
-        uid = next(i for i in range(990, 100, -1) if i not in taken)
-        with open("/etc/group", "a") as f:
-            f.write(f"{USER}:x:{uid}:\n")
-        with open("/etc/passwd", "a") as f:
-            f.write(f"{USER}:x:{uid}:{uid}::/nonexistent:/usr/sbin/nologin\n")
+    taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    uid = next(i for i in range(990, 100, -1) if i not in taken)
+    with open("/etc/group", "a") as f:
+        f.write(f"{USER}:x:{uid}:\n")
+    with open("/etc/passwd", "a") as f:
+        f.write(f"{USER}:x:{uid}:{uid}::/nonexistent:/usr/sbin/nologin\n")
     return pwd.getpwnam(USER)
 
 
