@@ -35,7 +35,9 @@ class Client(_shared.blocking(_shared.ClientMethods, __name__, "Client")):
 
     Args:
         endpoint: ``"unix:///run/pbox/pbox.sock"`` (no token needed) or ``"tcp://HOST:PORT"``.
-            Default: ``$PBOX_ENDPOINT``, else ``unix:///run/pbox/pbox.sock``.
+            Default: ``$PBOX_ENDPOINT``, else ``unix:///run/pbox/pbox.sock``, or for a user
+            without a system agent that user's own (``$XDG_RUNTIME_DIR/pbox/pbox.sock``, else
+            ``/tmp/pbox-UID/pbox.sock``: a rootless agent's default).
         token: bearer token for TCP endpoints. Default: ``$PBOX_TOKEN``, else the contents of
             the file named by ``$PBOX_TOKEN_FILE``.
         timeout: deadline in seconds for control calls (create, list, stat...); None waits

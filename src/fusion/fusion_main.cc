@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--endpoint", client_options.endpoint,
                  "pboxd address: unix:///path.sock or tcp://host:port (default: $PBOX_ENDPOINT, "
-                 "else unix:///run/pbox/pbox.sock)");
+                 "else unix:///run/pbox/pbox.sock, or a user's own rootless agent's, "
+                 "$XDG_RUNTIME_DIR/pbox/pbox.sock)");
   app.add_option("--max-concurrency", so.max_concurrency,
                  "/run_code calls running at once; more wait for a slot")
       ->check(CLI::Range(1, 4096))

@@ -37,7 +37,8 @@ Result<std::map<std::string, std::string>> ParseEnv(const std::vector<std::strin
 void Agents::Register(CLI::App& app, Flags* flags) {
   app.add_option("--endpoint", flags->options.endpoint,
                  "agent address: unix:///path.sock or tcp://host:port (default $PBOX_ENDPOINT, "
-                 "else unix:///run/pbox/pbox.sock)");
+                 "else unix:///run/pbox/pbox.sock, or a user's own rootless agent's, "
+                 "$XDG_RUNTIME_DIR/pbox/pbox.sock)");
   app.add_option("--token", flags->options.token, "bearer token for TCP (default $PBOX_TOKEN)");
   app.add_option("--endpoints", flags->endpoints,
                  "every agent of a job: an endpoints file or tcp://a:1,tcp://b:2 (default "

@@ -26,8 +26,9 @@ namespace bragg::pbox::client {
 namespace v1 = bragg::pbox::v1;
 
 struct ClientOptions {
-  // "unix:///path.sock" or "tcp://host:port". Empty: $PBOX_ENDPOINT, else
-  // unix:///run/pbox/pbox.sock.
+  // "unix:///path.sock" or "tcp://host:port". Empty: $PBOX_ENDPOINT, else DefaultEndpoint()
+  // (pbox/wire/default_paths.h: unix:///run/pbox/pbox.sock, or for a user without a system
+  // agent, that user's rootless agent's socket).
   std::string endpoint;
   // Bearer token for TCP. Empty: $PBOX_TOKEN, else the contents of $PBOX_TOKEN_FILE.
   std::string token;

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ _ensure_import_path()
 
 import pbox  # noqa: E402
 
+# Beside this file; other suites (tests/pbox/chaos) load this conftest from elsewhere.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rootless_user  # noqa: E402
 
 
