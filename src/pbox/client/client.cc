@@ -20,9 +20,6 @@
 #include "pbox/wire/default_paths.h"
 
 namespace bragg::pbox::client {
-namespace {
-
-}  // namespace
 
 Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) {

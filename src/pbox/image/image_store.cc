@@ -107,8 +107,8 @@ Status BuildHostSkeleton(const std::string& dir, const std::string& host_root) {
     struct stat st;
     if (::lstat(src.c_str(), &st) == 0) {
       size_t slash = name.rfind('/');
-      copies[std::string(slash == std::string_view::npos ? "" : name.substr(0, slash))]
-          .push_back(src);
+      copies[std::string(slash == std::string_view::npos ? "" : name.substr(0, slash))].push_back(
+          src);
     }
   }
   for (auto& [sub, sources] : copies) {
