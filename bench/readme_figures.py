@@ -1,9 +1,12 @@
 #!/usr/bin/python3
 """The README's benchmark figures, from docs/data (the same data as docs/benchmarks.md's summary).
 
-Each figure sits in the README's parts table between `<!-- fig:NAME -->` and `<!-- /fig -->`
-(HTML comments: invisible on GitHub). This script rewrites them from the data, or with --check
-exits 1 naming every figure that disagrees (tests/readme_figures_test.py runs the check).
+Each figure sits in the README between `<!-- fig:NAME -->` and `<!-- /fig -->` (HTML comments:
+invisible on GitHub). This script rewrites them from the data, or with --check exits 1 naming
+every figure that disagrees, every marker whose name it does not know (KNOWN) and every figure
+it knows that the README lacks (tests/readme_figures_test.py runs the check). A manual target's
+figure is its `measured` text in docs/data/manual_targets.json, the verdict bench/summary.py
+gives it and its date.
 
     bench/readme_figures.py [--readme README.md] [--data docs/data] [--check]
 """
@@ -17,10 +20,37 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import summary  # noqa: E402
 from verdict import MET, MISSED, TIE  # noqa: E402
 
 FIG = re.compile(r"<!-- fig:([a-z0-9-]+) -->(.*?)<!-- /fig -->", re.S)
 BIG = ("lognormal 100k -> 512", "pareto 100k -> 512", "heavy-tail 2% 20-60K 100k -> 512")
+
+# The README's figures of manual targets: name, the target's goal in
+# docs/data/manual_targets.json (its key there) and the target in a few words.
+MANUAL = (
+    ("reshard-memory", "peak RSS within the 1 GiB memory budget, flat with model size",
+     "<= 1 GiB, flat with model size"),
+    ("reshard-memory-16gb", "peak RSS within the 1 GiB memory budget at 16 GB", "<= 1 GiB"),
+    ("reshard-bandwidth", "throughput >= 80% of the disk's read bandwidth", ">= 80%"),
+    ("reshard-speed", ">= 10x the torch reference converter (llama, on disk)", ">= 10x"),
+    ("reshard-moe", ">= 10x the torch reference converter (DeepSeek-V3-shaped MoE)", ">= 10x"),
+    ("gateway-overhead-p50", "overhead p50 <= 50 us at >= 20,000 requests/s (quiet machine)",
+     "<= 50 us"),
+    ("gateway-overhead-p99", "overhead p99 <= 300 us at >= 20,000 requests/s (quiet machine)",
+     "<= 300 us"),
+    ("gateway-rate", ">= 20,000 requests/s through the gateway (quiet machine)",
+     ">= 20,000/s"),
+    ("gateway-oracle", "sticky routing's hit rate >= 95% of a same-memory oracle",
+     ">= 95%"),
+    ("gateway-round-robin", "sticky routing's hit rate >= 5x round-robin's", ">= 5x"),
+)
+
+# Every figure this script writes; a README marker with another name fails the check, and so
+# does a README that lacks one of these.
+KNOWN = (("pack-plan", "pack-balance", "pack-padding", "pbox-native", "pbox-gvisor",
+          "engine-decode", "engine-prefill", "rl-controller", "rl-async",
+          "gateway-sglang-router") + tuple(name for name, _, _ in MANUAL))
 
 
 def _load(data_dir, name):
@@ -97,15 +127,67 @@ def pbox_figures(data):
 
 
 def engine_figures(data):
+    """bench/engine/run.py's decode targets and its long prefill (no target)."""
     date = str(data.get("date", "")).split(" ")[0]
+    threads = data.get("args", {}).get("threads")
+    cores = f" on {threads} cores" if threads else ""
     parts = []
     for t in sorted(data.get("targets", []), key=lambda t: t.get("batch", 0)):
         if "bounds" not in t:
             continue
         lo, mid, hi = t["bounds"]
-        parts.append(f"{mid:.1f}x transformers' `generate()` decode at {t['batch']} "
-                     f"concurrent ({lo:.1f}-{hi:.1f}x; {t['verdict']})")
-    return {"engine-decode": "; ".join(parts) + f", {date}"} if parts else {}
+        n = t["batch"]
+        parts.append(f"{mid:.2f}x at {n} concurrent request{'s' if n != 1 else ''} "
+                     f"({lo:.2f}-{hi:.2f}x over the runs; target {t['ratio']:g}x: "
+                     f"{t['verdict']})")
+    figs = {}
+    if parts:
+        figs["engine-decode"] = (f"tokens/s {', '.join(parts)} against transformers' "
+                                 f"`generate()`{cores}, {date}")
+    pre = data.get("summary", {}).get("prefill_tokens_per_s", {})
+    ours, peer = pre.get("engine"), pre.get("transformers")
+    if ours and peer:
+        ratio = statistics.median(ours) / statistics.median(peer)
+        figs["engine-prefill"] = (
+            f"{ratio:.2f}x transformers' tokens/s on a {data['args']['prefill_tokens']:,}-token "
+            f"prompt ({min(ours) / max(peer):.2f}-{max(ours) / min(peer):.2f}x over the runs; "
+            f"no target){cores}, {date}")
+    return figs
+
+
+def gateway_sglang_router_figures(data):
+    """bench/gateway/sglang_router.py's targets beside sgl-router."""
+    date = str(data.get("date", "")).split(" ")[0]
+    v = {t["goal"]: t["verdict"] for t in data.get("targets", [])}
+    goals = ("proxy overhead p50 below sgl-router's at every rate",
+             "proxy overhead p99 below sgl-router's at every rate",
+             "own miss tokens <= 1/5 of round robin's",
+             "own miss tokens below sgl-router cache_aware's")
+    if not set(goals) <= set(v):
+        return {}
+
+    def own(router):
+        return statistics.median(r["own_miss_tokens"] for r in data["cache"][router])
+
+    ours, aware, rr = own("bragg sticky"), own("sgl cache_aware"), own("sgl round_robin")
+    return {"gateway-sglang-router": (
+        f"proxy overhead p50 and p99 below sgl-router's at every rate ({v[goals[0]]}, "
+        f"{v[goals[1]]}); rollouts' own prefill misses {ours:,.0f} tokens against sgl-router "
+        f"cache_aware's {aware:,.0f} (target fewer: {v[goals[3]]}) and {ours / rr:.2f}x "
+        f"round-robin's (target <= 0.2x: {v[goals[2]]}), {date}")}
+
+
+def manual_figures(data):
+    """The targets of docs/data/manual_targets.json in MANUAL, judged as bench/summary.py
+    judges them."""
+    judged = {t["goal"]: (t, r) for t, r in zip(data["targets"], summary.manual_rows(data))}
+    figs = {}
+    for name, goal, target in MANUAL:
+        if goal in judged:
+            t, r = judged[goal]
+            figs[name] = (f"{t['measured']} (target {target}: {r['verdict']}; manual run, "
+                          f"{t['date']})")
+    return figs
 
 
 def rl_figures(data):
@@ -141,25 +223,35 @@ def expected(data_dir):
     figs = {}
     for name, fn in (("pack.json", pack_figures), ("pbox_bench.json", pbox_figures),
                      ("engine.json", engine_figures), ("rl.json", rl_figures),
-                     ("rl_async.json", rl_async_figures)):
+                     ("rl_async.json", rl_async_figures),
+                     ("gateway_sglang_router.json", gateway_sglang_router_figures),
+                     ("manual_targets.json", manual_figures)):
         data = _load(data_dir, name)
         if data is not None:
             figs.update(fn(data))
+    unknown = set(figs) - set(KNOWN)
+    assert not unknown, f"figures missing from KNOWN: {sorted(unknown)}"
     return figs
 
 
 def disagreements(readme_text, figs):
-    """Messages for every README figure that is not what the data gives, and for data-backed
-    figures the README lacks (pack and pbox; engine's only once the README carries it)."""
-    found = {m.group(1): m.group(2) for m in FIG.finditer(readme_text)}
-    out = []
-    for name, text in found.items():
-        if name not in figs:
+    """Messages for every README figure that is not what the data gives, whose name is not in
+    KNOWN or that appears twice, and for every figure in KNOWN that the README lacks."""
+    out, seen = [], set()
+    for m in FIG.finditer(readme_text):
+        name, text = m.group(1), m.group(2)
+        if name in seen:
+            out.append(f"README figure {name!r} appears more than once")
+        seen.add(name)
+        if name not in KNOWN:
+            out.append(f"README figure {name!r} is not one bench/readme_figures.py knows "
+                       f"({', '.join(KNOWN)})")
+        elif name not in figs:
             out.append(f"README figure {name!r} has no data behind it in docs/data")
         elif text != figs[name]:
             out.append(f"README figure {name!r} says {text!r}, docs/data says {figs[name]!r}")
-    for name in figs:
-        if name not in found and not name.startswith("engine"):
+    for name in KNOWN:
+        if name not in seen:
             out.append(f"README lacks the figure {name!r} (<!-- fig:{name} -->...<!-- /fig -->)")
     return out
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -41,13 +42,76 @@ def generated_regions(doc):
     return regions
 
 
+def manual_figure(name):
+    """The README's text of a manual figure, markers included."""
+    m = re.search(rf"<!-- fig:{name} -->.*?<!-- /fig -->", README)
+    return m.group(0) if m else None
+
+
 class ReadmeFigures(unittest.TestCase):
     def test_readme_agrees_with_data(self):
         figs = readme_figures.expected(DATA)
-        for name in ("pack-plan", "pack-balance", "pack-padding", "pbox-native", "pbox-gvisor"):
+        for name in readme_figures.KNOWN:
             self.assertIn(name, figs, f"docs/data gives no {name} figure")
         bad = readme_figures.disagreements(README, figs)
         self.assertEqual(bad, [], "\n".join(bad) + "\nrun bench/readme_figures.py")
+
+    def test_every_known_figure_is_in_the_readme_once(self):
+        names = re.findall(r"<!-- fig:([a-z0-9-]+) -->", README)
+        self.assertEqual(sorted(names), sorted(readme_figures.KNOWN))
+
+    def test_manual_figures_quote_the_data(self):
+        with open(os.path.join(DATA, "manual_targets.json")) as f:
+            manual = json.load(f)
+        goals = [t["goal"] for t in manual["targets"]]
+        self.assertEqual(len(goals), len(set(goals)), "manual targets' goals must be unique")
+        verdicts = {r["goal"]: r["verdict"] for r in summary.manual_rows(manual)}
+        byg = {t["goal"]: t for t in manual["targets"]}
+        for name, goal, _ in readme_figures.MANUAL:
+            self.assertIn(goal, byg, f"{name}: no manual target {goal!r}")
+            fig = manual_figure(name)
+            self.assertIsNotNone(fig, name)
+            for part in (byg[goal]["measured"], f"{verdicts[goal]};",
+                         f"manual run, {byg[goal]['date']})"):
+                self.assertIn(part, fig, name)
+
+    def test_a_hand_edited_manual_figure_fails_the_check(self):
+        fig = manual_figure("reshard-memory")
+        edited = README.replace(fig, "<!-- fig:reshard-memory -->54-178 MiB for 1-16 GB models "
+                                     "(target <= 1 GiB, flat with model size: met; manual run, "
+                                     "2026-12-01)<!-- /fig -->")
+        self.assertNotEqual(edited, README)
+        bad = readme_figures.disagreements(edited, readme_figures.expected(DATA))
+        self.assertEqual(len(bad), 1, bad)
+        self.assertIn("'reshard-memory'", bad[0])
+        self.assertIn("54-178 MiB", bad[0])
+        # The script's own --check fails on it, and a fill writes the data's text back.
+        tmp = tempfile.mkdtemp()
+        try:
+            path = os.path.join(tmp, "README.md")
+            with open(path, "w") as f:
+                f.write(edited)
+            script = os.path.join(ROOT, "bench/readme_figures.py")
+            check = [sys.executable, script, "--readme", path, "--data", DATA, "--check"]
+            r = subprocess.run(check, capture_output=True, text=True)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("reshard-memory", r.stderr)
+            subprocess.run(check[:-1], check=True)
+            with open(path) as f:
+                self.assertEqual(f.read(), README)
+            self.assertEqual(subprocess.run(check).returncode, 0)
+        finally:
+            shutil.rmtree(tmp)
+
+    def test_a_manual_verdict_is_the_rule_s_not_typed(self):
+        with open(os.path.join(DATA, "manual_targets.json")) as f:
+            manual = json.load(f)
+        goal = dict((n, g) for n, g, _ in readme_figures.MANUAL)["reshard-memory"]
+        for t in manual["targets"]:
+            if t["goal"] == goal:
+                t.update(runs=[900, 2000], verdict="met")
+        fig = readme_figures.manual_figures(manual)["reshard-memory"]
+        self.assertIn(": tie (within noise);", fig)
 
     def test_pack_figure_is_the_data_median(self):
         with open(os.path.join(DATA, "pack.json")) as f:
@@ -77,18 +141,31 @@ class ReadmeFigures(unittest.TestCase):
         bad = readme_figures.disagreements(gone, figs)
         self.assertTrue(any("lacks the figure 'pbox-native'" in b for b in bad), bad)
 
-    def test_a_figure_without_data_is_caught(self):
+    def test_an_unknown_figure_is_caught(self):
         bad = readme_figures.disagreements(README + "<!-- fig:made-up -->9x<!-- /fig -->",
                                            readme_figures.expected(DATA))
-        self.assertTrue(any("'made-up' has no data" in b for b in bad), bad)
+        self.assertEqual(len(bad), 1, bad)
+        self.assertIn("'made-up' is not one bench/readme_figures.py knows", bad[0])
 
-    def test_engine_figure_when_its_data_exists(self):
-        engine = os.path.join(DATA, "engine.json")
-        if not os.path.exists(engine):
-            self.skipTest("docs/data/engine.json absent")
-        figs = readme_figures.expected(DATA)
-        if "<!-- fig:engine-decode -->" in README:
-            self.assertIn("engine-decode", figs)
+    def test_a_figure_twice_is_caught(self):
+        fig = manual_figure("gateway-rate")
+        bad = readme_figures.disagreements(README + fig, readme_figures.expected(DATA))
+        self.assertEqual(bad, ["README figure 'gateway-rate' appears more than once"])
+
+    def test_a_figure_without_data_is_caught(self):
+        tmp = tempfile.mkdtemp()
+        try:
+            for name in os.listdir(DATA):
+                if name not in ("engine.json", "manual_targets.json"):
+                    shutil.copy(os.path.join(DATA, name), tmp)
+            bad = readme_figures.disagreements(README, readme_figures.expected(tmp))
+        finally:
+            shutil.rmtree(tmp)
+        gone = {n for n in readme_figures.KNOWN if n.startswith("engine")}
+        gone |= {n for n, _, _ in readme_figures.MANUAL}
+        self.assertEqual(len(bad), len(gone), bad)
+        for name in gone:
+            self.assertIn(f"README figure {name!r} has no data behind it in docs/data", bad)
 
 
 class BenchmarksDoc(unittest.TestCase):
