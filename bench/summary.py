@@ -101,12 +101,14 @@ def engine_rows(data):
 
 
 def generated_rows(part):
-    """Rows of a part whose data lists its judged targets (goal, peer, measured, verdict)."""
+    """Rows of a part whose data lists its judged targets (goal, peer, measured, verdict; a
+    target measured apart from the rest carries its own date)."""
     def rows(data):
-        date = str(data.get("date", "")).split(" ")[0]
+        def day(t):
+            return str(t.get("date") or data.get("date", "")).split(" ")[0]
         return [{"part": part, "goal": t["goal"], "peer": t.get("peer", ""),
                  "measured": t["measured"], "verdict": t["verdict"],
-                 "date": f"{date} (make bench)"} for t in data.get("targets", [])]
+                 "date": f"{day(t)} (make bench)"} for t in data.get("targets", [])]
     return rows
 
 

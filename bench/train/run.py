@@ -8,6 +8,7 @@ the train-bench markers; the rest of the file is kept), with docs/img/train_step
 matplotlib is installed.
 
     bench/train/run.py --build build [--threads 2] [--repeat 3] [--steps 2] [--budget-s 240]
+                       [--dp-repeat 5] [--dp-steps 8] [--dp-budget-s 150] [--only-dp]
                        [--no-doc]
 
 1. Speed: train_step_bench --write-model writes a random dense Qwen3 (vocab 4096, hidden 128,
@@ -25,8 +26,16 @@ matplotlib is installed.
 3. Optimizer: the device-resident bytes of OffloadAdamW (its workspace_bytes()) against the whole
    state and grads (16 bytes per parameter), computed, not measured (on this CPU-only machine the
    optimizer's "device" is the CPU).
+4. Data parallelism: 2 bragg-train processes (--world-size 2, gloo, a file: rendezvous, one torch
+   thread each, each pinned to its own CPU) train the speed model on a heavy-tailed batch (a few
+   trajectories of 1024 tokens, many short ones, in shuffled order), --dp-balance cost (the
+   default) and round-robin, alternating which runs first, up to --dp-repeat runs each within
+   --dp-budget-s; each run reports the median, over its --dp-steps steps but the first, of the
+   slowest rank's time over the mean rank's (rank_seconds_max / rank_seconds_mean of the
+   metrics) and of the step's seconds. --only-dp measures this part alone and keeps the others'
+   results from docs/data/train.json.
 
-Every process is pinned to the same CPUs (taskset, the first --threads CPUs this process may
+Every other process is pinned to the same CPUs (taskset, the first --threads CPUs this process may
 use) with OMP_NUM_THREADS and MKL_NUM_THREADS = --threads. Progress goes to stderr. Stdlib only.
 """
 
@@ -69,24 +78,19 @@ RECOMPUTE_MODEL = ["--vocab", "4096", "--hidden", "256", "--intermediate", "1024
 RECOMPUTE_TRAJ = ["--count", "8", "--median-len", "1024", "--sigma", "0.01", "--min-len", "1024",
                   "--max-len", "1024", "--long", "0"]
 RECOMPUTE_MAX_TOKENS = 8192
+# Data parallelism: the speed model on a heavy-tailed batch, a few long trajectories among many
+# short ones (shuffled: the long ones arrive anywhere), one micro-batch per rank.
+DP_RANKS = 2
+DP_TRAJ = ["--count", "32", "--median-len", "100", "--sigma", "0.8", "--min-len", "32",
+           "--max-len", "1024", "--long", "3"]
+DP_PLANS = ("cost", "round-robin")
+# What docs/data/train.json keeps of each step's metrics.
+DP_STEP_KEYS = ("step", "micro_batches", "loss", "seconds", "rank_seconds_max",
+                "rank_seconds_mean", "rank_tokens_max", "rank_tokens_mean")
 
 
 def log(msg):
     print(f"train-bench: {msg}", file=sys.stderr, flush=True)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def run_json(argv, env, what):
@@ -128,6 +132,12 @@ def fmt_mmm(v):
     if lo == hi:
         return fmt(med)
     return f"{fmt(med)} ({fmt(lo)}-{fmt(hi)})"
+
+
+def fmt_balance(v):
+    """A max/mean ratio near 1: three decimals, the median (min-max) over the runs."""
+    lo, med, hi = v
+    return f"{med:.3f}" if lo == hi else f"{med:.3f} ({lo:.3f}-{hi:.3f})"
 
 
 def fmt_ratio(s):
@@ -194,6 +204,155 @@ def recomputation(bench, model, traj, pin, env, threads):
         argvs.append(argv)
         out[name] = run_json(argv, env, f"recomputation {name}")
     return out, argvs
+
+
+def dp_run(train, model, traj, plan, k, tmp, cpus, steps):
+    """One data-parallel run: DP_RANKS bragg-train processes, each with one thread on its own CPU,
+    meeting at a fresh file: rendezvous. Returns rank 0's metrics (one dict per step) and the
+    ranks' argv; exits naming the command when a rank fails."""
+    procs = []
+    for rank in range(DP_RANKS):
+        metrics = os.path.join(tmp, f"dp-{k}-{plan}-{rank}.jsonl")
+        argv = (pin_prefix([cpus[rank % len(cpus)]])
+                + [train, "--model", model, "--trajectories", traj, "--objective", "grpo",
+                   "--steps", str(steps), "--threads", "1", "--world-size", str(DP_RANKS),
+                   "--rank", str(rank), "--rendezvous",
+                   "file:" + os.path.join(tmp, f"rendezvous-{k}-{plan}"),
+                   "--dp-balance", plan, "--metrics", metrics])
+        procs.append((argv, metrics, subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.PIPE, text=True,
+                                                      env=child_env(1))))
+    failed = None
+    for argv, _, p in procs:
+        try:
+            _, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        if p.returncode != 0 and failed is None:
+            failed = (argv, p.returncode, err)
+            for _, _, other in procs:
+                if other.poll() is None:
+                    other.kill()
+    if failed:
+        sys.stderr.write(failed[2][-4000:])
+        sys.exit(f"train-bench: data-parallel run failed (exit {failed[1]}): "
+                 f"{' '.join(shlex.quote(a) for a in failed[0])}")
+    with open(procs[0][1]) as fh:
+        return [json.loads(line) for line in fh if line.strip()], [a for a, _, _ in procs]
+
+
+def data_parallel(args, train, model, traj, tmp, notes):
+    """--dp-balance cost against round-robin, alternating which goes first, within
+    --dp-budget-s. Returns the runs' results by plan, the order they ran in, and each plan's
+    first run's argv per rank."""
+    cpus = pinned_cpus(DP_RANKS)
+    if len(cpus) < DP_RANKS:
+        notes.append(f"data parallelism: {DP_RANKS} ranks on {len(cpus)} CPU(s)")
+    deadline = time.monotonic() + args.dp_budget_s
+    runs = {plan: [] for plan in DP_PLANS}
+    order, argvs, walls = [], {}, []
+    for k in range(args.dp_repeat):
+        pair = list(DP_PLANS) if k % 2 == 0 else list(reversed(DP_PLANS))
+        if k > 0:
+            need = 2 * max(walls)
+            left = deadline - time.monotonic()
+            if need > left:
+                notes.append(f"data parallelism: {k} run(s) of each plan, not {args.dp_repeat}: "
+                             f"another pair would take about {need:.0f} s and "
+                             f"{max(0, left):.0f} s of the --dp-budget-s {args.dp_budget_s} "
+                             "were left")
+                log(notes[-1])
+                break
+        for plan in pair:
+            log(f"data parallelism, {plan}, run {k + 1}/{args.dp_repeat}: {DP_RANKS} ranks, "
+                f"{args.dp_steps} steps")
+            start = time.monotonic()
+            steps, argv = dp_run(train, model, traj, plan, k, tmp, cpus, args.dp_steps)
+            walls.append(time.monotonic() - start)
+            argvs.setdefault(plan, argv)
+            if any(m["micro_batches"] != DP_RANKS for m in steps):
+                sys.exit("train-bench: the data-parallel batch no longer fits one micro-batch "
+                         f"per rank: {[m['micro_batches'] for m in steps]}")
+            timed = steps[1:]  # the first step warms up (allocation, first touches)
+            r = {"wall_s": walls[-1], "load_after": loadavg(),
+                 "steps": [{k: m[k] for k in DP_STEP_KEYS} for m in steps],
+                 "time_max_over_mean": statistics.median(
+                     m["rank_seconds_max"] / m["rank_seconds_mean"] for m in timed),
+                 "rank_seconds_max": statistics.median(m["rank_seconds_max"] for m in timed),
+                 "step_seconds": statistics.median(m["seconds"] for m in timed),
+                 "tokens_max_over_mean": statistics.median(
+                     m["rank_tokens_max"] / m["rank_tokens_mean"] for m in timed)}
+            runs[plan].append(r)
+            order.append(plan)
+            log(f"data parallelism, {plan}: rank time max/mean {r['time_max_over_mean']:.3f}, "
+                f"tokens max/mean {r['tokens_max_over_mean']:.3f}, step "
+                f"{r['step_seconds']:.3f} s ({walls[-1]:.0f} s, load {loadavg()})")
+    return runs, order, argvs
+
+
+def dp_targets(runs, date):
+    """The two judged targets: cost-aware against round-robin, ratios over the runs; dated (the
+    part may be measured apart from the others: --only-dp)."""
+    out = []
+    for key, goal in (("time_max_over_mean", "max/mean rank time"), ("step_seconds", "step time")):
+        cost = [r[key] for r in runs["cost"]]
+        rr = [r[key] for r in runs["round-robin"]]
+        tg = shared_verdict.Target(1.0, "lower", ratio="ours/peer")
+        spread = shared_verdict.spread(tg, cost, rr)
+        v = shared_verdict.verdict(tg, cost, rr)
+        out.append({"kind": "dp", "key": key, "date": date,
+                    "goal": f"data parallelism (2 ranks): cost-aware plan's {goal} <= "
+                            "round-robin's",
+                    "peer": "bragg-train --dp-balance round-robin", "spread": list(spread),
+                    "measured": f"{spread[1]:.2f}x ({spread[0]:.2f}-{spread[2]:.2f}x over the "
+                                "runs)",
+                    "verdict": v})
+        log(f"data parallelism: cost / round-robin {goal}: {fmt_ratio(spread)}: {v}")
+    return out
+
+
+def dp_section(dp, targets):
+    runs = dp["runs"]
+    lines = ["", "### Data parallelism: the cost-aware plan against round-robin", "",
+             f"{DP_RANKS} `bragg-train` processes (`--world-size {DP_RANKS}`, torch c10d gloo, "
+             "a `file:` rendezvous, `--threads 1` each, each pinned to its own CPU) train the "
+             f"speed model above (GRPO) on {dp['trajectories']} trajectories of heavy-tailed "
+             f"lengths ({dp['tokens']:,} tokens: {dp['long']} of {dp['longest']}, the others "
+             f"log-normal around {dp['median_len']}, from {dp['shortest']}; shuffled, so the "
+             "long ones arrive anywhere in the batch), the whole batch every step, one "
+             "micro-batch per rank; gradients are summed over the ranks before each optimizer "
+             "step. `--dp-balance cost` (the default: bragg_pack's LPT and swaps, its cost model "
+             "the tokens) against `--dp-balance round-robin` (trajectory i to rank i mod 2), "
+             f"alternating which runs first ({', '.join(dp['order'])}); each run takes "
+             f"{dp['args']['dp_steps']} steps and reports the median of the steps after the first "
+             "(warm-up). Rank time: a rank's forward and backward seconds in the step "
+             "(`rank_seconds_max` / `rank_seconds_mean` of the metrics: 1 is perfect balance); "
+             "step s: the whole step on rank 0, all-reduce and optimizer included (the ranks "
+             "wait for the slowest). Rank tokens max/mean is the plan's own balance (the same "
+             "every run). Figures: median (min-max) over the runs.", "",
+             f"- Measured {dp['date']}, {dp['wall_s']:.0f} s; load average (1/5/15 min) "
+             f"{dp['load_start']} at the start, {dp['load_end']} at the end."]
+    for n in dp["notes"]:
+        lines.append(f"- Note: {n}")
+    lines += [f"- Command: `{dp['command']}`; it writes the model and the trajectories, then "
+              "runs the ranks (rank 0 and 1 of a `--dp-balance cost` run; round-robin differs "
+              "only there):", "", "```"] + dp["commands"] + ["```", "",
+              "| plan | rank tokens max/mean | rank time max/mean | slowest rank s | step s |",
+              "|---|---:|---:|---:|---:|"]
+    for plan, name in (("cost", "cost-aware (`--dp-balance cost`, default)"),
+                       ("round-robin", "round-robin (`--dp-balance round-robin`)")):
+        rs = runs[plan]
+        lines.append(f"| {name} | {fmt_balance(mmm([r['tokens_max_over_mean'] for r in rs]))} | "
+                     f"{fmt_balance(mmm([r['time_max_over_mean'] for r in rs]))} | "
+                     f"{fmt_mmm(mmm([r['rank_seconds_max'] for r in rs]))} | "
+                     f"{fmt_mmm(mmm([r['step_seconds'] for r in rs]))} |")
+    lines += ["", "| target | cost-aware / round-robin | verdict |", "|---|---:|---|"]
+    for t in targets:
+        if t["kind"] == "dp":
+            lines.append(f"| {t['goal'].split(': ', 1)[1]} | {fmt_ratio(t['spread'])} | "
+                         f"{shared_verdict.shown(t['verdict'])} |")
+    return lines
 
 
 def plot(summary, path):
@@ -283,8 +442,8 @@ def section(data, plotted):
     lines += ["", "### Peak memory of a step: fused against unfused cross-entropy", "",
               f"`train_step_bench --measure-memory`, a fresh process per configuration, on a "
               f"random dense Qwen3 with Qwen3's vocabulary (`{' '.join(MEMORY_MODEL)}`: "
-              f"{f['thd']['parameters']:,} parameters, {f['thd']['parameters'] * 4 / 2**20:,.0f} MiB of "
-              "fp32 "
+              f"{f['thd']['parameters']:,} parameters, "
+              f"{f['thd']['parameters'] * 4 / 2**20:,.0f} MiB of fp32 "
               f"weights) and {f['trajectories']} trajectories of {f['tokens']:,} tokens in all, "
               f"micro-batches of at most {MEMORY_MAX_TOKENS} tokens (THD, "
               f"{f['thd']['micro_batches']} micro-batch(es)), one step; measured: the peak "
@@ -346,6 +505,8 @@ def section(data, plotted):
             lines.append(f"| {name} | {mib(step_kb * 1024)} | {step_kb / max(1, base_mem):.2f}x | "
                          f"{fmt(r['median_step_seconds'])} | "
                          f"{r['median_step_seconds'] / max(1e-9, base_s):.2f}x |")
+    if data.get("dp"):
+        lines += dp_section(data["dp"], data["targets"])
     lines += ["", "Raw results, commands and machine: `docs/data/train.json`.", "", END, ""]
     return "\n".join(lines)
 
@@ -365,6 +526,15 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8192, help="tokens per micro-batch")
     ap.add_argument("--budget-s", type=int, default=240,
                     help="the speed part's time; repeats stop when another would pass it")
+    ap.add_argument("--dp-repeat", type=int, default=5,
+                    help="data parallelism: runs of each plan at most")
+    ap.add_argument("--dp-steps", type=int, default=8,
+                    help="data parallelism: steps per run (the first is a warm-up)")
+    ap.add_argument("--dp-budget-s", type=int, default=150,
+                    help="the data-parallel part's time; repeats stop when another would pass it")
+    ap.add_argument("--only-dp", action="store_true",
+                    help="measure only the data-parallel part; keep the other parts' results "
+                         "from docs/data/train.json")
     ap.add_argument("--no-doc", action="store_true", help="write neither docs/ nor the chart")
     ap.add_argument("--render", metavar="JSON",
                     help="measure nothing: write the section (and chart) from a train.json")
@@ -374,10 +544,18 @@ def main():
             data = json.load(fh)
         write_outputs(data, write_json=False)
         return
+    if args.dp_steps < 2 or args.dp_repeat < 1:
+        sys.exit("train-bench: --dp-steps must be >= 2 (the first is a warm-up) and --dp-repeat "
+                 ">= 1")
     build = os.path.abspath(args.build)
     bench = os.path.join(build, "bench/train/train_step_bench")
-    if not os.access(bench, os.X_OK):
-        sys.exit(f"train-bench: {bench} not found: build the train_step_bench target first")
+    train = os.path.join(build, "src/train/bragg-train")
+    for exe, target in ((bench, "train_step_bench"), (train, "bragg-train")):
+        if not os.access(exe, os.X_OK):
+            sys.exit(f"train-bench: {exe} not found: build the {target} target first")
+    if args.only_dp:
+        only_dp(args, bench, train)
+        return
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
     load_start = loadavg()
@@ -414,6 +592,8 @@ def main():
                  pin + [bench, "--model", rmodel, "--write-trajectories", rtraj,
                         "--threads", str(args.threads), "--max-tokens",
                         str(RECOMPUTE_MAX_TOKENS)] + RECOMPUTE_TRAJ]
+        dtraj = os.path.join(tmp, "dp.jsonl")
+        prep.append(dp_trajectories_argv(bench, smodel, dtraj, pin, args.threads))
         for argv in prep:
             log(show(argv))
             subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -427,6 +607,7 @@ def main():
                                str(args.threads), "--max-tokens", str(args.max_tokens),
                                "--measure-memory"], env, "optimizer bytes, speed model")
         runs, order, argvs = speed(args, bench, py, smodel, straj, pin, env, deadline, notes)
+        dp = measure_dp(args, train, smodel, dtraj, tmp, show, prep[0], prep[-1])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -473,6 +654,7 @@ def main():
                                 f"({peak_ratio:.2f}x; the step's own: "
                                 f"{mib(fused_step * 1024)} vs {mib(unfused_step * 1024)})",
                     "verdict": shared_verdict.verdict(mt, [peak_ratio])})
+    targets += dp_targets(dp["runs"], dp["date"])
     optimizer = {"chunk_elements": mem["fused"]["thd"]["optimizer_chunk_elements"], "models": []}
     for name, r in (("speed model (vocab 4096, hidden 128, 4 layers)", sopt),
                     ("memory model (vocab 151936, hidden 64, 2 layers)", mem["fused"])):
@@ -507,11 +689,72 @@ def main():
                   "peer_model_class": first_peer.get("model_class"),
                   "peer_attn": first_peer.get("attn_implementation")},
         "runs": runs, "summary": summary, "targets": targets, "memory": mem,
-        "optimizer": optimizer, "recompute": rec,
+        "optimizer": optimizer, "recompute": rec, "dp": dp,
     }
     if args.no_doc:
         print(json.dumps(data, indent=1))
         return
+    write_outputs(data, write_json=True)
+
+
+def dp_trajectories_argv(bench, model, out, pin, threads):
+    return pin + [bench, "--model", model, "--write-trajectories", out, "--threads",
+                  str(threads)] + DP_TRAJ
+
+
+def measure_dp(args, train, model, traj, tmp, show, model_argv, traj_argv):
+    """The data-parallel part, with its own date, load and command (it may run alone)."""
+    start, load_start = time.monotonic(), loadavg()
+    notes = []
+    with open(traj) as fh:
+        lengths = [len(json.loads(line)["tokens"]) for line in fh if line.strip()]
+    runs, order, argvs = data_parallel(args, train, model, traj, tmp, notes)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_s": time.monotonic() - start, "load_start": load_start,
+            "load_end": loadavg(),
+            "command": "/usr/bin/python3 " + " ".join(
+                shlex.quote(x) for x in ["bench/train/run.py"] + sys.argv[1:]),
+            "commands": [show(model_argv), show(traj_argv)] + [show(a) for a in argvs["cost"]],
+            "args": {"dp_steps": args.dp_steps, "dp_repeat": args.dp_repeat,
+                     "dp_budget_s": args.dp_budget_s, "ranks": DP_RANKS},
+            "trajectories": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
+            "long": sum(1 for n in lengths if n == max(lengths)), "shortest": min(lengths),
+            "median_len": int(DP_TRAJ[DP_TRAJ.index("--median-len") + 1]),
+            "lengths": lengths, "notes": notes, "order": order, "runs": runs}
+
+
+def only_dp(args, bench, train):
+    """--only-dp: the data-parallel part alone, merged into docs/data/train.json's other parts."""
+    path = os.path.join(ROOT, "docs/data/train.json")
+    if not os.path.exists(path) and not args.no_doc:
+        sys.exit(f"train-bench: --only-dp keeps the other parts from {path}, which is missing: "
+                 "run without --only-dp first")
+    tmp = tempfile.mkdtemp(prefix="bragg-train-bench-")
+
+    def show(argv):
+        return " ".join(shlex.quote(x.replace(tmp, "TMP").replace(ROOT + "/", ""))
+                        for x in argv)
+
+    try:
+        model, traj = os.path.join(tmp, "speed-model"), os.path.join(tmp, "dp.jsonl")
+        pin = pin_prefix(pinned_cpus(args.threads))
+        prep = [[bench, "--write-model", model] + SPEED_MODEL,
+                dp_trajectories_argv(bench, model, traj, pin, args.threads)]
+        for argv in prep:
+            log(show(argv))
+            subprocess.run(argv, check=True, env=child_env(args.threads),
+                           stdout=subprocess.DEVNULL)
+        dp = measure_dp(args, train, model, traj, tmp, show, prep[0], prep[1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    targets = dp_targets(dp["runs"], dp["date"])
+    if args.no_doc:
+        print(json.dumps({"dp": dp, "targets": targets}, indent=1))
+        return
+    with open(path) as fh:
+        data = json.load(fh)
+    data["dp"] = dp
+    data["targets"] = [t for t in data["targets"] if t["kind"] != "dp"] + targets
     write_outputs(data, write_json=True)
 
 

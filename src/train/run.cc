@@ -1,5 +1,6 @@
 #include "train/run.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -29,7 +30,11 @@ std::string MetricsToJson(const StepMetrics& m) {
                       {"min_version", m.min_version},
                       {"max_version", m.max_version},
                       {"seconds", m.seconds},
-                      {"tokens_per_second", m.tokens_per_second}};
+                      {"tokens_per_second", m.tokens_per_second},
+                      {"rank_seconds_max", m.rank_seconds_max},
+                      {"rank_seconds_mean", m.rank_seconds_mean},
+                      {"rank_tokens_max", m.rank_tokens_max},
+                      {"rank_tokens_mean", m.rank_tokens_mean}};
   return j.dump();
 }
 
@@ -78,6 +83,13 @@ Status RunTraining(const RunConfig& c) {
                  static_cast<long long>(m.step), static_cast<long long>(m.version), m.loss,
                  m.reward_mean, m.entropy, m.clip_fraction, m.is_weight_mean, m.grad_norm,
                  static_cast<long long>(m.tokens), m.tokens_per_second);
+    if (c.train.world_size > 1) {
+      // How well the plan balanced the ranks (1: perfectly), by time and by tokens.
+      std::fprintf(stderr, "step %lld ranks: time max/mean %.3f  tokens max/mean %.3f\n",
+                   static_cast<long long>(m.step),
+                   m.rank_seconds_max / std::max(1e-9, m.rank_seconds_mean),
+                   static_cast<double>(m.rank_tokens_max) / std::max(1.0, m.rank_tokens_mean));
+    }
     // The checkpoint first: a metrics line stands for a step a resume will not redo (with a
     // checkpoint every step).
     if (!c.checkpoint_dir.empty() && c.checkpoint_every > 0 && (s + 1) % c.checkpoint_every == 0) {

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   CLI::App app{"bragg-train: GRPO/PPO and supervised training on packed trajectories"};
   bragg::train::RunConfig c;
   bragg::train::TrainOptions& o = c.train;
-  std::string objective = "grpo", recompute = "none";
+  std::string objective = "grpo", recompute = "none", dp_balance = "cost";
   AddModelOptions(&app, &o, /*required=*/false);
   app.add_option("--trajectories", c.trajectories, "JSONL of trajectories (required)");
   app.add_option("--out", c.out, "write the trained model here (Hugging Face directory)");
@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
   app.add_option("--rank", o.rank, "this process's data-parallel rank");
   app.add_option("--rendezvous", o.rendezvous,
                  "where the ranks meet: file:PATH (one machine) or tcp:HOST:PORT (rank 0 listens)");
+  app.add_option("--dp-balance", dp_balance,
+                 "how trajectories are dealt to the ranks: cost (bragg_pack's cost-aware plan) | "
+                 "round-robin (the baseline, for comparisons)");
 
   bragg::train::TrainOptions lo;
   std::string lp_in, lp_out = "-";
@@ -90,13 +93,17 @@ int main(int argc, char** argv) {
   } else {
     auto obj = bragg::train::ParseObjective(objective);
     auto rec = bragg::train::ParseRecompute(recompute);
+    auto bal = bragg::train::ParseDpBalance(dp_balance);
     if (!obj.ok()) {
       s = obj.status();
     } else if (!rec.ok()) {
       s = rec.status();
+    } else if (!bal.ok()) {
+      s = bal.status();
     } else {
       o.objective = *obj;
       o.recompute = *rec;
+      o.dp_balance = *bal;
       s = bragg::train::RunTraining(c);
     }
   }

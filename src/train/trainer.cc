@@ -148,6 +148,13 @@ Result<Recompute> ParseRecompute(std::string_view name) {
       Cat("unknown recomputation \"", name, "\" (none, selective or full)"));
 }
 
+Result<DpBalance> ParseDpBalance(std::string_view name) {
+  if (name == "cost") return DpBalance::kCost;
+  if (name == "round-robin") return DpBalance::kRoundRobin;
+  return absl::InvalidArgumentError(
+      Cat("unknown data-parallel balance \"", name, "\" (cost or round-robin)"));
+}
+
 Result<Objective> ParseObjective(std::string_view name) {
   if (name == "grpo") return Objective::kGrpo;
   if (name == "sft") return Objective::kSft;
@@ -193,7 +200,8 @@ struct Trainer::Impl {
   }
 
   // bragg_pack's plan of `members` into micro-batches of at most options.max_tokens tokens.
-  // With `mine_only`, the micro-batches of this data-parallel rank; else all of them.
+  // With `mine_only`, the micro-batches of this data-parallel rank, dealt as
+  // options.dp_balance says; else all of them, planned by cost.
   Result<std::vector<PackedRow>> Plan(std::span<const Trajectory> batch,
                                       const std::vector<size_t>& members,
                                       bool mine_only = false) const {
@@ -215,7 +223,12 @@ struct Trainer::Impl {
     pack::PackConfig pc;
     pc.dp = mine_only ? options.world_size : 1;
     pc.max_tokens = options.max_tokens;
-    pc.method = options.padded ? pack::Method::kPaddedBshd : pack::Method::kLpt;
+    pc.method = pack::Method::kLpt;
+    if (options.padded) {
+      pc.method = pack::Method::kPaddedBshd;
+    } else if (mine_only && options.dp_balance == DpBalance::kRoundRobin) {
+      pc.method = pack::Method::kRoundRobin;
+    }
     BRAGG_ASSIGN_OR_RETURN(pack::Plan plan, pack::PlanPacking(traces, pc));
     std::vector<PackedRow> rows;
     std::vector<bool> covered(batch.size(), false);
@@ -545,7 +558,7 @@ struct Trainer::Impl {
     // Mini-batches: contiguous slices of the batch in its order (the rl controller shuffles).
     double sum_loss = 0, sum_pg = 0, sum_ent = 0, sum_kl = 0, sum_clip = 0, sum_w = 0,
            sum_trunc = 0, max_diff = 0, grad_norm = 0, compute_s = 0;
-    int64_t loss_tokens = 0;
+    int64_t loss_tokens = 0, rank_tokens = 0;
     for (int mb = 0; mb < K; ++mb) {
       size_t lo = batch.size() * mb / K, hi = batch.size() * (mb + 1) / K;
       std::vector<size_t> members(hi - lo);
@@ -555,6 +568,9 @@ struct Trainer::Impl {
       for (size_t i : members) {
         mb_tokens +=
             std::accumulate(batch[i].loss_mask.begin() + 1, batch[i].loss_mask.end(), int64_t{0});
+      }
+      for (const PackedRow& row : rows) {
+        rank_tokens += row.tokens;
       }
       auto c0 = std::chrono::steady_clock::now();
       for (const PackedRow& row : rows) {
@@ -629,13 +645,16 @@ struct Trainer::Impl {
       ++version;
     }
     double seconds_max = compute_s, seconds_mean = compute_s;
+    double tokens_max = static_cast<double>(rank_tokens), tokens_mean = tokens_max;
     if (dp) {
-      // Every rank's sums, and the largest difference and time.
+      // Every rank's sums, and the largest difference, time and tokens (counts well below
+      // 2^53: exact in double).
       std::vector<torch::Tensor> sums = {
           torch::tensor({sum_loss, sum_pg, sum_ent, sum_kl, sum_clip, sum_w, sum_trunc,
-                         static_cast<double>(mt.micro_batches), compute_s},
+                         static_cast<double>(mt.micro_batches), compute_s, tokens_mean},
                         torch::kFloat64)};
-      std::vector<torch::Tensor> maxes = {torch::tensor({max_diff, compute_s}, torch::kFloat64)};
+      std::vector<torch::Tensor> maxes = {
+          torch::tensor({max_diff, compute_s, tokens_max}, torch::kFloat64)};
       BRAGG_RETURN_IF_ERROR(dp->AllReduceSum(sums));
       BRAGG_RETURN_IF_ERROR(dp->AllReduceMax(maxes));
       const double* a = sums[0].data_ptr<double>();
@@ -643,11 +662,15 @@ struct Trainer::Impl {
       sum_w = a[5], sum_trunc = a[6];
       mt.micro_batches = static_cast<int>(a[7]);
       seconds_mean = a[8] / dp->world_size();
+      tokens_mean = a[9] / dp->world_size();
       max_diff = maxes[0].data_ptr<double>()[0];
       seconds_max = maxes[0].data_ptr<double>()[1];
+      tokens_max = maxes[0].data_ptr<double>()[2];
     }
     mt.rank_seconds_max = seconds_max;
     mt.rank_seconds_mean = seconds_mean;
+    mt.rank_tokens_max = static_cast<int64_t>(tokens_max);
+    mt.rank_tokens_mean = tokens_mean;
     const double n = static_cast<double>(std::max<int64_t>(1, loss_tokens));
     mt.loss_tokens = loss_tokens;
     mt.loss = sum_loss / n;

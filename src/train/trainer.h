@@ -35,6 +35,17 @@ enum class Recompute {
 };
 Result<Recompute> ParseRecompute(std::string_view name);  // "none" | "selective" | "full"
 
+// How a step's trajectories are dealt to the data-parallel ranks (bragg_pack's plan).
+enum class DpBalance {
+  // Cost-aware: longest first to the least-loaded rank, then swaps between the most and least
+  // loaded ranks while that lowers the maximum (pack::Method::kLpt).
+  kCost,
+  // The baseline: trajectory i to micro-batch i mod (ranks x micro-batches), in batch order,
+  // whatever its length (pack::Method::kRoundRobin). For comparisons (bench/train).
+  kRoundRobin,
+};
+Result<DpBalance> ParseDpBalance(std::string_view name);  // "cost" | "round-robin"
+
 struct TrainOptions {
   std::string model_dir;      // Hugging Face directory (what bragg-engine and bragg-reshard read)
   std::string reference_dir;  // optional: the KL reference policy (same shapes)
@@ -80,6 +91,10 @@ struct TrainOptions {
   int world_size = 1;
   int rank = 0;
   std::string rendezvous;
+  // How Step deals the trajectories to the ranks (with one rank: to its micro-batches). Every
+  // rank must be given the same. LogProbs and RoutedExperts always plan by cost; `padded`
+  // batches are planned as padded ones whatever this says.
+  DpBalance dp_balance = DpBalance::kCost;
 };
 
 struct StepMetrics {
@@ -101,6 +116,10 @@ struct StepMetrics {
   // Forward/backward seconds of the slowest rank and the mean over ranks (equal with one rank):
   // how well the plan balanced the work.
   double rank_seconds_max = 0, rank_seconds_mean = 0;
+  // The packed tokens (each trajectory's but its last; padding too with `padded`) of the rank
+  // given the most and the mean over ranks: the plan's balance, free of timing noise.
+  int64_t rank_tokens_max = 0;
+  double rank_tokens_mean = 0;
 };
 
 class Trainer {

@@ -477,6 +477,76 @@ TEST_P(TrainerTest, DataParallelRanksHoldTheSameWeightsAsOneRank) {
   EXPECT_TRUE(std::filesystem::exists(Path("dp0") + "/model.safetensors"));
 }
 
+// The data-parallel balance: on a heavy-tailed batch whose two long trajectories arrive at even
+// positions, round-robin deals both to rank 0 while the cost-aware plan gives each rank one;
+// the ranks' tokens say so. Either way the ranks train the same weights (the balance decides
+// who computes which gradient, not their sum).
+TEST_P(TrainerTest, CostAwareDpBalanceEvensTheRanksWhereRoundRobinDoesNot) {
+  std::vector<Trajectory> batch;
+  for (int i = 0; i < 12; ++i) {
+    const int n = i == 0 || i == 2 ? 120 : 8;
+    Trajectory t;
+    t.id = "t" + std::to_string(i);
+    t.group = "g" + std::to_string(i / 4);
+    t.tokens = Random(n, 50 + i, static_cast<int>(spec_.vocab));
+    t.loss_mask.assign(n, 1);
+    t.loss_mask[0] = 0;
+    t.logprobs.assign(n, -1.0f);
+    t.reward = static_cast<double>(i % 3);
+    batch.push_back(std::move(t));
+  }
+  // Packed: 2 x 119 + 10 x 7 = 308 tokens (a trajectory's last token predicts nothing), 154 a
+  // rank, one micro-batch of at most 256 each. Round-robin: trajectory i to rank i mod 2 while
+  // it fits, so 119 + 119 + 2 x 7 on rank 0 until the next short one overflows it (252 tokens),
+  // 56 on rank 1. Cost-aware: one long and five short on each (154).
+  auto step = [&](DpBalance balance, const std::string& name) {
+    std::vector<StepMetrics> metrics(2);
+    std::vector<std::vector<std::vector<float>>> logprobs(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        TrainOptions o = Options();
+        o.objective = Objective::kSft;
+        o.threads = 1;
+        o.world_size = 2;
+        o.rank = r;
+        o.rendezvous = "file:" + Path(name);
+        o.dp_balance = balance;
+        auto t = Trainer::Create(o);
+        ASSERT_TRUE(t.ok()) << t.status();
+        auto m = (*t)->Step(batch);
+        ASSERT_TRUE(m.ok()) << m.status();
+        metrics[r] = *m;
+        auto lp = (*t)->LogProbs(batch);
+        ASSERT_TRUE(lp.ok()) << lp.status();
+        logprobs[r] = *lp;
+      });
+    }
+    for (auto& t : threads) t.join();
+    // Every rank reports the same balance.
+    EXPECT_EQ(metrics[0].rank_tokens_max, metrics[1].rank_tokens_max);
+    EXPECT_EQ(metrics[0].rank_tokens_mean, metrics[1].rank_tokens_mean);
+    EXPECT_EQ(metrics[0].micro_batches, 2);
+    EXPECT_GE(metrics[0].rank_seconds_max, metrics[0].rank_seconds_mean);
+    return std::make_pair(metrics[0], logprobs[0]);
+  };
+  auto [cost, cost_lp] = step(DpBalance::kCost, "rendezvous-cost");
+  auto [rr, rr_lp] = step(DpBalance::kRoundRobin, "rendezvous-round-robin");
+  EXPECT_EQ(cost.rank_tokens_mean, 154);
+  EXPECT_EQ(rr.rank_tokens_mean, 154);
+  EXPECT_EQ(cost.rank_tokens_max, 154);
+  EXPECT_EQ(rr.rank_tokens_max, 252);
+  EXPECT_LT(cost.rank_tokens_max / cost.rank_tokens_mean, rr.rank_tokens_max / rr.rank_tokens_mean);
+  EXPECT_EQ(cost.loss_tokens, rr.loss_tokens);
+  EXPECT_NEAR(cost.loss, rr.loss, 1e-6 * std::abs(rr.loss));
+  ASSERT_EQ(cost_lp.size(), rr_lp.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+      EXPECT_NEAR(cost_lp[i][j], rr_lp[i][j], 1e-4 * std::max(1.0f, std::abs(rr_lp[i][j])));
+    }
+  }
+}
+
 TEST_P(TrainerTest, BadBatchesAreRefusedNamingTheTrajectoryAndNothingIsTrained) {
   auto e = MakeEngine(Path("v0"));
   std::vector<Trajectory> good = Rollouts(*e, 4, 8);
@@ -545,6 +615,19 @@ TEST_P(TrainerTest, BadBatchesAreRefusedNamingTheTrajectoryAndNothingIsTrained) 
 
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, TrainerTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "Moe" : "Dense"; });
+
+TEST(DpBalanceTest, ParsesItsTwoNamesAndRefusesOthersNamingTheChoices) {
+  EXPECT_EQ(TrainOptions().dp_balance, DpBalance::kCost);
+  EXPECT_EQ(*ParseDpBalance("cost"), DpBalance::kCost);
+  EXPECT_EQ(*ParseDpBalance("round-robin"), DpBalance::kRoundRobin);
+  for (const char* bad : {"", "lpt", "Cost", "round_robin", "round-robin ", "roundrobin"}) {
+    auto b = ParseDpBalance(bad);
+    ASSERT_FALSE(b.ok()) << bad;
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(b.status().message()).find("cost or round-robin"), std::string::npos)
+        << b.status();
+  }
+}
 
 TEST(TrajectoryTest, ParsesAndRefusesHostileLines) {
   auto ok = ParseTrajectory(

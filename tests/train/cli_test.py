@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """bragg-train from the command line, as a user drives it: a trajectory file in, a model the engine
 loads out; kill -9 mid-run and --resume ends with the uninterrupted run's weights bit for bit;
-a bad trajectory file is refused before anything is trained or written.
+a bad trajectory file is refused before anything is trained or written; two data-parallel
+processes deal a heavy-tailed batch by cost or round-robin (--dp-balance) and report the ranks'
+balance in their metrics.
 
 Run by ctest (train_cli_test) with BRAGG_TRAIN, BRAGG_ENGINE_SCORE and BRAGG_WRITE_TINY_MODEL set.
 """
@@ -11,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import unittest
@@ -100,7 +101,8 @@ class TrainCliTest(unittest.TestCase):
         self.assertEqual([m["version"] for m in cut], [1, 2, 3, 4, 5, 6])
         with open(os.path.join(self.dir, "whole-out", "model.safetensors"), "rb") as a, \
                 open(os.path.join(self.dir, "cut-out", "model.safetensors"), "rb") as b:
-            self.assertEqual(a.read(), b.read(), "resumed weights differ from the uninterrupted run's")
+            self.assertEqual(a.read(), b.read(),
+                             "resumed weights differ from the uninterrupted run's")
         # The engine loads the trained model and decodes from it.
         ids = os.path.join(self.dir, "ids.json")
         with open(ids, "w") as f:
@@ -127,6 +129,56 @@ class TrainCliTest(unittest.TestCase):
         r = subprocess.run(argv, capture_output=True, text=True)
         self.assertEqual(r.returncode, 1)
         self.assertIn("bad.jsonl:5", r.stderr)
+
+    def test_dp_balance_by_cost_evens_two_processes_where_round_robin_does_not(self):
+        # Two long trajectories at positions 0 and 2, ten short ones: round-robin (trajectory i
+        # to rank i mod 2) deals both long ones to rank 0. Packed, a trajectory is its tokens but
+        # the last: 2 x 119 + 10 x 7 = 308, 154 a rank.
+        rng = random.Random(7)
+        rows = []
+        for i in range(12):
+            n = 120 if i in (0, 2) else 8
+            rows.append({"id": f"h{i}", "group": f"g{i // 4}",
+                         "tokens": [rng.randrange(VOCAB) for _ in range(n)],
+                         "loss_mask": [0] + [1] * (n - 1), "logprobs": [0.0] * n,
+                         "reward": float(i % 3)})
+        path = self.path("heavy.jsonl", rows)
+        got = {}
+        for balance in ("cost", "round-robin"):
+            procs = []
+            for rank in range(2):
+                argv = [TRAIN, "--model", self.model, "--trajectories", path, "--objective", "sft",
+                        "--steps", "2", "--threads", "1", "--world-size", "2", "--rank", str(rank),
+                        "--rendezvous", "file:" + os.path.join(self.dir, f"rendezvous-{balance}"),
+                        "--dp-balance", balance,
+                        "--metrics", os.path.join(self.dir, f"dp-{balance}-{rank}.jsonl")]
+                procs.append(subprocess.Popen(argv, stderr=subprocess.PIPE, text=True))
+            for p in procs:
+                _, err = p.communicate(timeout=300)
+                self.assertEqual(p.returncode, 0, err)
+                self.assertIn("ranks: time max/mean", err)
+            per_rank = [self.metrics(f"dp-{balance}-{rank}") for rank in range(2)]
+            self.assertEqual(len(per_rank[0]), 2)
+            for a, b in zip(*per_rank):
+                for key in ("rank_tokens_max", "rank_tokens_mean", "loss"):
+                    self.assertEqual(a[key], b[key], key)
+                self.assertGreaterEqual(a["rank_seconds_max"], a["rank_seconds_mean"])
+                self.assertGreater(a["rank_seconds_mean"], 0)
+            got[balance] = per_rank[0][-1]
+        self.assertEqual(got["cost"]["rank_tokens_mean"], 154)
+        self.assertEqual(got["round-robin"]["rank_tokens_mean"], 154)
+        self.assertEqual(got["cost"]["rank_tokens_max"], 154)
+        self.assertEqual(got["round-robin"]["rank_tokens_max"], 2 * 119 + 4 * 7)
+
+    def test_an_unknown_dp_balance_is_refused_before_anything_is_written(self):
+        argv = self.train_argv("unknown-balance", steps=1) + ["--dp-balance", "lpt"]
+        r = subprocess.run(argv, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn('unknown data-parallel balance "lpt" (cost or round-robin)', r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "unknown-balance-out")))
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "unknown-balance-ckpt")))
+        self.assertEqual(self.metrics("unknown-balance"), [])
+
 
 
 if __name__ == "__main__":
