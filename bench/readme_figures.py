@@ -49,7 +49,8 @@ MANUAL = (
 # Every figure this script writes; a README marker with another name fails the check, and so
 # does a README that lacks one of these.
 KNOWN = (("pack-plan", "pack-balance", "pack-padding", "pbox-native", "pbox-gvisor",
-          "engine-decode", "engine-prefill", "rl-controller", "rl-async",
+          "engine-decode", "engine-prefill", "train-step", "train-memory", "train-dp",
+          "train-parity", "rl-controller", "rl-async",
           "gateway-sglang-router") + tuple(name for name, _, _ in MANUAL))
 
 
@@ -155,6 +156,51 @@ def engine_figures(data):
     return figs
 
 
+def train_figures(data):
+    """bench/train/run.py's step speed, memory and data-parallel targets."""
+    date = str(data.get("date", "")).split(" ")[0]
+    threads = data.get("args", {}).get("threads")
+    cores = f" on {threads} cores" if threads else ""
+    t = {(x["kind"], x.get("key")): x for x in data.get("targets", [])}
+    figs = {}
+    peer, padded = t.get(("speed", "transformers")), t.get(("speed", "bragg/padded"))
+    if peer and padded:
+        figs["train-step"] = (
+            f"a training step's tokens/s {peer['spread'][1]:.2f}x transformers + torch AdamW's "
+            f"({peer['spread'][0]:.2f}-{peer['spread'][2]:.2f}x over the runs: "
+            f"{peer['verdict']}) and {padded['spread'][1]:.2f}x the same batches padded "
+            f"({padded['verdict']}){cores}, {date}")
+    mem = next((x for x in data.get("targets", []) if x["kind"] == "memory"), None)
+    if mem:
+        figs["train-memory"] = (f"a step's peak RSS at V = 151,936, fused against unfused, "
+                                f"{mem['measured']} ({mem['verdict']}), {date}")
+    ratio, step = t.get(("dp", "time_max_over_mean")), t.get(("dp", "step_seconds"))
+    if ratio and step:
+        figs["train-dp"] = (
+            f"with 2 ranks the cost-aware plan's max/mean rank time is {ratio['spread'][1]:.2f}x "
+            f"round-robin's ({ratio['verdict']}) and its step time {step['spread'][1]:.2f}x "
+            f"({step['verdict']}), {str(ratio.get('date') or date).split(' ')[0]}")
+    return figs
+
+
+def train_parity_figures(data):
+    """bench/train/parity.py: trainer against engine log-probs in the default arithmetic."""
+    date = str(data.get("date", "")).split(" ")[0]
+    by = {r["config"]: r for r in data.get("results", [])}
+
+    def worst(names):
+        rs = [by[n] for n in names if n in by]
+        return max(r["max"] for r in rs), {r["verdict"] for r in rs}
+
+    if not {"dense FP32", "MoE FP32", "dense BF16", "MoE BF16"} <= set(by):
+        return {}
+    f32, v32 = worst(["dense FP32", "MoE FP32"])
+    b16, v16 = worst(["dense BF16", "MoE BF16"])
+    return {"train-parity": (
+        f"differ by at most {f32:.1e} at FP32 and {b16:.2f} at BF16 (targets 1e-5: "
+        f"{', '.join(sorted(v32))}; 0.1: {', '.join(sorted(v16))}), {date}")}
+
+
 def gateway_sglang_router_figures(data):
     """bench/gateway/sglang_router.py's targets beside sgl-router."""
     date = str(data.get("date", "")).split(" ")[0]
@@ -222,7 +268,8 @@ def expected(data_dir):
     """{figure name: text} for every figure the data in data_dir supports."""
     figs = {}
     for name, fn in (("pack.json", pack_figures), ("pbox_bench.json", pbox_figures),
-                     ("engine.json", engine_figures), ("rl.json", rl_figures),
+                     ("engine.json", engine_figures), ("train.json", train_figures),
+                     ("train_parity.json", train_parity_figures), ("rl.json", rl_figures),
                      ("rl_async.json", rl_async_figures),
                      ("gateway_sglang_router.json", gateway_sglang_router_figures),
                      ("manual_targets.json", manual_figures)):

@@ -130,6 +130,7 @@ def rows_from(data_dir):
     rows, found = [], 0
     for name, fn in (("pack.json", pack_rows), ("pbox_bench.json", pbox_rows),
                      ("engine.json", engine_rows), ("train.json", generated_rows("train")),
+                     ("train_parity.json", generated_rows("train")),
                      ("rl.json", generated_rows("rl")),
                      ("rl_async.json", generated_rows("rl")),
                      ("fusion.json", generated_rows("pbox-fusion")),
@@ -142,7 +143,7 @@ def rows_from(data_dir):
             rows += fn(data)
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
-                                "engine.json, train.json, rl.json, rl_async.json, "
+                                "engine.json, train.json, train_parity.json, rl.json, rl_async.json, "
                                 "fusion.json, pbox_rootless.json, gateway_sglang_router.json, "
                                 "manual_targets.json)")
     for r in rows:

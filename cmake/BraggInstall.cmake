@@ -4,7 +4,8 @@
 #                                agent looks), pbox, pbox-fusion, pbox-slurm, bragg-gateway,
 #                                bragg-engine, bragg-train, bragg-rl, bragg-reshard, bragg-pack
 #   PREFIX/lib/bragg/python/     the Python packages (pbox with its generated stubs, bragg_pack
-#                                with its extension, bragg_gateway, bragg_reshard, bragg_rl),
+#                                and bragg_train with their extensions, bragg_gateway,
+#                                bragg_reshard, bragg_rl),
 #                                for PYTHONPATH
 #   PREFIX/include/bragg/        the public headers of the C++ libraries, generated ones included
 #   PREFIX/lib/lib*.a            the C++ libraries (static, position-independent)
@@ -22,7 +23,7 @@ include(CMakePackageConfigHelpers)
 # What a user runs, and the Python packages as the build assembles them under <build>/python.
 set(BRAGG_PROGRAMS pboxd pbox-init pbox pbox-fusion bragg-gateway bragg-engine bragg-train
                    bragg-rl bragg-reshard bragg-pack)
-set(BRAGG_PYTHON_TARGETS pbox_python bragg_pack_core gateway_python bragg_rl_python
+set(BRAGG_PYTHON_TARGETS pbox_python bragg_pack_core bragg_train_core gateway_python bragg_rl_python
                          bragg_reshard_python)
 # Everything `pip install .` ships, and nothing else (pyproject.toml builds this target only).
 add_custom_target(bragg_wheel DEPENDS ${BRAGG_PROGRAMS} ${BRAGG_PYTHON_TARGETS})

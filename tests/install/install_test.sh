@@ -50,6 +50,7 @@ for f in lib/cmake/Bragg/BraggConfig.cmake lib/cmake/Bragg/BraggConfigVersion.cm
   [ -f "$prefix/$f" ] || fail "$f is not installed"
 done
 ls "$prefix"/lib/bragg/python/bragg_pack/_core*.so > /dev/null || fail "bragg_pack's extension"
+ls "$prefix"/lib/bragg/python/bragg_train/_core*.so > /dev/null || fail "bragg_train's extension"
 if find "$prefix" -name __pycache__ -o -name '*.pyc' | grep -q .; then
   fail "bytecode caches were installed"
 fi
@@ -109,8 +110,8 @@ fi
 echo "== Python from the prefix"
 pyenv=(env -u PYTHONPATH PYTHONPATH="$prefix/lib/bragg/python" PYTHONDONTWRITEBYTECODE=1)
 where=$(cd "$work" && "${pyenv[@]}" "$python" -c '
-import bragg_gateway, bragg_pack, bragg_reshard.ray, bragg_rl, pbox
-for m in (bragg_gateway, bragg_pack, bragg_reshard, bragg_rl, pbox):
+import bragg_gateway, bragg_pack, bragg_reshard.ray, bragg_rl, bragg_train, pbox
+for m in (bragg_gateway, bragg_pack, bragg_reshard, bragg_rl, bragg_train, pbox):
     print(m.__file__)
 ')
 while read -r f; do
