@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -11,6 +12,7 @@
 #include <set>
 
 #include "common/fs.h"
+#include "common/hash.h"
 #include "common/str_cat.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/linear.h"
@@ -23,6 +25,33 @@
 
 namespace bragg::train {
 namespace {
+
+// A 64-bit fingerprint of a sequence of values (SplitMix64 over their bytes, 8 at a time).
+class Fingerprint {
+ public:
+  Fingerprint& Add(std::string_view bytes) {
+    Mix(bytes.size());
+    for (size_t i = 0; i < bytes.size(); i += 8) {
+      uint64_t w = 0;
+      std::memcpy(&w, bytes.data() + i, std::min<size_t>(8, bytes.size() - i));
+      Mix(w);
+    }
+    return *this;
+  }
+  template <typename T>
+  Fingerprint& Add(const T& v) {
+    static_assert(std::is_arithmetic_v<T> || std::is_enum_v<T>);
+    uint64_t w = 0;
+    std::memcpy(&w, &v, std::min(sizeof(v), sizeof(w)));
+    Mix(w);
+    return *this;
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  void Mix(uint64_t w) { h_ = SplitMix64(h_ ^ w); }
+  uint64_t h_ = 0x6272616767ULL;
+};
 
 using engine::ModelConfig;
 using torch::autograd::AutogradContext;
@@ -524,8 +553,43 @@ struct Trainer::Impl {
     return absl::OkStatus();
   }
 
+  // With data parallelism: every rank must bring the same `fp` (a fingerprint of `what`); when
+  // they differ, FailedPrecondition on every rank, so that none goes on alone into the next
+  // collective and none trains on a batch the others did not plan.
+  Status AgreeAcrossRanks(uint64_t fp, std::string_view what) const {
+    if (!dp) return absl::OkStatus();
+    const auto hi = static_cast<int64_t>(fp >> 32), lo = static_cast<int64_t>(fp & 0xffffffffu);
+    // max(x) and max(-x) = -min(x): equal everywhere only when min == max.
+    std::vector<torch::Tensor> t{torch::tensor({hi, lo, -hi, -lo}, torch::kInt64)};
+    BRAGG_RETURN_IF_ERROR(dp->AllReduceMax(t));
+    auto a = t[0].accessor<int64_t, 1>();
+    if (a[0] != -a[2] || a[1] != -a[3]) {
+      return absl::FailedPreconditionError(Cat("the data-parallel ranks were given different ",
+                                               what, ": every rank must be given the same (rank ",
+                                               dp->rank(), " of ", dp->world_size(), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // What every rank of a step must agree on: the batch, in order (ids, tokens, masks, rewards
+  // and advantages); the plan and the gradients follow from it.
+  static uint64_t BatchFingerprint(std::span<const Trajectory> batch) {
+    Fingerprint f;
+    f.Add(batch.size());
+    for (const Trajectory& t : batch) {
+      f.Add(std::string_view(t.id)).Add(std::string_view(t.group));
+      f.Add(std::string_view(reinterpret_cast<const char*>(t.tokens.data()),
+                             t.tokens.size() * sizeof(int32_t)));
+      f.Add(
+          std::string_view(reinterpret_cast<const char*>(t.loss_mask.data()), t.loss_mask.size()));
+      f.Add(t.reward).Add(t.advantage.has_value()).Add(t.advantage.value_or(0.0));
+    }
+    return f.value();
+  }
+
   Result<StepMetrics> Step(std::span<const Trajectory> batch) {
     auto t0 = std::chrono::steady_clock::now();
+    BRAGG_RETURN_IF_ERROR(AgreeAcrossRanks(BatchFingerprint(batch), "batches"));
     BRAGG_RETURN_IF_ERROR(CheckBatch(batch));
     const bool grpo = options.objective == Objective::kGrpo;
     const bool replay = !batch[0].routed_experts.empty();
@@ -810,6 +874,23 @@ Trainer::~Trainer() = default;
 
 namespace {
 
+// What every data-parallel rank must agree on: every option that shapes a step (not the paths,
+// threads, rank or rendezvous) and the model's parameter names and shapes.
+uint64_t OptionsFingerprint(const TrainOptions& o, const qwen3::Weights& w) {
+  Fingerprint f;
+  f.Add(o.bf16).Add(o.deterministic).Add(o.objective).Add(o.temperature).Add(o.lr);
+  f.Add(o.beta1).Add(o.beta2).Add(o.eps).Add(o.weight_decay).Add(o.max_grad_norm);
+  f.Add(o.optimizer_chunk_elements).Add(o.normalize_std).Add(o.clip_low).Add(o.clip_high);
+  f.Add(o.tis_cap).Add(o.kl_coef).Add(o.entropy_coef).Add(o.minibatches).Add(o.max_tokens);
+  f.Add(o.lce_token_chunk).Add(o.fused_cross_entropy).Add(o.padded).Add(o.recompute);
+  f.Add(o.dp_balance).Add(o.world_size).Add(o.reference_dir.empty());
+  for (const auto& [name, p] : w.leaves) {
+    f.Add(std::string_view(name));
+    for (int64_t d : p->sizes()) f.Add(d);
+  }
+  return f.value();
+}
+
 Status CheckOptions(const TrainOptions& o) {
   auto bad = [](auto&&... p) { return absl::InvalidArgumentError(Cat(p...)); };
   if (o.model_dir.empty()) return bad("no model directory (--model)");
@@ -886,6 +967,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
     if (options.world_size > 1) {
       BRAGG_ASSIGN_OR_RETURN(
           impl->dp, DataParallel::Join(options.world_size, options.rank, options.rendezvous));
+      BRAGG_RETURN_IF_ERROR(
+          impl->AgreeAcrossRanks(OptionsFingerprint(options, impl->w), "options or models"));
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -544,6 +545,62 @@ TEST_P(TrainerTest, CostAwareDpBalanceEvensTheRanksWhereRoundRobinDoesNot) {
     for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
       EXPECT_NEAR(cost_lp[i][j], rr_lp[i][j], 1e-4 * std::max(1.0f, std::abs(rr_lp[i][j])));
     }
+  }
+}
+
+// Ranks given different options, or different batches, would plan different shares of a step
+// (training some trajectories twice and others never) or wait forever in a collective: every
+// rank refuses, at start for options and at the step for batches, and nothing is trained.
+TEST_P(TrainerTest, DataParallelRanksRefuseDifferentOptionsAndBatches) {
+  auto e = MakeEngine(Path("v0"));
+  std::vector<Trajectory> batch = Rollouts(*e, 6, 8);
+  auto both = [&](const std::string& name, auto configure, auto run) {
+    std::vector<Status> got(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        TrainOptions o = Options();
+        o.threads = 1;
+        o.world_size = 2;
+        o.rank = r;
+        o.rendezvous = "file:" + Path(name);
+        configure(o, r);
+        auto t = Trainer::Create(o);
+        got[r] = t.ok() ? run(**t, r) : t.status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return got;
+  };
+  auto no_step = [](Trainer&, int) { return absl::OkStatus(); };
+  for (auto configure : std::vector<std::function<void(TrainOptions&, int)>>{
+           [](TrainOptions&o, int r) { o.max_tokens = r ? 512 : 1024; },
+           [](TrainOptions&o, int r) { o.dp_balance = r ? DpBalance::kRoundRobin : o.dp_balance; },
+           [](TrainOptions&o, int r) { o.lr = r ? 2 * o.lr : o.lr; }}) {
+    std::vector<Status> got = both("rdv-options", configure, no_step);
+    for (const Status& s : got) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+      EXPECT_NE(std::string(s.message()).find("different options"), std::string::npos) << s;
+    }
+  }
+  // Same options, different batches: refused at the step, on both ranks; the weights stay.
+  auto before = MakeTrainer(Options())->LogProbs(batch);
+  ASSERT_TRUE(before.ok());
+  std::vector<std::vector<std::vector<float>>> after(2);
+  std::vector<Status> got = both(
+      "rdv-batches", [](TrainOptions&, int) {},
+      [&](Trainer& t, int r) {
+        std::vector<Trajectory> mine = batch;
+        if (r == 1) std::swap(mine[0], mine[1]);  // the same trajectories in another order
+        Status s = t.Step(mine).status();
+        auto lp = t.LogProbs(batch);
+        if (lp.ok()) after[r] = *lp;
+        return s;
+      });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[r].code(), absl::StatusCode::kFailedPrecondition) << got[r];
+    EXPECT_NE(std::string(got[r].message()).find("different batches"), std::string::npos);
+    EXPECT_EQ(after[r], *before) << "rank " << r << " trained";
   }
 }
 
