@@ -50,7 +50,7 @@ MANUAL = (
 # does a README that lacks one of these.
 KNOWN = (("pack-plan", "pack-balance", "pack-padding", "pbox-native", "pbox-gvisor",
           "engine-decode", "engine-prefill", "train-step", "train-memory", "train-dp",
-          "train-parity", "rl-controller", "rl-async",
+          "train-parity", "rl-controller", "rl-async", "rl-demo",
           "gateway-sglang-router") + tuple(name for name, _, _ in MANUAL))
 
 
@@ -264,13 +264,31 @@ def rl_async_figures(data):
         f"({t['speedup']['verdict']}; {len(data['runs']['async'])} seed pairs, {date})")}
 
 
+def rl_demo_figures(data):
+    """What the demo task's runs in bench/rl/async_sync.py learned (both modes, every seed)."""
+    date = str(data.get("date", "")).split(" ")[0]
+    runs = data.get("runs", {}).get("async", []) + data.get("runs", {}).get("sync", [])
+    if not runs:
+        return {}
+    first = statistics.median(r["reward_first3"] for r in runs)
+    last = [r["reward_last3"] for r in runs]
+    steps = [r["steps"] for r in runs]
+    before = statistics.median(r["eval_before"] for r in runs)
+    after = [r["eval_after"] for r in runs]
+    return {"rl-demo": (
+        f"sampled reward {first:.2f} → {_rng(min(last), max(last), '.2f')} (the runs' target "
+        f"{data['args']['target']:g}) in {_rng(min(steps), max(steps), 'd')} steps, greedy "
+        f"held-out success {before:.2f} → {_rng(min(after), max(after), '.2f')} "
+        f"({len(runs)} runs, {date})")}
+
+
 def expected(data_dir):
     """{figure name: text} for every figure the data in data_dir supports."""
     figs = {}
     for name, fn in (("pack.json", pack_figures), ("pbox_bench.json", pbox_figures),
                      ("engine.json", engine_figures), ("train.json", train_figures),
                      ("train_parity.json", train_parity_figures), ("rl.json", rl_figures),
-                     ("rl_async.json", rl_async_figures),
+                     ("rl_async.json", rl_async_figures), ("rl_async.json", rl_demo_figures),
                      ("gateway_sglang_router.json", gateway_sglang_router_figures),
                      ("manual_targets.json", manual_figures)):
         data = _load(data_dir, name)
