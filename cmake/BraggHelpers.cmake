@@ -80,3 +80,33 @@ function(bragg_fuzz name)
     set_tests_properties(${name} PROPERTIES LABELS fuzz TIMEOUT 120)
   endif()
 endfunction()
+
+# bragg_python_package(PACKAGE TARGET target [EXTENSION SOURCES a.cc... LIBS lib...])
+# Assembles python/PACKAGE/*.py under ${CMAKE_BINARY_DIR}/python/PACKAGE, so that
+# PYTHONPATH=<build>/python imports it (and cmake/BraggInstall.cmake installs that directory).
+# A pure-Python package: TARGET copies the files (built by default). With EXTENSION: TARGET is
+# the pybind11 module PACKAGE._core, from SOURCES linked to LIBS, built beside the files it
+# depends on (pybind11 is found once, in the root CMakeLists.txt; nothing is made without it).
+function(bragg_python_package package)
+  cmake_parse_arguments(P "EXTENSION" "TARGET" "SOURCES;LIBS" ${ARGN})
+  if(P_EXTENSION AND NOT pybind11_FOUND)
+    return()
+  endif()
+  set(out ${CMAKE_BINARY_DIR}/python/${package})
+  file(GLOB py CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/python/${package}/*.py)
+  set(copy ${P_TARGET})
+  if(P_EXTENSION)
+    set(copy ${P_TARGET}_pyfiles)
+  endif()
+  add_custom_target(${copy} ALL
+    COMMAND ${CMAKE_COMMAND} -E make_directory ${out}
+    COMMAND ${CMAKE_COMMAND} -E copy_if_different ${py} ${out}
+    DEPENDS ${py}
+    COMMENT "python: ${package}")
+  if(P_EXTENSION)
+    pybind11_add_module(${P_TARGET} MODULE ${P_SOURCES})
+    target_link_libraries(${P_TARGET} PRIVATE ${P_LIBS})
+    set_target_properties(${P_TARGET} PROPERTIES OUTPUT_NAME _core LIBRARY_OUTPUT_DIRECTORY ${out})
+    add_dependencies(${P_TARGET} ${copy})
+  endif()
+endfunction()

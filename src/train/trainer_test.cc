@@ -57,6 +57,26 @@ class TrainerTest : public ::testing::TestWithParam<bool> {
     return t.ok() ? std::move(*t) : nullptr;
   }
 
+  // Two data-parallel ranks, one thread each, joined through a file rendezvous named `name`:
+  // each rank's options are Options() with the rank's fields and one torch thread, then
+  // `configure(options, rank)`; `body(Trainer::Create's result, rank)` runs on the rank's thread.
+  void RunRanks(const std::string& name, const std::function<void(TrainOptions&, int)>& configure,
+                const std::function<void(Result<std::unique_ptr<Trainer>>, int)>& body) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        TrainOptions o = Options();
+        o.threads = 1;
+        o.world_size = 2;
+        o.rank = r;
+        o.rendezvous = "file:" + Path(name);
+        configure(o, r);
+        body(Trainer::Create(o), r);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
   std::unique_ptr<engine::Engine> MakeEngine(const std::string& model, bool deterministic = true) {
     engine::EngineOptions o;
     o.model_dir = model;
@@ -440,25 +460,17 @@ TEST_P(TrainerTest, DataParallelRanksHoldTheSameWeightsAsOneRank) {
   for (int s = 0; s < 2; ++s) ASSERT_TRUE(single->Step(batch).ok());
   std::vector<std::unique_ptr<Trainer>> ranks(2);
   std::vector<StepMetrics> last(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      TrainOptions o = Options();
-      o.threads = 1;
-      o.world_size = 2;
-      o.rank = r;
-      o.rendezvous = "file:" + Path("rendezvous");
-      auto t = Trainer::Create(o);
-      ASSERT_TRUE(t.ok()) << t.status();
-      ranks[r] = std::move(*t);
-      for (int s = 0; s < 2; ++s) {
-        auto m = ranks[r]->Step(batch);
-        ASSERT_TRUE(m.ok()) << m.status();
-        last[r] = *m;
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  RunRanks(
+      "rendezvous", [](TrainOptions&, int) {},
+      [&](Result<std::unique_ptr<Trainer>> t, int r) {
+        ASSERT_TRUE(t.ok()) << t.status();
+        ranks[r] = std::move(*t);
+        for (int s = 0; s < 2; ++s) {
+          auto m = ranks[r]->Step(batch);
+          ASSERT_TRUE(m.ok()) << m.status();
+          last[r] = *m;
+        }
+      });
   ASSERT_TRUE(ranks[0] && ranks[1]);
   // Both ranks report the whole batch's metrics.
   EXPECT_EQ(last[0].loss, last[1].loss);
@@ -503,27 +515,21 @@ TEST_P(TrainerTest, CostAwareDpBalanceEvensTheRanksWhereRoundRobinDoesNot) {
   auto step = [&](DpBalance balance, const std::string& name) {
     std::vector<StepMetrics> metrics(2);
     std::vector<std::vector<std::vector<float>>> logprobs(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        TrainOptions o = Options();
-        o.objective = Objective::kSft;
-        o.threads = 1;
-        o.world_size = 2;
-        o.rank = r;
-        o.rendezvous = "file:" + Path(name);
-        o.dp_balance = balance;
-        auto t = Trainer::Create(o);
-        ASSERT_TRUE(t.ok()) << t.status();
-        auto m = (*t)->Step(batch);
-        ASSERT_TRUE(m.ok()) << m.status();
-        metrics[r] = *m;
-        auto lp = (*t)->LogProbs(batch);
-        ASSERT_TRUE(lp.ok()) << lp.status();
-        logprobs[r] = *lp;
-      });
-    }
-    for (auto& t : threads) t.join();
+    RunRanks(
+        name,
+        [&](TrainOptions& o, int) {
+          o.objective = Objective::kSft;
+          o.dp_balance = balance;
+        },
+        [&](Result<std::unique_ptr<Trainer>> t, int r) {
+          ASSERT_TRUE(t.ok()) << t.status();
+          auto m = (*t)->Step(batch);
+          ASSERT_TRUE(m.ok()) << m.status();
+          metrics[r] = *m;
+          auto lp = (*t)->LogProbs(batch);
+          ASSERT_TRUE(lp.ok()) << lp.status();
+          logprobs[r] = *lp;
+        });
     // Every rank reports the same balance.
     EXPECT_EQ(metrics[0].rank_tokens_max, metrics[1].rank_tokens_max);
     EXPECT_EQ(metrics[0].rank_tokens_mean, metrics[1].rank_tokens_mean);
@@ -554,22 +560,12 @@ TEST_P(TrainerTest, CostAwareDpBalanceEvensTheRanksWhereRoundRobinDoesNot) {
 TEST_P(TrainerTest, DataParallelRanksRefuseDifferentOptionsAndBatches) {
   auto e = MakeEngine(Path("v0"));
   std::vector<Trajectory> batch = Rollouts(*e, 6, 8);
-  auto both = [&](const std::string& name, auto configure, auto run) {
+  auto both = [&](const std::string& name, const std::function<void(TrainOptions&, int)>& configure,
+                  const std::function<Status(Trainer&, int)>& run) {
     std::vector<Status> got(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        TrainOptions o = Options();
-        o.threads = 1;
-        o.world_size = 2;
-        o.rank = r;
-        o.rendezvous = "file:" + Path(name);
-        configure(o, r);
-        auto t = Trainer::Create(o);
-        got[r] = t.ok() ? run(**t, r) : t.status();
-      });
-    }
-    for (auto& t : threads) t.join();
+    RunRanks(name, configure, [&](Result<std::unique_ptr<Trainer>> t, int r) {
+      got[r] = t.ok() ? run(**t, r) : t.status();
+    });
     return got;
   };
   auto no_step = [](Trainer&, int) { return absl::OkStatus(); };
