@@ -88,7 +88,11 @@ class _Worker:
                 self._conn.send((op, pack(args)))
                 status, value = self._conn.recv()
             except (EOFError, OSError):
-                code = self._proc.wait()
+                try:
+                    code = self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # its end of the socket broke, yet it runs
+                    self._proc.kill()
+                    code = self._proc.wait()
                 how = f"signal {-code}" if code < 0 else f"code {code}"
                 self._dead = f"the trainer's process ended ({how}) during {op}"
                 raise RuntimeError(self._dead) from None
@@ -121,7 +125,9 @@ class _InProcess:
         self._t = None
 
     def request(self, op: str, *args: Any) -> Any:
-        from ._worker import options
+        from ._worker import defaults, options
+        if op == "defaults":
+            return defaults()
         if op not in ("create", "resume") and self._t is None:
             raise RuntimeError("the trainer was closed")
         if op == "create":
@@ -207,8 +213,8 @@ def options_defaults() -> Dict[str, Any]:
     return dict(_defaults)
 
 
-def _checked(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    known = options_defaults()
+def _checked(kwargs: Dict[str, Any], known: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    known = known if known is not None else options_defaults()
     out = {}
     for name, value in kwargs.items():
         if name not in known:
@@ -243,7 +249,7 @@ class Trainer:
 
     def __init__(self, model_dir: "str | os.PathLike[str]", *, in_process: bool = False,
                  **kwargs: Any):
-        self._start(in_process, "create", _checked(dict(kwargs, model_dir=model_dir)))
+        self._start(in_process, "create", None, dict(kwargs, model_dir=model_dir))
 
     @classmethod
     def resume(cls, checkpoint_dir: "str | os.PathLike[str]", *, in_process: bool = False,
@@ -251,14 +257,20 @@ class Trainer:
         """Continues from ``checkpoint_dir/latest`` (save_checkpoint's): the next steps are bit
         for bit those of the run that wrote it, given the same options."""
         self = cls.__new__(cls)
-        self._start(in_process, "resume", os.fspath(checkpoint_dir), _checked(kwargs))
+        self._start(in_process, "resume", os.fspath(checkpoint_dir), kwargs)
         return self
 
-    def _start(self, in_process: bool, op: str, *args: Any) -> None:
+    def _start(self, in_process: bool, op: str, where: Optional[str],
+               kwargs: Dict[str, Any]) -> None:
+        global _defaults
         self._lock = threading.Lock()
         self._b = _InProcess() if in_process else _Worker()
         try:
-            self._b.request(op, *args)
+            # The option names come from the trainer's own process (no second one for them).
+            if _defaults is None:
+                _defaults = self._b.request("defaults")
+            opts = _checked(kwargs, _defaults)
+            self._b.request(op, *((where, opts) if where is not None else (opts,)))
         except BaseException:
             self._b.close()
             raise

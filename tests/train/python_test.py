@@ -344,6 +344,25 @@ def test_a_crash_of_the_trainers_process_is_an_error_here(data):
         again.step(batch_of(data["raw"], 0))
 
 
+ONE_PROCESS = """
+import os, sys, bragg_train
+t = bragg_train.Trainer(sys.argv[1], deterministic=True, threads=1, lr=1e-2)
+with open("/proc/%d/task/%d/children" % (os.getpid(), os.getpid())) as f:
+    kids = f.read().split()
+assert len(kids) == 1, kids                  # the trainer's process, and no helper beside it
+assert "bragg_train._core" not in sys.modules  # nor the extension in this one
+t.close()
+print("ok")
+"""
+
+
+def test_a_trainer_is_one_child_process_and_nothing_here(data):
+    out = subprocess.run([sys.executable, "-c", ONE_PROCESS, data["model"]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"]
+
+
 PEER_PYTHON = os.environ.get("BRAGG_PEER_PYTHON", "/var/cache/bragg/pyenv/bin/python")
 BESIDE_TORCH = """
 import sys, bragg_train
