@@ -132,8 +132,8 @@ def one_run(args, model, cfg, seed):
                          moe="MoE" in name)
     finally:
         engine.close()
-    trainer = bragg_train.Trainer(model, bf16=bf16, deterministic=det, threads=args.threads)
-    mine = trainer.logprobs(batch)
+    with bragg_train.Trainer(model, bf16=bf16, deterministic=det, threads=args.threads) as trainer:
+        mine = trainer.logprobs(batch)
     deltas = []
     for t, lp in zip(batch, mine):
         mask = np.asarray(t["loss_mask"], dtype=bool)

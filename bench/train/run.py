@@ -574,8 +574,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="bragg-train-bench-")
 
     def show(argv):
-        return " ".join(shlex.quote(x.replace(tmp, "TMP").replace(ROOT + "/", ""))
-                        for x in argv)
+        return show_argv(argv, tmp)
 
     try:
         smodel, straj = os.path.join(tmp, "speed-model"), os.path.join(tmp, "speed.jsonl")
@@ -723,6 +722,11 @@ def measure_dp(args, train, model, traj, tmp, show, model_argv, traj_argv):
             "lengths": lengths, "notes": notes, "order": order, "runs": runs}
 
 
+def show_argv(argv, tmp):
+    """A command as docs/benchmarks.md prints it: temp paths as TMP, paths relative to the root."""
+    return " ".join(shlex.quote(x.replace(tmp, "TMP").replace(ROOT + "/", "")) for x in argv)
+
+
 def only_dp(args, bench, train):
     """--only-dp: the data-parallel part alone, merged into docs/data/train.json's other parts."""
     path = os.path.join(ROOT, "docs/data/train.json")
@@ -732,8 +736,7 @@ def only_dp(args, bench, train):
     tmp = tempfile.mkdtemp(prefix="bragg-train-bench-")
 
     def show(argv):
-        return " ".join(shlex.quote(x.replace(tmp, "TMP").replace(ROOT + "/", ""))
-                        for x in argv)
+        return show_argv(argv, tmp)
 
     try:
         model, traj = os.path.join(tmp, "speed-model"), os.path.join(tmp, "dp.jsonl")

@@ -273,22 +273,13 @@ class PyTrainer {
   std::unique_ptr<Trainer> trainer_;
 };
 
-std::string ObjectiveName(Objective o) { return o == Objective::kSft ? "sft" : "grpo"; }
-
-std::string RecomputeName(Recompute r) {
-  switch (r) {
-    case Recompute::kSelective:
-      return "selective";
-    case Recompute::kFull:
-      return "full";
-    case Recompute::kNone:
-      break;
-  }
-  return "none";
-}
-
-std::string DpBalanceName(DpBalance b) {
-  return b == DpBalance::kRoundRobin ? "round-robin" : "cost";
+// A TrainOptions field holding an option enum, as its name (trainer.h's Parse* and Name).
+template <typename E>
+void EnumOption(py::class_<TrainOptions>& c, const char* name, E TrainOptions::*field,
+                Result<E> (*parse)(std::string_view)) {
+  c.def_property(
+      name, [field](const TrainOptions& o) { return std::string(Name(o.*field)); },
+      [field, parse](TrainOptions& o, const std::string& s) { o.*field = ValueOrRaise(parse(s)); });
 }
 
 }  // namespace
@@ -307,11 +298,6 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("bf16", &TrainOptions::bf16)
       .def_readwrite("threads", &TrainOptions::threads)
       .def_readwrite("deterministic", &TrainOptions::deterministic)
-      .def_property(
-          "objective", [](const TrainOptions& o) { return ObjectiveName(o.objective); },
-          [](TrainOptions& o, const std::string& s) {
-            o.objective = ValueOrRaise(ParseObjective(s));
-          })
       .def_readwrite("temperature", &TrainOptions::temperature)
       .def_readwrite("lr", &TrainOptions::lr)
       .def_readwrite("beta1", &TrainOptions::beta1)
@@ -331,19 +317,12 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("lce_token_chunk", &TrainOptions::lce_token_chunk)
       .def_readwrite("fused_cross_entropy", &TrainOptions::fused_cross_entropy)
       .def_readwrite("padded", &TrainOptions::padded)
-      .def_property(
-          "recompute", [](const TrainOptions& o) { return RecomputeName(o.recompute); },
-          [](TrainOptions& o, const std::string& s) {
-            o.recompute = ValueOrRaise(ParseRecompute(s));
-          })
-      .def_property(
-          "dp_balance", [](const TrainOptions& o) { return DpBalanceName(o.dp_balance); },
-          [](TrainOptions& o, const std::string& s) {
-            o.dp_balance = ValueOrRaise(ParseDpBalance(s));
-          })
       .def_readwrite("world_size", &TrainOptions::world_size)
       .def_readwrite("rank", &TrainOptions::rank)
       .def_readwrite("rendezvous", &TrainOptions::rendezvous);
+  EnumOption(opts, "objective", &TrainOptions::objective, &ParseObjective);
+  EnumOption(opts, "recompute", &TrainOptions::recompute, &ParseRecompute);
+  EnumOption(opts, "dp_balance", &TrainOptions::dp_balance, &ParseDpBalance);
 
   py::class_<PyTrainer, std::shared_ptr<PyTrainer>>(m, "Trainer")
       .def_static("create", &PyTrainer::Create, py::arg("options"))

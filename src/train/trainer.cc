@@ -9,6 +9,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "common/fs.h"
@@ -169,26 +170,55 @@ struct Forwarded {
 
 }  // namespace
 
+namespace {
+
+// Each option enum's names, one table for both directions (Parse* and Name).
+template <typename E>
+using NameTable = std::span<const std::pair<E, std::string_view>>;
+constexpr std::pair<Recompute, std::string_view> kRecomputeNames[] = {
+    {Recompute::kNone, "none"}, {Recompute::kSelective, "selective"}, {Recompute::kFull, "full"}};
+constexpr std::pair<DpBalance, std::string_view> kDpBalanceNames[] = {
+    {DpBalance::kCost, "cost"}, {DpBalance::kRoundRobin, "round-robin"}};
+constexpr std::pair<Objective, std::string_view> kObjectiveNames[] = {{Objective::kGrpo, "grpo"},
+                                                                      {Objective::kSft, "sft"}};
+
+template <typename E>
+std::optional<E> FromName(NameTable<E> table, std::string_view name) {
+  for (const auto& [e, n] : table) {
+    if (n == name) return e;
+  }
+  return std::nullopt;
+}
+
+template <typename E>
+std::string_view ToName(NameTable<E> table, E e) {
+  for (const auto& [v, n] : table) {
+    if (v == e) return n;
+  }
+  return "?";
+}
+
+}  // namespace
+
 Result<Recompute> ParseRecompute(std::string_view name) {
-  if (name == "none") return Recompute::kNone;
-  if (name == "selective") return Recompute::kSelective;
-  if (name == "full") return Recompute::kFull;
+  if (auto e = FromName<Recompute>(kRecomputeNames, name)) return *e;
   return absl::InvalidArgumentError(
       Cat("unknown recomputation \"", name, "\" (none, selective or full)"));
 }
+std::string_view Name(Recompute r) { return ToName<Recompute>(kRecomputeNames, r); }
 
 Result<DpBalance> ParseDpBalance(std::string_view name) {
-  if (name == "cost") return DpBalance::kCost;
-  if (name == "round-robin") return DpBalance::kRoundRobin;
+  if (auto e = FromName<DpBalance>(kDpBalanceNames, name)) return *e;
   return absl::InvalidArgumentError(
       Cat("unknown data-parallel balance \"", name, "\" (cost or round-robin)"));
 }
+std::string_view Name(DpBalance b) { return ToName<DpBalance>(kDpBalanceNames, b); }
 
 Result<Objective> ParseObjective(std::string_view name) {
-  if (name == "grpo") return Objective::kGrpo;
-  if (name == "sft") return Objective::kSft;
+  if (auto e = FromName<Objective>(kObjectiveNames, name)) return *e;
   return absl::InvalidArgumentError(Cat("unknown objective \"", name, "\" (grpo or sft)"));
 }
+std::string_view Name(Objective o) { return ToName<Objective>(kObjectiveNames, o); }
 
 struct Trainer::Impl {
   TrainOptions options;

@@ -24,6 +24,7 @@ enum class Objective {
   kSft,   // supervised: maximise the log-prob of the loss-masked tokens (a warm start)
 };
 Result<Objective> ParseObjective(std::string_view name);  // "grpo" | "sft"
+std::string_view Name(Objective o);                       // ParseObjective's inverse
 
 // Activations recomputed in backward instead of kept from forward.
 enum class Recompute {
@@ -34,6 +35,7 @@ enum class Recompute {
   kFull,  // each whole layer is recomputed from its input
 };
 Result<Recompute> ParseRecompute(std::string_view name);  // "none" | "selective" | "full"
+std::string_view Name(Recompute r);                       // ParseRecompute's inverse
 
 // How a step's trajectories are dealt to the data-parallel ranks (bragg_pack's plan).
 enum class DpBalance {
@@ -45,6 +47,7 @@ enum class DpBalance {
   kRoundRobin,
 };
 Result<DpBalance> ParseDpBalance(std::string_view name);  // "cost" | "round-robin"
+std::string_view Name(DpBalance b);                       // ParseDpBalance's inverse
 
 struct TrainOptions {
   std::string model_dir;      // Hugging Face directory (what bragg-engine and bragg-reshard read)
