@@ -133,16 +133,21 @@ def test_default_paths_let_a_user_run_pboxd_and_pbox_without_flags(pboxd_binary:
     delegation = rootless_user.DelegatedCgroup(user)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "XDG_RUNTIME_DIR": str(xdg),
            "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(rootless_user.as_user(user, [pboxd_binary]), env=env,
+    # No --listen and no --state-dir: the defaults are what is tested. The ready file (not the
+    # socket, which exists from bind(), before listen()) says when it serves.
+    ready = xdg / "ready"
+    proc = subprocess.Popen(rootless_user.as_user(user, [pboxd_binary, "--ready-file",
+                                                         str(ready)]), env=env,
                             preexec_fn=delegation.enter, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
         sock = xdg / "pbox" / "pbox.sock"
         deadline = time.monotonic() + 30
-        while not sock.exists():
+        while not ready.exists():
             assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "no socket under $XDG_RUNTIME_DIR/pbox"
+            assert time.monotonic() < deadline, "pboxd did not become ready"
             time.sleep(0.05)
+        assert sock.exists(), "no socket under $XDG_RUNTIME_DIR/pbox"
         assert (xdg / "pbox" / "state").is_dir()
         assert (xdg / "pbox").stat().st_mode & 0o077 == 0, "the run dir is not private"
         code = ("import pbox; c = pbox.Client(); i = c.info(); "
@@ -191,13 +196,15 @@ def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
     more make device nodes or trusted.* xattrs than a user: it runs rootless too, its sandboxes
     in user namespaces nested in its own."""
     root = Path(tempfile.mkdtemp(prefix="pbu-", dir="/tmp"))
-    sock = root / "p.sock"
+    sock, ready = root / "p.sock", root / "ready"
     proc = subprocess.Popen(["unshare", "--user", "--map-root-user", pboxd_binary, "--listen",
-                             f"unix://{sock}", "--state-dir", str(root / "state")],
+                             f"unix://{sock}", "--state-dir", str(root / "state"),
+                             "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        # The ready file, not the socket: the socket exists from bind(), before listen().
         deadline = time.monotonic() + 30
-        while not sock.exists():
+        while not ready.exists():
             assert proc.poll() is None, proc.stdout.read().decode()
             assert time.monotonic() < deadline, "pboxd did not listen"
             time.sleep(0.05)
