@@ -97,7 +97,9 @@ int main(int argc, char** argv) {
   }
   Engine& e = **engine;
   int64_t vocab = e.model_info().vocab_size;
-  nlohmann::json result = {{"threads", threads}, {"deterministic", deterministic}};
+  nlohmann::json result = {{"threads", threads},
+                           {"deterministic", deterministic},
+                           {"cpu_runtime", Engine::CpuRuntime()}};
   nlohmann::json decode = nlohmann::json::array();
   std::stringstream list(batches);
   std::string item;

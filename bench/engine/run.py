@@ -80,15 +80,6 @@ def log(msg):
 
 
 
-def libblas_alternative():
-    p = subprocess.run(["update-alternatives", "--query", "libblas.so.3-x86_64-linux-gnu"],
-                       capture_output=True, text=True)
-    for line in p.stdout.splitlines():
-        if line.startswith("Value:"):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
 def peer_torch_info(python):
     code = ("import json, torch, transformers; c = torch.__config__.show(); "
             "import re; m = re.search(r'BLAS_INFO=(\\w+)', c); "
@@ -105,7 +96,7 @@ def peer_torch_info(python):
     return json.loads(p.stdout.strip().splitlines()[-1]), None
 
 
-def machine(threads, cpus, peer):
+def machine(threads, cpus, peer, engine_runtime):
     return {
         "cpu_model": cpu_model(),
         "nproc": int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()),
@@ -113,9 +104,8 @@ def machine(threads, cpus, peer):
         "pinned_cpus": cpus,
         "threads": threads,
         "engine_torch": "libtorch-dev " + (dpkg_version("libtorch-dev") or "?") + " (Debian)",
-        "engine_blas": "OpenBLAS " + (dpkg_version("libopenblas0-pthread") or "?")
-                       + f" ({libblas_alternative() or 'libblas.so.3'}), single-threaded inside "
-                       "torch's threads (set by the engine)",
+        # As engine_bench reports it: torch's threads and the BLAS library the engine loaded.
+        "engine_blas": engine_runtime or "?",
         "peer_torch": peer.get("torch") if peer else None,
         "peer_transformers": peer.get("transformers") if peer else None,
         "peer_blas": (peer.get("blas") or "?").upper() + " (the PyPI wheel's), "
@@ -567,7 +557,7 @@ def section(data, plotted):
              "transformers one left-padded batch, `transformers_generate.py`). Time to first "
              f"token: one prompt of {a['prefill_tokens']} tokens, one new token.", ""]
     lines += [f"- Machine: {m['cpu_model']}, nproc {m['nproc']}, Linux {m['kernel']}.",
-              f"- bragg-engine: {m['engine_torch']}; BLAS: {m['engine_blas']}.",
+              f"- bragg-engine: {m['engine_torch']}; CPU math: {m['engine_blas']}.",
               f"- transformers {m['peer_transformers']} on torch {m['peer_torch']}; BLAS: "
               f"{m['peer_blas']}.",
               f"- {n_e} engine run(s) and {n_t} transformers run(s), alternating "
@@ -775,7 +765,9 @@ def main():
                     + [show(a) for a in argvs if a]
                     + [show(upd["engine_argv"]), show(ro["engine_argv"]),
                        show(ro["gateway_argv"])],
-        "machine": machine(args.threads, cpus, peer),
+        "machine": machine(args.threads, cpus, peer,
+                           next((r["raw"].get("cpu_runtime") for r in runs.get("engine", [])),
+                                None)),
         "args": vars(args), "notes": notes, "order": order,
         "runs": runs, "batches": batches, "summary": summary,
         "targets": [{"batch": b, "ratio": t,

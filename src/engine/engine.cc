@@ -750,6 +750,8 @@ class EngineImpl final : public Engine {
 
 }  // namespace
 
+std::string Engine::CpuRuntime() { return DescribeCpuRuntime(); }
+
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   if (options.max_running <= 0 || options.block_size <= 0 || options.chunked_prefill <= 0) {
     return absl::InvalidArgumentError(

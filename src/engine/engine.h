@@ -147,6 +147,10 @@ class Engine {
   static Result<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   virtual ~Engine() = default;
 
+  // The CPU math of this process once an engine is created: torch's threads and the BLAS
+  // library (its file, and how it is threaded). Logged at start; for benchmarks.
+  static std::string CpuRuntime();
+
   // Validates (InvalidArgument naming the problem: ids out of vocabulary, a prompt that does not
   // fit the context, max_new_tokens past it, a duplicate rid) and enqueues.
   virtual Result<std::shared_ptr<RequestStream>> Submit(GenerateRequest request) = 0;

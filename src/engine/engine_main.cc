@@ -12,6 +12,7 @@
 #include "common/serve.h"
 #include "engine/engine.h"
 #include "engine/server/server.h"
+#include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"bragg-engine: an SGLang-API inference server for Qwen3 models on libtorch"};
@@ -57,6 +58,9 @@ int main(int argc, char** argv) {
       listen,
       [&](const bragg::HostPort& hp) -> bragg::Result<std::string> {
         BRAGG_ASSIGN_OR_RETURN(engine, bragg::engine::Engine::Create(o));
+        if (o.device == bragg::engine::Device::kCpu) {
+          spdlog::info("CPU math: {}", bragg::engine::Engine::CpuRuntime());
+        }
         bragg::engine::ServerOptions so;
         so.host = hp.host;
         so.port = hp.port;

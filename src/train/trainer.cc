@@ -956,9 +956,9 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   qwen3::ConfigureCpuRuntime(options.threads);
-  // OpenBLAS stays single-threaded under torch's threads here too (ConfigureCpuRuntime): with
-  // it on the trainer's threads a step took 2x as long, its idle threads spinning (measured on
-  // train_step_bench's speed set, 2 cores: 1.2-2.4 s against 0.65-0.75 s a step).
+  // BLAS as in the engine (ConfigureCpuRuntime): OpenBLAS's OpenMP build on torch's threads
+  // (train_step_bench's speed set, 2 cores: 0.47 s a step); a pthreads build single-threaded
+  // (0.69 s; on the trainer's threads its idle threads spun: 1.2-2.4 s).
   try {
     BRAGG_ASSIGN_OR_RETURN(impl->checkpoint, engine::Checkpoint::Open(options.model_dir));
     torch::Dtype dt = options.bf16 ? torch::kBFloat16 : torch::kFloat32;

@@ -251,6 +251,8 @@ struct Model::Impl {
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Model::~Model() = default;
 
+std::string DescribeCpuRuntime() { return qwen3::DescribeCpuRuntime(); }
+
 Result<std::unique_ptr<Model>> Model::Load(const Checkpoint& ck, const ModelOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->config = ck.config();

@@ -44,6 +44,10 @@ struct ForwardOutput {
   std::vector<int32_t> experts;
 };
 
+// The CPU math in effect once a model is loaded: torch's threads and the BLAS library (which
+// file, and how it is threaded). For logs and benchmarks.
+std::string DescribeCpuRuntime();
+
 class Model {
  public:
   static Result<std::unique_ptr<Model>> Load(const Checkpoint& checkpoint,

@@ -139,16 +139,58 @@ Status Weights::Load(const Checkpoint& ck, torch::Device dev, torch::Dtype dt) {
   return absl::OkStatus();
 }
 
+namespace {
+
+template <typename F>
+F OpenBlasFunction(const char* name) {
+  return reinterpret_cast<F>(::dlsym(RTLD_DEFAULT, name));
+}
+
+// openblas_get_parallel(): 0 sequential, 1 pthreads, 2 OpenMP; -1 when torch's BLAS is not
+// OpenBLAS.
+int OpenBlasParallel() {
+  auto get = OpenBlasFunction<int (*)()>("openblas_get_parallel");
+  return get != nullptr ? get() : -1;
+}
+
+}  // namespace
+
 void ConfigureCpuRuntime(int threads) {
   if (threads > 0) {
     torch::set_num_threads(threads);
   }
   ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
   ::mallopt(M_TRIM_THRESHOLD, 512 << 20);
-  using SetThreads = void (*)(int);
-  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    set(1);
+  // OpenBLAS built with OpenMP needs nothing: a call takes the calling thread's OpenMP thread
+  // count (torch sets it on every thread it computes on) and runs single-threaded inside torch's
+  // own parallel regions, all on one pool. A pthreads build keeps a pool of its own.
+  if (OpenBlasParallel() != 2) {
+    if (auto* set = OpenBlasFunction<void (*)(int)>("openblas_set_num_threads")) {
+      set(1);
+    }
   }
+}
+
+std::string DescribeCpuRuntime() {
+  std::string blas = "a BLAS other than OpenBLAS";
+  if (auto* config = OpenBlasFunction<char* (*)()>("openblas_get_config")) {
+    blas = config();
+    Dl_info info{};
+    if (::dladdr(reinterpret_cast<void*>(config), &info) != 0 && info.dli_fname != nullptr) {
+      blas = Cat(blas, " (", info.dli_fname, ")");
+    }
+    switch (OpenBlasParallel()) {
+      case 2:
+        blas += ", OpenMP: on torch's threads";
+        break;
+      case 1:
+        blas += ", pthreads: single-threaded under torch's threads";
+        break;
+      default:
+        blas += ", sequential";
+    }
+  }
+  return Cat("torch ", at::get_num_threads(), " thread(s); BLAS: ", blas);
 }
 
 int Weights::num_moe_layers() const {

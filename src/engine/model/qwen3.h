@@ -62,12 +62,18 @@ torch::Dtype TorchDType(TensorDType t);
 torch::Tensor Borrow(const TensorView& v);
 
 // Process-wide settings for torch on the CPU, as the engine and the trainer both want them:
-// `threads` intra-op threads (0: torch's default), OpenBLAS single-threaded under them (torch
-// parallelises around BLAS calls; a multi-threaded OpenBLAS under them oversubscribes the cores:
-// its idle threads spin in sched_yield, measured as 40% of a decode step on 2 cores), and freed
-// tensor memory kept in the heap (glibc otherwise maps each large temporary fresh and returns it
-// on free, and every step pays page faults and zeroing again).
+// `threads` intra-op threads (0: torch's default) and freed tensor memory kept in the heap (glibc
+// otherwise maps each large temporary fresh and returns it on free, and every step pays page
+// faults and zeroing again). BLAS: OpenBLAS built with OpenMP runs on torch's threads (one pool;
+// the build links it first where installed, see bragg_torch_blas in src/engine/CMakeLists.txt);
+// a pthreads OpenBLAS is made single-threaded, since its own idle threads spin beside torch's
+// (measured: 40% of a decode step on 2 cores; 3.4x slower decode with one of the two cores
+// busy with other work).
 void ConfigureCpuRuntime(int threads);
+
+// What ConfigureCpuRuntime left in effect, for logs and benchmarks: torch's thread count and the
+// BLAS library (its build string and file, and how it is threaded).
+std::string DescribeCpuRuntime();
 
 // Qwen3RMSNorm: in float32, then the weight times the value cast back.
 torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps);
