@@ -39,6 +39,9 @@ struct Model::Impl {
 
   Status Load(const Checkpoint& ck) {
     BRAGG_RETURN_IF_ERROR(w.Load(ck, device, dtype));
+    if (!options.deterministic) {
+      qwen3::TransposeLinearWeights(&w);
+    }
     const ModelConfig& c = config;
     int64_t slots = options.kv_blocks * options.block_size;
     cache.resize(c.num_hidden_layers);

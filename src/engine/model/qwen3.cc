@@ -231,6 +231,34 @@ torch::Tensor SwiGlu(const torch::Tensor& x, const torch::Tensor& gate_up,
   return Linear(torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), down, {}, deterministic);
 }
 
+void TransposeLinearWeights(Weights* w) {
+  auto flip = [](torch::Tensor* t) { *t = t->t().contiguous().t(); };
+  auto flip_fused = [&](torch::Tensor* fused, torch::Tensor* gate, torch::Tensor* up) {
+    flip(fused);
+    int64_t I = fused->size(0) / 2;
+    *gate = fused->narrow(0, 0, I);
+    *up = fused->narrow(0, I, I);
+  };
+  for (Layer& L : w->layers) {
+    for (torch::Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo}) {
+      flip(t);
+    }
+    if (L.moe) {
+      flip(&L.router);
+      for (size_t e = 0; e < L.e_gate_up.size(); ++e) {
+        flip_fused(&L.e_gate_up[e], &L.e_gate[e], &L.e_up[e]);
+        flip(&L.e_down[e]);
+      }
+    } else {
+      flip_fused(&L.w_gate_up, &L.w_gate, &L.w_up);
+      flip(&L.w_down);
+    }
+  }
+  if (!w->lm_head.is_same(w->embed)) {
+    flip(&w->lm_head);
+  }
+}
+
 torch::Tensor Moe(const ModelConfig& c, const Layer& L, const torch::Tensor& x, bool deterministic,
                   torch::Tensor* experts_out, const torch::Tensor* replay) {
   torch::Tensor logits = Linear(x, L.router, {}, deterministic);
