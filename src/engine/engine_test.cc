@@ -198,6 +198,48 @@ TEST_F(EngineTest, WeightUpdateWithRequestsInFlightKeepsEveryRequestAndRecordsBo
   EXPECT_EQ(e->stats().weight_updates_total, 1);
 }
 
+// The update writes through whatever layout the engine keeps its weights in (transposed outside
+// deterministic mode): afterwards it answers bit for bit as an engine loaded with the new
+// weights does. Dense and MoE, both modes.
+TEST_F(EngineTest, AnUpdatedEngineAnswersAsOneLoadedWithTheNewWeights) {
+  for (bool moe : {true, false}) {
+    testing::TinyModelSpec spec = spec_;
+    spec.moe = moe;
+    std::string v1 = Model(moe ? "moe-v1" : "dense-v1"), v2 = Model(moe ? "moe-v2" : "dense-v2");
+    ASSERT_TRUE(testing::WriteTinyModel(v1, spec).ok());
+    spec.seed = 7;  // other weights, not only scaled ones
+    ASSERT_TRUE(testing::WriteTinyModel(v2, spec).ok());
+    for (bool deterministic : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "moe " << moe << ", deterministic " << deterministic);
+      EngineOptions o;
+      o.deterministic = deterministic;
+      o.model_dir = v1;
+      auto updated = Start(o);
+      o.model_dir = v2;
+      auto fresh = Start(o);
+      ASSERT_TRUE(updated && fresh);
+      std::vector<int32_t> p = Prompt(40, 11);
+      GenerateOutput old_weights = Run(*updated, Greedy(p, 16));
+      ASSERT_TRUE(updated->UpdateWeightsFromDisk(v2, "v2", /*flush_cache=*/true).ok());
+      GenerateOutput want = Run(*fresh, Greedy(p, 16));
+      GenerateOutput got = Run(*updated, Greedy(p, 16));
+      EXPECT_EQ(got.output_ids, want.output_ids);
+      EXPECT_EQ(got.output_logprobs, want.output_logprobs);
+      EXPECT_NE(old_weights.output_logprobs, want.output_logprobs);  // the update changed them
+    }
+  }
+}
+
+// OpenBLAS's OpenMP build is the one torch calls where the build found it (bragg_torch_blas).
+TEST(EngineCpuRuntime, NamesTheBlasTheBuildChose) {
+  std::string runtime = Engine::CpuRuntime();
+  EXPECT_NE(runtime.find("thread(s); BLAS: "), std::string::npos) << runtime;
+#ifdef BRAGG_TORCH_BLAS_DIR
+  EXPECT_NE(runtime.find(BRAGG_TORCH_BLAS_DIR), std::string::npos) << runtime;
+  EXPECT_NE(runtime.find("OpenMP: on torch's threads"), std::string::npos) << runtime;
+#endif
+}
+
 TEST_F(EngineTest, ABadWeightsDirectoryIsRefusedAndTheRunningWeightsStay) {
   auto e = Start();
   std::vector<int32_t> p = Prompt(30, 9);
