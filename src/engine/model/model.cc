@@ -65,7 +65,8 @@ struct Model::Impl {
   // q: [n, nh, hd]; returns [n, nh * hd]. Queries go in slices whose score matrix stays under
   // kScoreBytes: a 512-token chunk over a 4K context would otherwise make several 64 MB
   // temporaries per layer, each served by fresh pages (a third of a long prefill went to page
-  // faults and zeroing).
+  // faults and zeroing). 4 MB measured best: 2 and 8 MB took twice as long on a 4K prefill of
+  // the benchmark's model (2 cores).
   static constexpr int64_t kScoreBytes = int64_t{4} << 20;
   torch::Tensor AttendOne(const LayerCache& L, const torch::Tensor& q, const torch::Tensor& slots,
                           int64_t start) const {
@@ -79,19 +80,22 @@ struct Model::Impl {
     std::vector<torch::Tensor> outs;
     for (int64_t b = 0; b < n; b += step) {
       int64_t m = std::min(step, n - b);
+      // Causal: this slice's queries (positions start+b .. start+b+m-1) see no key past its
+      // last one, and only the keys of the slice's own positions need a mask (a triangle).
+      int64_t kend = std::min(len, start + b + m);
       torch::Tensor qh =
           q.narrow(0, b, m).view({m, kvh, g, hd}).permute({1, 2, 0, 3}).reshape({kvh, g * m, hd});
-      torch::Tensor scores = torch::bmm(qh, k).mul_(scale).view({kvh, g, m, len});
-      if (start + b + m < len || m > 1) {
-        torch::Tensor qpos = torch::arange(
-            start + b, start + b + m, torch::TensorOptions().dtype(torch::kInt64).device(device));
-        torch::Tensor kpos =
-            torch::arange(0, len, torch::TensorOptions().dtype(torch::kInt64).device(device));
-        scores.masked_fill_(kpos.unsqueeze(0) > qpos.unsqueeze(1),
-                            -std::numeric_limits<float>::infinity());
+      torch::Tensor scores =
+          torch::bmm(qh, k.narrow(2, 0, kend)).mul_(scale).view({kvh, g, m, kend});
+      if (m > 1) {
+        scores.narrow(3, kend - m, m)
+            .masked_fill_(
+                torch::ones({m, m}, torch::TensorOptions().dtype(torch::kBool).device(device))
+                    .triu(1),
+                -std::numeric_limits<float>::infinity());
       }
       torch::Tensor probs = torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type());
-      torch::Tensor o = torch::bmm(probs.view({kvh, g * m, len}), v);
+      torch::Tensor o = torch::bmm(probs.view({kvh, g * m, kend}), v.narrow(1, 0, kend));
       outs.push_back(o.view({kvh, g, m, hd}).permute({2, 0, 1, 3}).reshape({m, kvh * g * hd}));
     }
     return outs.size() == 1 ? outs[0] : torch::cat(outs, 0);
