@@ -39,7 +39,7 @@ struct Model::Impl {
 
   Status Load(const Checkpoint& ck) {
     BRAGG_RETURN_IF_ERROR(w.Load(ck, device, dtype));
-    if (!options.deterministic) {
+    if (!options.deterministic && device.is_cpu()) {  // measured with OpenBLAS only
       qwen3::TransposeLinearWeights(&w);
     }
     const ModelConfig& c = config;

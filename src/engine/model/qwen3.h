@@ -99,8 +99,9 @@ torch::Tensor SwiGlu(const torch::Tensor& x, const torch::Tensor& gate_up,
 // the tensor's shape ([out, in], a transposed view): x W^T then reads W as BLAS's plain
 // right-hand operand, which OpenBLAS multiplies with a few rows faster (measured: a 4-row
 // expert SwiGLU 1.5-2x, the 32-row lm_head 1.1x). Loading and weight updates write through the
-// views. Not for deterministic mode, whose kernels the trainer shares bit for bit, nor a tied
-// lm_head (it is the embedding, read by rows).
+// views. The engine does this on the CPU (measured with OpenBLAS; cuBLAS takes either layout
+// as a flag). Not for deterministic mode, whose kernels the trainer shares bit for bit, nor a
+// tied lm_head (it is the embedding, read by rows).
 void TransposeLinearWeights(Weights* w);
 
 torch::Tensor Moe(const ModelConfig& c, const Layer& L, const torch::Tensor& x, bool deterministic,
