@@ -8,10 +8,17 @@ shares (bench/engine, bench/train, bench/rl). Stdlib only, for Debian's /usr/bin
 
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 
 DEFAULT_PEER_PYTHON = "/var/cache/bragg/pyenv/bin/python"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def show_argv(argv, tmp):
+    """A command as docs/benchmarks.md prints it: temp paths as TMP, paths relative to the root."""
+    return " ".join(shlex.quote(x.replace(tmp, "TMP").replace(ROOT + "/", "")) for x in argv)
 
 
 def cpu_model():

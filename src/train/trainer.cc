@@ -168,10 +168,6 @@ struct Forwarded {
   std::vector<torch::Tensor> experts;  // per MoE layer, int64 [T, top_k]
 };
 
-}  // namespace
-
-namespace {
-
 // Each option enum's names, one table for both directions (Parse* and Name).
 template <typename E>
 using NameTable = std::span<const std::pair<E, std::string_view>>;

@@ -33,6 +33,16 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> int:
         raise AssertionError(f"pboxd still running after {timeout} s")
 
 
+def _wait_ready(proc: subprocess.Popen, ready: Path, late: str, timeout: float = 30) -> None:
+    """Until pboxd writes its --ready-file (not its socket, which exists from bind(), before
+    listen()); fails with its output if it exits first, with `late` past the timeout."""
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, late
+        time.sleep(0.05)
+
+
 def test_rootless_agent_reports_its_mode_and_sandboxes_get_a_user_namespace(make_agent) -> None:
     agent = make_agent(rootless=True)
     user = agent.user
@@ -133,8 +143,7 @@ def test_default_paths_let_a_user_run_pboxd_and_pbox_without_flags(pboxd_binary:
     delegation = rootless_user.DelegatedCgroup(user)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "XDG_RUNTIME_DIR": str(xdg),
            "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    # No --listen and no --state-dir: the defaults are what is tested. The ready file (not the
-    # socket, which exists from bind(), before listen()) says when it serves.
+    # No --listen and no --state-dir: the defaults are what is tested.
     ready = xdg / "ready"
     proc = subprocess.Popen(rootless_user.as_user(user, [pboxd_binary, "--ready-file",
                                                          str(ready)]), env=env,
@@ -142,11 +151,7 @@ def test_default_paths_let_a_user_run_pboxd_and_pbox_without_flags(pboxd_binary:
                             stderr=subprocess.STDOUT)
     try:
         sock = xdg / "pbox" / "pbox.sock"
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "pboxd did not become ready"
-            time.sleep(0.05)
+        _wait_ready(proc, ready, "pboxd did not become ready")
         assert sock.exists(), "no socket under $XDG_RUNTIME_DIR/pbox"
         assert (xdg / "pbox" / "state").is_dir()
         assert (xdg / "pbox").stat().st_mode & 0o077 == 0, "the run dir is not private"
@@ -202,12 +207,7 @@ def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
                              "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        # The ready file, not the socket: the socket exists from bind(), before listen().
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "pboxd did not listen"
-            time.sleep(0.05)
+        _wait_ready(proc, ready, "pboxd did not listen")
         with pbox.Client(f"unix://{sock}") as c:
             info = c.info()
             assert (info.mode, info.uid, info.runtimes) == ("rootless", 0, ["native"]), info
