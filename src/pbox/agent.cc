@@ -308,7 +308,7 @@ Status RunAgent(const AgentConfig& config) {
     gv.runsc_huge_pages = config.runsc_huge_pages;
     gv.nofile_soft = native->sandbox_nofile().rlim_cur;
     gv.nofile_hard = native->sandbox_nofile().rlim_max;
-    // The gVisor runtime makes host mounts for each bundle and runs runsc as root: a rootless
+    // The gVisor runtime mounts for each bundle and runs runsc as root: a rootless
     // agent does not offer it (a `runsc --rootless` variant is not built).
     Result<std::unique_ptr<GvisorRuntime>> created =
         rootless ? Result<std::unique_ptr<GvisorRuntime>>(absl::FailedPreconditionError(

@@ -10,10 +10,12 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "agent_fixture.h"
 #include "common/fs.h"
@@ -155,9 +157,42 @@ class CloneTest : public SharedAgentTest<CloneTest> {
     return r.stdout();
   }
 
-  // gVisor: the sandbox's root filesystem as mounted on the host (gvisor_runtime.h).
+  // gVisor: the sandbox's root filesystem as `runsc run` sees it. The bundle's mounts live in
+  // a mount namespace of their own, which that process holds (gvisor_runtime.cc); the host's
+  // <state>/gvisor/<id>/rootfs is an empty directory.
   std::string GvisorRootfs(const std::string& id) const {
-    return agent_->state_dir() + "/gvisor/" + id + "/rootfs";
+    const std::string rootfs = agent_->state_dir() + "/gvisor/" + id + "/rootfs";
+    const std::string bundle_arg = "--bundle=" + agent_->state_dir() + "/gvisor/" + id;
+    DIR* proc = ::opendir("/proc");
+    EXPECT_NE(proc, nullptr);
+    std::string found;
+    while (proc != nullptr && found.empty()) {
+      struct dirent* e = ::readdir(proc);
+      if (e == nullptr) {
+        break;
+      }
+      auto cmdline = ReadFileToString(fmt::format("/proc/{}/cmdline", e->d_name));
+      if (!cmdline.ok()) {
+        continue;
+      }
+      std::vector<std::string> argv;
+      for (size_t at = 0; at < cmdline->size();) {
+        size_t end = cmdline->find('\0', at);
+        end = end == std::string::npos ? cmdline->size() : end;
+        argv.push_back(cmdline->substr(at, end - at));
+        at = end + 1;
+      }
+      const bool run = std::find(argv.begin(), argv.end(), "run") != argv.end();
+      const bool ours = std::find(argv.begin(), argv.end(), bundle_arg) != argv.end();
+      if (run && ours) {
+        found = fmt::format("/proc/{}/root{}", e->d_name, rootfs);
+      }
+    }
+    if (proc != nullptr) {
+      ::closedir(proc);
+    }
+    EXPECT_FALSE(found.empty()) << "no `runsc run` process for " << id;
+    return found;
   }
 
   bool Exists(const std::string& id, const std::string& path) {
@@ -189,7 +224,7 @@ TEST_F(CloneTest, ClonesCarryFilesModesLinksXattrsAndDeletions) {
      " rm /etc/hostname; rm -f /etc/nsswitch.conf; echo new > /etc/hosts");
   if (OnGvisor()) {
     // gVisor 20221219 refuses user.* xattrs to the sandbox's processes (EOPNOTSUPP); set on
-    // the host's view of the source's root (docs/pbox.md, "The gVisor runtime").
+    // the source's root as runsc sees it (docs/pbox.md, "The gVisor runtime").
     const std::string in = GvisorRootfs(src.id()) + "/data/in.txt";
     ASSERT_EQ(::setxattr(in.c_str(), "user.prompt", "v1", 2, 0), 0) << in << ": " << errno;
   } else {

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -114,14 +115,8 @@ std::string DescribeHelperExit(const ProcessExit& exit) {
 
 class GvisorSandbox : public RuntimeSandbox {
  public:
-  GvisorSandbox(std::string bundle, ScopedMount layer, ScopedMount rootfs,
-                std::vector<ScopedMount> inner, Cgroup* cgroup, UniqueFd writable_layer)
-      : bundle_(std::move(bundle)),
-        layer_(std::move(layer)),
-        rootfs_(std::move(rootfs)),
-        inner_(std::move(inner)),
-        cgroup_(cgroup),
-        writable_layer_(std::move(writable_layer)) {}
+  GvisorSandbox(std::string bundle, Cgroup* cgroup, UniqueFd writable_layer)
+      : bundle_(std::move(bundle)), cgroup_(cgroup), writable_layer_(std::move(writable_layer)) {}
 
   ~GvisorSandbox() override { (void)Stop(); }
 
@@ -192,12 +187,8 @@ class GvisorSandbox : public RuntimeSandbox {
       }
     }
     // init_ stays: commands still holding it get Unavailable from the dead stream. The
-    // rootfs goes now (lazily: SandboxFs may still hold its root fd).
-    for (auto it = inner_.rbegin(); it != inner_.rend(); ++it) {
-      status.Update(it->Unmount());
-    }
-    status.Update(rootfs_.Unmount());
-    status.Update(layer_.Unmount());
+    // bundle's mounts went with runsc, the last process in their mount namespace (fs_ may
+    // still hold the detached root). Here the bundle is plain directories and files.
     if (Status s = RemoveTree(bundle_); !s.ok()) {
       status.Update(s);
     }
@@ -205,9 +196,6 @@ class GvisorSandbox : public RuntimeSandbox {
   }
 
   std::string bundle_;
-  ScopedMount layer_;
-  ScopedMount rootfs_;
-  std::vector<ScopedMount> inner_;  // binds and masks inside the rootfs, in mount order
   Cgroup* cgroup_;
   ChildProcess runsc_;
   pid_t runsc_pid_ = -1;
@@ -560,19 +548,36 @@ Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntime
   return rt;
 }
 
-Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& spec) {
-  if (spec.image == nullptr || spec.cgroup == nullptr) {
-    return absl::InvalidArgumentError("GvisorRuntime::Start: image and cgroup are required");
-  }
-  using Clock = std::chrono::steady_clock;
-  const Clock::time_point t_begin = Clock::now();
-  const std::string bundle = fmt::format("{}/{}", dir_, spec.id);
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What StageBundle needs of the runtime.
+struct StageInputs {
+  const GvisorRuntimeOptions& options;
+  const std::string& runsc_path;
+  int runsc_copy;  // runsc on huge pages, or -1
+  const GvisorSandboxPolicy& policy;
+};
+
+// A sandbox whose runsc has exec'd, and pbox-init's two pipes.
+struct Staged {
+  std::unique_ptr<GvisorSandbox> sandbox;
+  UniqueFd to_init;
+  UniqueFd from_init;
+  std::string log_path;
+  Clock::time_point t_begin, t_mounted, t_config, t_forked;
+};
+
+// Makes the bundle's mounts and starts runsc, on the calling thread, which is in the bundle's own
+// mount namespace (GvisorRuntime::Start).
+Result<Staged> StageBundle(const LaunchSpec& spec, const std::string& bundle,
+                           const StageInputs& in) {
+  Staged out;
+  out.t_begin = Clock::now();
   const std::string layer_dir = bundle + "/layer";
   const std::string rootfs = bundle + "/rootfs";
   const std::string log_path = bundle + "/runsc.log";
-  BRAGG_RETURN_IF_ERROR(MakeDirs(bundle, 0700));
-  // Everything made from here on goes with the bundle if a later step fails.
-  absl::Cleanup remove_bundle = [bundle] { (void)GvisorRuntime::RemoveStale(bundle); };
 
   // The bundle first: the sandbox's writable layer, its overlay root and the image's binds,
   // then config.json.
@@ -601,7 +606,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   if (::mkdir((rootfs + "/tmp").c_str(), 01777) != 0 && errno != EEXIST) {
     return ErrnoError("mkdir", rootfs + "/tmp");
   }
-  // On the host, inside the rootfs: the image's read-only binds (as on the native runtime),
+  // Inside the rootfs: the image's read-only binds (as on the native runtime),
   // and an empty read-only tmpfs where gVisor mounts its own /proc, so that the agent's file
   // API neither reads nor writes beneath it. (/dev cannot be masked the same way: runsc
   // needs to create mount points there.)
@@ -635,10 +640,14 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
                                               "size=4k,nr_inodes=1,mode=0555"));
     inner.push_back(std::move(m));
   }
-  const Clock::time_point t_mounted = Clock::now();
+  // The agent's file API reaches the root through this descriptor, from any thread. Opened
+  // before runsc starts: nothing after its launch may fail on this thread, where a failure
+  // would stop the sandbox with the bundle's mounts still in view.
+  BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(rootfs));
+  out.t_mounted = Clock::now();
   BRAGG_RETURN_IF_ERROR(WriteStringToFile(
-      bundle + "/config.json", GvisorBundleConfig(spec, options_.init_path, rootfs, policy_)));
-  const Clock::time_point t_config = Clock::now();
+      bundle + "/config.json", GvisorBundleConfig(spec, in.options.init_path, rootfs, in.policy)));
+  out.t_config = Clock::now();
 
   // Then runsc, from a child that shares the agent's memory until it execs (like vfork): it
   // joins the sandbox's cgroups (runsc, the sentry and the gofer it starts all count against
@@ -647,9 +656,9 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   // 5-6 ms once it has served a hundred sandboxes (RSS 166 MB), and makes every page it
   // writes meanwhile a copy-on-write fault. Everything the child uses is made here first: it
   // makes system calls only.
-  std::vector<std::string> args = {runsc_path_,
+  std::vector<std::string> args = {in.runsc_path,
                                    "--root=" + bundle + "/runsc-root",
-                                   "--platform=" + options_.platform,
+                                   "--platform=" + in.options.platform,
                                    "--network=none",
                                    "--file-access=shared",
                                    "--ignore-cgroups",
@@ -667,11 +676,11 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
     plan.procs.push_back(p.c_str());
   }
   BRAGG_ASSIGN_OR_RETURN(Pipe to_init, MakePipe());
-  if (!policy_.init_seccomp_program.empty()) {
+  if (!in.policy.init_seccomp_program.empty()) {
     // pbox-init's first read: the program preamble, ahead of every frame. At most 32 KiB, so
     // the empty pipe takes it whole without blocking.
     BRAGG_RETURN_IF_ERROR(WriteAll(to_init.write.get(),
-                                   init_protocol::ProgramPreamble(policy_.init_seccomp_program)));
+                                   init_protocol::ProgramPreamble(in.policy.init_seccomp_program)));
   }
   BRAGG_ASSIGN_OR_RETURN(Pipe from_init, MakePipe());
   BRAGG_ASSIGN_OR_RETURN(Pipe report, MakePipe());  // the child's errno if it fails
@@ -680,7 +689,7 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   plan.fds[1] = from_init.write.get();
   plan.fds[2] = log.get();
   plan.report = report.write.get();
-  plan.exec_fd = runsc_copy_.get();
+  plan.exec_fd = in.runsc_copy;
   BRAGG_ASSIGN_OR_RETURN(ChildProcess launcher, SpawnLauncher(plan));
   report.write.Reset();
   LaunchReport failed{};
@@ -696,33 +705,78 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   to_init.read.Reset();
   from_init.write.Reset();
   log.Reset();
-  const Clock::time_point t_forked = Clock::now();
+  out.t_forked = Clock::now();
 
-  auto sandbox =
-      std::make_unique<GvisorSandbox>(bundle, std::move(layer), std::move(root), std::move(inner),
-                                      spec.cgroup, std::move(upper_fd));
-  std::move(remove_bundle).Cancel();  // the sandbox owns the bundle now; its Stop() removes it
-  sandbox->runsc_pid_ = launcher.pid();
-  sandbox->runsc_ = std::move(launcher);
-  BRAGG_ASSIGN_OR_RETURN(sandbox->init_, InitClient::CreateStream(std::move(to_init.write),
-                                                                  std::move(from_init.read)));
+  // runsc holds the namespace, and the mounts in it, from here on.
+  (void)layer.Release();
+  (void)root.Release();
+  for (ScopedMount& m : inner) {
+    (void)m.Release();
+  }
+  out.sandbox = std::make_unique<GvisorSandbox>(bundle, spec.cgroup, std::move(upper_fd));
+  out.sandbox->runsc_pid_ = launcher.pid();
+  out.sandbox->runsc_ = std::move(launcher);
+  out.sandbox->fs_.emplace(std::move(fs));
+  out.to_init = std::move(to_init.write);
+  out.from_init = std::move(from_init.read);
+  out.log_path = log_path;
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& spec) {
+  if (spec.image == nullptr || spec.cgroup == nullptr) {
+    return absl::InvalidArgumentError("GvisorRuntime::Start: image and cgroup are required");
+  }
+  const std::string bundle = fmt::format("{}/{}", dir_, spec.id);
+  BRAGG_RETURN_IF_ERROR(MakeDirs(bundle, 0700));
+  // The bundle's mounts are made in a mount namespace of their own: a copy of the agent's,
+  // taken now (so a sandbox sees what the host has mounted up to its start), private (nothing
+  // the host mounts later reaches the sandbox, nothing of the sandbox reaches the host). A
+  // thread gets it (unshare(CLONE_NEWNS) moves the calling thread only), mounts, and starts
+  // runsc, which inherits it; then the thread ends, and runsc is the namespace's last process:
+  // when it is gone, so are the mounts. Nothing of a sandbox is in the host's mount table,
+  // and no copy there holds the host's mount points (a bind of the host's /usr copies every
+  // mount beneath it; in the host's namespace such a copy fails `rmdir` of that mount point
+  // with EBUSY for as long as the sandbox lives).
+  Result<Staged> staged = absl::InternalError("the gVisor staging thread did not run");
+  std::thread staging([&] {
+    if (::unshare(CLONE_NEWNS) != 0) {
+      staged = ErrnoError("unshare", "CLONE_NEWNS for the bundle's mounts");
+    } else if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+      staged = ErrnoError("mount", "/ private for the bundle's mounts");
+    } else {
+      staged =
+          StageBundle(spec, bundle, StageInputs{options_, runsc_path_, runsc_copy_.get(), policy_});
+    }
+  });
+  staging.join();
+  // From here on this thread's view: the bundle is plain directories and files (and on a
+  // failure, whatever the thread mounted went with its namespace).
+  if (!staged.ok()) {
+    (void)RemoveTree(bundle);
+    return staged.status();
+  }
+  std::unique_ptr<GvisorSandbox> sandbox = std::move(staged->sandbox);
+  BRAGG_ASSIGN_OR_RETURN(sandbox->init_, InitClient::CreateStream(std::move(staged->to_init),
+                                                                  std::move(staged->from_init)));
   if (Status ready = sandbox->init_->WaitReady(kReadyTimeout); !ready.ok()) {
-    std::string why = LogTail(log_path);
+    std::string why = LogTail(staged->log_path);
     (void)sandbox->Stop();
     return absl::InternalError(fmt::format("gVisor sandbox {} did not start: {}: {}", spec.id,
                                            std::string(ready.message()), why));
   }
   const Clock::time_point t_ready = Clock::now();
-  BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(rootfs));
-  sandbox->fs_.emplace(std::move(fs));
   auto ms = [](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
   spdlog::debug(
       "gvisor sandbox {} started in {:.2f} ms: bundle mounts {:.2f}, config {:.2f}, launcher "
-      "(cgroup join, exec of runsc) {:.2f}, runsc run to Ready {:.2f}, fs {:.2f}",
-      spec.id, ms(t_begin, Clock::now()), ms(t_begin, t_mounted), ms(t_mounted, t_config),
-      ms(t_config, t_forked), ms(t_forked, t_ready), ms(t_ready, Clock::now()));
+      "(cgroup join, exec of runsc) {:.2f}, runsc run to Ready {:.2f}",
+      spec.id, ms(staged->t_begin, t_ready), ms(staged->t_begin, staged->t_mounted),
+      ms(staged->t_mounted, staged->t_config), ms(staged->t_config, staged->t_forked),
+      ms(staged->t_forked, t_ready));
   return std::unique_ptr<RuntimeSandbox>(std::move(sandbox));
 }
 

@@ -339,15 +339,19 @@ def test_network_none_reaches_nothing(agent, client, sandbox, other) -> None:
     assert_agent_fine(agent, client, other)
 
 
-def test_mounts_beneath_a_read_only_bind_stay_read_only(session: pbox.Session) -> None:
+def test_mounts_beneath_a_read_only_bind_stay_read_only(agent, session: pbox.Session) -> None:
     """The host image binds the host's /usr read-only; a filesystem the host has mounted
     beneath it (an NFS /usr/local on a cluster node) must be read-only in the sandbox too, to
-    its commands and to the agent's file API."""
+    its commands and to the agent's file API. And the sandbox's copy of it must not hold the
+    host's mount point: the host unmounts it and removes the directory while the sandbox runs
+    (a copy in the host's mount namespace, as a gVisor bundle made there had, fails that rmdir
+    with EBUSY), and nothing of the sandbox shows in the host's mount table."""
     import subprocess
 
     nested = f"/usr/local/share/pbox-nested-{os.getpid()}"
     os.makedirs(nested, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pbox-nested", nested], check=True)
+    mounted = True
     try:
         with open(f"{nested}/seen", "w") as f:
             f.write("host\n")
@@ -359,7 +363,17 @@ def test_mounts_beneath_a_read_only_bind_stay_read_only(session: pbox.Session) -
         with pytest.raises(pbox.PboxError):
             sb.write_file(f"{nested}/y", b"y")
         assert sorted(os.listdir(nested)) == ["seen"]
+        with open("/proc/self/mountinfo") as f:
+            host = [line.split()[4] for line in f if str(agent.root) in line.split()[4]]
+        assert host == [], host
+        subprocess.run(["umount", "-l", nested], check=True)
+        mounted = False
+        os.rmdir(nested)  # EBUSY while any mount in this namespace sits on it
+        r = sb.run(["true"])
+        assert r.ok, r  # the sandbox keeps running, its copy detached
         sb.destroy()
     finally:
-        subprocess.run(["umount", "-l", nested], check=False)
-        os.rmdir(nested)
+        if mounted:
+            subprocess.run(["umount", "-l", nested], check=False)
+        if os.path.isdir(nested):
+            os.rmdir(nested)
