@@ -9,6 +9,7 @@
 
 #include "common/str_cat.h"
 #include "engine/model/linear.h"
+#include "engine/model/moe_cpu.h"
 
 namespace bragg::engine::qwen3 {
 namespace {
@@ -275,11 +276,14 @@ torch::Tensor Moe(const ModelConfig& c, const Layer& L, const torch::Tensor& x, 
   }
   w = w.to(x.scalar_type());
   *experts_out = idx;
-  torch::Tensor out = torch::zeros_like(x);
   torch::Tensor flat = idx.reshape({-1});
-  torch::Tensor order = torch::argsort(flat);
   torch::Tensor counts = torch::bincount(flat, {}, c.num_experts).cpu();
   const int64_t* cnt = counts.data_ptr<int64_t>();
+  if (!deterministic && SmallBatchExpertsFit(x, L.e_gate_up, L.e_down, cnt)) {
+    return SmallBatchExperts(x, idx, w, L.e_gate_up, L.e_down);  // a decode step's few rows
+  }
+  torch::Tensor out = torch::zeros_like(x);
+  torch::Tensor order = torch::argsort(flat);
   int64_t k = c.num_experts_per_tok;
   int64_t offset = 0;
   torch::Tensor flat_w = w.reshape({-1});

@@ -1,0 +1,143 @@
+#include "engine/model/moe_cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace bragg::engine::qwen3 {
+namespace {
+
+// One expert's rows: g = x W_gu (each weight row read once for all n rows, while it is in L1),
+// a = silu(g[:I]) * g[I:], y = a W_down. x rows are x + row_of[r] * H; y rows are y + out_of[r]
+// * H. gu: [H][2I] and down: [I][H], row-major ([in, out]). scratch: n * 2I floats.
+// Built for each vector width the machine may have; the loops are written for the vectorizer
+// (this file is compiled with -O3).
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void ExpertRows(
+    const float* __restrict x, int64_t H, int64_t I, const float* __restrict gu,
+    const float* __restrict down, const int64_t* row_of, const int64_t* out_of, int64_t n,
+    float* __restrict scratch, float* __restrict y) {
+  const int64_t I2 = 2 * I;
+  std::fill(scratch, scratch + n * I2, 0.0f);
+  for (int64_t k = 0; k < H; ++k) {
+    const float* __restrict wk = gu + k * I2;
+    for (int64_t r = 0; r < n; ++r) {
+      const float a = x[row_of[r] * H + k];
+      float* __restrict g = scratch + r * I2;
+      for (int64_t j = 0; j < I2; ++j) {
+        g[j] += a * wk[j];
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    float* __restrict g = scratch + r * I2;
+    for (int64_t i = 0; i < I; ++i) {
+      const float v = g[i];
+      g[i] = v / (1.0f + std::exp(-v)) * g[I + i];
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    std::fill(y + out_of[r] * H, y + out_of[r] * H + H, 0.0f);
+  }
+  for (int64_t i = 0; i < I; ++i) {
+    const float* __restrict wi = down + i * H;
+    for (int64_t r = 0; r < n; ++r) {
+      const float a = scratch[r * I2 + i];
+      float* __restrict yr = y + out_of[r] * H;
+      for (int64_t h = 0; h < H; ++h) {
+        yr[h] += a * wi[h];
+      }
+    }
+  }
+}
+
+// The [in, out] memory under a Linear weight of shape [out, in], or null when it is not laid
+// out that way.
+const float* InOutMemory(const torch::Tensor& t) {
+  if (t.dim() != 2 || t.scalar_type() != torch::kFloat32 || !t.device().is_cpu() ||
+      t.stride(0) != 1 || t.stride(1) != t.size(0)) {
+    return nullptr;
+  }
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
+                          const std::vector<torch::Tensor>& down, const int64_t* counts) {
+  if (x.dim() != 2 || x.scalar_type() != torch::kFloat32 || !x.device().is_cpu() ||
+      gate_up.empty() || gate_up.size() != down.size()) {
+    return false;
+  }
+  if (torch::GradMode::is_enabled() && x.requires_grad()) {
+    return false;
+  }
+  const int64_t H = x.size(1);
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    if (counts[e] > kSmallBatchExpertRows) {
+      return false;
+    }
+    if (gate_up[e].requires_grad() || down[e].requires_grad() || gate_up[e].size(1) != H ||
+        down[e].size(0) != H || gate_up[e].size(0) != 2 * down[e].size(1) ||
+        InOutMemory(gate_up[e]) == nullptr || InOutMemory(down[e]) == nullptr) {
+      return false;
+    }
+  }
+  return true;
+}
+
+torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx,
+                                const torch::Tensor& w, const std::vector<torch::Tensor>& gate_up,
+                                const std::vector<torch::Tensor>& down) {
+  const torch::Tensor xc = x.contiguous();
+  const torch::Tensor ic = idx.to(torch::kInt64).contiguous();
+  const torch::Tensor wc = w.to(torch::kFloat32).contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1), k = ic.size(1);
+  const int64_t E = static_cast<int64_t>(gate_up.size());
+  const int64_t I = down[0].size(1);
+  // Assignments (row t, slot j) by expert; assignment a = t * k + j writes y row a.
+  std::vector<std::vector<int64_t>> rows(E), outs(E);
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t a = 0; a < T * k; ++a) {
+    const int64_t e = ip[a];
+    TORCH_CHECK(e >= 0 && e < E, "expert index ", e, " outside [0, ", E, ")");
+    rows[e].push_back(a / k);
+    outs[e].push_back(a);
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!rows[e].empty()) {
+      active.push_back(e);
+    }
+  }
+  torch::Tensor y = torch::empty({T * k, H}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = b; i < end; ++i) {
+      const int64_t e = active[i];
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      scratch.resize(static_cast<size_t>(n * 2 * I));
+      ExpertRows(xp, H, I, gate_up[e].data_ptr<float>(), down[e].data_ptr<float>(), rows[e].data(),
+                 outs[e].data(), n, scratch.data(), yp);
+    }
+  });
+  // out[t] = sum_j w[t, j] y[t * k + j], in slot order.
+  torch::Tensor out = torch::zeros({T, H}, xc.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* __restrict o = op + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const float s = wp[t * k + j];
+      const float* __restrict yr = yp + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) {
+        o[h] += s * yr[h];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace bragg::engine::qwen3

@@ -1,0 +1,31 @@
+#pragma once
+
+// The MoE experts of a decode step on the CPU: few rows per expert, where a BLAS call per
+// expert costs more in packing and dispatch than its arithmetic (torch side: include only from
+// torch translation units).
+
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace bragg::engine::qwen3 {
+
+// Most rows one expert may get for SmallBatchExperts to take a call.
+inline constexpr int64_t kSmallBatchExpertRows = 32;
+
+// Whether SmallBatchExperts can take this call: inference (nothing needs a gradient), fp32 on
+// the CPU, every expert's weights in the [in, out] layout of TransposeLinearWeights (gate_up
+// [2I, H] and down [H, I] as transposed views of contiguous memory), and at most
+// kSmallBatchExpertRows rows for any expert (`counts`: rows per expert).
+bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
+                          const std::vector<torch::Tensor>& down, const int64_t* counts);
+
+// sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for e = idx[t, j]: the experts' part
+// of Moe for x [T, H], idx and w [T, k]. Each expert's weights are read once for all of its
+// rows, and the experts are spread over torch's threads. Not batch-invariant (the engine's
+// deterministic mode keeps to Linear's tiles).
+torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx,
+                                const torch::Tensor& w, const std::vector<torch::Tensor>& gate_up,
+                                const std::vector<torch::Tensor>& down);
+
+}  // namespace bragg::engine::qwen3
