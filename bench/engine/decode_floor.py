@@ -1,0 +1,116 @@
+#!/usr/bin/python3
+"""How fast a decode step of the engine benchmark's model can be on this machine, from two
+measured limits, against the step time of transformers' generate() that bench/engine/run.py
+measured (docs/data/engine.json): the largest engine / transformers decode ratio the machine
+allows at each batch.
+
+    bench/engine/decode_floor.py [--threads 2] [--data docs/data/engine.json]
+
+Runs with the torch the interpreter has: Debian's python3-torch under /usr/bin/python3 (the
+engine's torch 1.13 and the system's BLAS), else the Python peer environment's (BRAGG_PEER_PYTHON,
+default /var/cache/bragg/pyenv/bin/python, MKL; it re-executes itself there), pinned to the first
+--threads CPUs. Debian's GEMM was the faster here (lm_head at 32 rows: 4.5 ms against MKL's 7.4
+ms), so it gives the lower floor. A step must at least:
+
+- multiply the batch's hidden states by the output embedding (lm_head, [32000, 256] fp32): the
+  one GEMM that does not shrink with the batch; the median of 50 at each batch;
+- read every weight the step uses once: the attention and router weights of the 4 layers, and
+  the weights of every expert some row is routed to (2 of each layer's 16 for one request,
+  nearly all 16 from 32 requests on), at this machine's read bandwidth (torch.sum over 1 GiB,
+  the best of 5). lm_head's own read is inside its GEMM time.
+
+Floor = lm_head + weights / bandwidth. Attention over the KV cache, norms, sampling and the
+scheduler come on top, so the floor is optimistic; the ratio it allows is an upper bound.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEER = os.environ.get("BRAGG_PEER_PYTHON", "/var/cache/bragg/pyenv/bin/python")
+
+# The benchmark model (engine_bench --write-model).
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K, MOE_I = 32000, 256, 4, 16, 2, 256
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32
+
+
+def expert_bytes(batch):
+    """Bytes of expert weights a step reads: the experts per layer a batch of this size routes
+    to, in expectation E (1 - (1 - k/E)^batch) for uniform routing."""
+    per_expert = (HIDDEN * 2 * MOE_I + MOE_I * HIDDEN) * 4
+    distinct = EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** batch)
+    return LAYERS * distinct * per_expert
+
+
+def dense_bytes():
+    attn = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2
+    router = EXPERTS * HIDDEN
+    return LAYERS * (attn + router) * 4
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default=os.path.join(ROOT, "docs/data/engine.json"))
+    args = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        if os.path.realpath(sys.executable) == os.path.realpath(PEER) or not os.path.exists(PEER):
+            sys.exit("decode_floor: torch is not importable here and no peer environment at "
+                     f"{PEER} (scripts/install-deps)")
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:args.threads])
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+                   MKL_NUM_THREADS=str(args.threads))
+        os.execvpe("taskset", ["taskset", "-c", cpus, PEER] + sys.argv, env)
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+    torch.set_num_threads(args.threads)
+    with open(args.data) as f:
+        data = json.load(f)
+    hf = data["summary"]["decode"]["transformers"]
+
+    big = torch.ones(256 << 20)  # 1 GiB of fp32
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.sum(big)
+        best = min(best, time.perf_counter() - t)
+    bandwidth = big.numel() * 4 / best
+    del big
+
+    w = torch.randn(VOCAB, HIDDEN) * 0.02
+    rows = []
+    for batch in data["batches"]:
+        x = torch.randn(batch, HIDDEN)
+        times = []
+        for i in range(60):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            if i >= 10:
+                times.append(time.perf_counter() - t)
+        lm_head = statistics.median(times)
+        weights = expert_bytes(batch) + dense_bytes()
+        floor = lm_head + weights / bandwidth
+        hf_step = batch / statistics.median(hf[str(batch)])
+        rows.append((batch, lm_head, weights, floor, hf_step))
+
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    print(f"torch {torch.__version__} ({sys.executable}, BLAS {blas.group(1) if blas else '?'}),"
+          f" {args.threads} threads; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5)")
+    print("| concurrent requests | lm_head GEMM ms | weights read MB | floor ms per step | "
+          "transformers ms per step (engine.json) | largest engine / transformers ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for batch, lm_head, weights, floor, hf_step in rows:
+        print(f"| {batch} | {lm_head * 1e3:.2f} | {weights / 1e6:.1f} | {floor * 1e3:.2f} | "
+              f"{hf_step * 1e3:.2f} | {hf_step / floor:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
