@@ -132,6 +132,12 @@ struct HolderArgs {
 // that could touch pbox-init's state.
 int HolderMain(void* arg) {
   const int ready = static_cast<HolderArgs*>(arg)->ready_write;
+  // The holder goes with pbox-init. In a sandbox the container's end takes both anyway; run
+  // natively (pbox-init --isolate outside a PID namespace of its own), the holder would
+  // otherwise outlive it, an orphan reaping nothing forever. pbox-init is single-threaded, so
+  // the thread that made the holder is pbox-init itself; and it waits for the holder's "ok"
+  // below before it goes on, so it cannot have ended normally before this line.
+  (void)RawSyscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
   long r = RawSyscall(SYS_mount, reinterpret_cast<long>("proc"), reinterpret_cast<long>("/proc"),
                       reinterpret_cast<long>("proc"), MS_NOSUID | MS_NODEV | MS_NOEXEC, 0);
   if (r != 0) {

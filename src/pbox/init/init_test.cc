@@ -1292,6 +1292,25 @@ TEST_F(IsolatedInitTest, KillWholeTreeStillFindsTheTree) {
   EXPECT_TRUE(ReadToEof(out->read.get(), &rest, milliseconds(5000)));
 }
 
+TEST_F(IsolatedInitTest, TheHolderGoesWithInit) {
+  // Natively no PID namespace of pbox-init's own takes the holder with it: the holder must not
+  // outlive pbox-init (SIGKILLed, the way the agent ends a sandbox's processes).
+  pid_t holder = Holder();
+  ASSERT_GT(holder, 0);
+  ASSERT_EQ(::kill(init_.pid(), SIGKILL), 0);
+  auto exit = init_.Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  bool gone = false;
+  for (int i = 0; i < 200 && !gone; ++i) {
+    auto status = ReadFileToString(fmt::format("/proc/{}/status", holder));
+    gone = !status.ok() || status->find("\nState:\tZ") != std::string::npos;
+    if (!gone) {
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+  }
+  EXPECT_TRUE(gone) << "the holder " << holder << " outlived pbox-init";
+}
+
 TEST_F(IsolatedInitTest, HolderDeathEndsInit) {
   auto h = client_->Spawn(SpawnRequest{.argv = {"sleep", "1000"}});
   ASSERT_TRUE(h.ok()) << h.status();
