@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -741,17 +742,22 @@ Result<std::unique_ptr<RuntimeSandbox>> GvisorRuntime::Start(const LaunchSpec& s
   // mount beneath it; in the host's namespace such a copy fails `rmdir` of that mount point
   // with EBUSY for as long as the sandbox lives).
   Result<Staged> staged = absl::InternalError("the gVisor staging thread did not run");
-  std::thread staging([&] {
-    if (::unshare(CLONE_NEWNS) != 0) {
-      staged = ErrnoError("unshare", "CLONE_NEWNS for the bundle's mounts");
-    } else if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
-      staged = ErrnoError("mount", "/ private for the bundle's mounts");
-    } else {
-      staged =
-          StageBundle(spec, bundle, StageInputs{options_, runsc_path_, runsc_copy_.get(), policy_});
-    }
-  });
-  staging.join();
+  try {
+    std::thread staging([&] {
+      if (::unshare(CLONE_NEWNS) != 0) {
+        staged = ErrnoError("unshare", "CLONE_NEWNS for the bundle's mounts");
+      } else if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+        staged = ErrnoError("mount", "/ private for the bundle's mounts");
+      } else {
+        staged = StageBundle(spec, bundle,
+                             StageInputs{options_, runsc_path_, runsc_copy_.get(), policy_});
+      }
+    });
+    staging.join();
+  } catch (const std::system_error& e) {  // no thread to be had (the agent's pids limit)
+    staged = absl::ResourceExhaustedError(
+        fmt::format("starting the gVisor staging thread: {}", e.what()));
+  }
   // From here on this thread's view: the bundle is plain directories and files (and on a
   // failure, whatever the thread mounted went with its namespace).
   if (!staged.ok()) {
