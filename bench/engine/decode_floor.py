@@ -4,13 +4,14 @@ measured limits, against the step time of transformers' generate() that bench/en
 measured (docs/data/engine.json): the largest engine / transformers decode ratio the machine
 allows at each batch.
 
-    bench/engine/decode_floor.py [--threads 2] [--data docs/data/engine.json]
+    bench/engine/decode_floor.py [--threads 2] [--data docs/data/engine.json] [--build build]
 
 Runs with the torch the interpreter has: Debian's python3-torch under /usr/bin/python3 (the
-engine's torch 1.13 and the system's BLAS), else the Python peer environment's (BRAGG_PEER_PYTHON,
-default /var/cache/bragg/pyenv/bin/python, MKL; it re-executes itself there), pinned to the first
---threads CPUs. Debian's GEMM was the faster here (lm_head at 32 rows: 4.5 ms against MKL's 7.4
-ms), so it gives the lower floor. A step must at least:
+engine's torch 1.13 and the system's BLAS), else the Python peer environment's (MKL;
+machine.peer_python: $BRAGG_PEER_PYTHON, the build's cache entry, or install-deps' default; it
+re-executes itself there), pinned to the first --threads CPUs. Debian's GEMM was the faster
+here (lm_head at 32 rows: 4.5 ms against MKL's 7.4 ms), so it gives the lower floor. A step
+must at least:
 
 - multiply the batch's hidden states by the output embedding (lm_head, [32000, 256] fp32): the
   one GEMM that does not shrink with the batch; the median of 50 at each batch;
@@ -31,8 +32,11 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from machine import (child_env, peer_python, pin_prefix,  # noqa: E402  (bench/machine.py)
+                     pinned_cpus)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PEER = os.environ.get("BRAGG_PEER_PYTHON", "/var/cache/bragg/pyenv/bin/python")
 
 # The benchmark model (engine_bench --write-model).
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K, MOE_I = 32000, 256, 4, 16, 2, 256
@@ -57,19 +61,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--build", default="build", help="for the peer environment's path")
     ap.add_argument("--data", default=os.path.join(ROOT, "docs/data/engine.json"))
     args = ap.parse_args()
     try:
         import torch
     except ImportError:
-        if os.path.realpath(sys.executable) == os.path.realpath(PEER) or not os.path.exists(PEER):
+        peer = peer_python(args.build)
+        # A venv's python is a link to the system's: tell them apart by sys.prefix.
+        in_peer = os.path.realpath(sys.prefix) == os.path.realpath(
+            os.path.dirname(os.path.dirname(peer)))
+        if in_peer or not os.path.exists(peer):
             sys.exit("decode_floor: torch is not importable here and no peer environment at "
-                     f"{PEER} (scripts/install-deps)")
-        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:args.threads])
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
-                   MKL_NUM_THREADS=str(args.threads))
-        os.execvpe("taskset", ["taskset", "-c", cpus, PEER] + sys.argv, env)
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+                     f"{peer} (scripts/install-deps)")
+        argv = pin_prefix(pinned_cpus(args.threads)) + [peer] + sys.argv
+        os.execvpe(argv[0], argv, child_env(args.threads))
+    os.sched_setaffinity(0, pinned_cpus(args.threads))
     torch.set_num_threads(args.threads)
     with open(args.data) as f:
         data = json.load(f)

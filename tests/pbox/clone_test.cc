@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <set>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -161,38 +163,25 @@ class CloneTest : public SharedAgentTest<CloneTest> {
   // a mount namespace of their own, which that process holds (gvisor_runtime.cc); the host's
   // <state>/gvisor/<id>/rootfs is an empty directory.
   std::string GvisorRootfs(const std::string& id) const {
-    const std::string rootfs = agent_->state_dir() + "/gvisor/" + id + "/rootfs";
-    const std::string bundle_arg = "--bundle=" + agent_->state_dir() + "/gvisor/" + id;
-    DIR* proc = ::opendir("/proc");
-    EXPECT_NE(proc, nullptr);
-    std::string found;
-    while (proc != nullptr && found.empty()) {
-      struct dirent* e = ::readdir(proc);
-      if (e == nullptr) {
-        break;
-      }
-      auto cmdline = ReadFileToString(fmt::format("/proc/{}/cmdline", e->d_name));
+    const std::string bundle = agent_->state_dir() + "/gvisor/" + id;
+    const std::string bundle_arg = "--bundle=" + bundle;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+      auto cmdline = ReadFileToString(entry.path().string() + "/cmdline");
       if (!cmdline.ok()) {
-        continue;
+        continue;  // not a process, or one that has just gone
       }
       std::vector<std::string> argv;
-      for (size_t at = 0; at < cmdline->size();) {
-        size_t end = cmdline->find('\0', at);
-        end = end == std::string::npos ? cmdline->size() : end;
-        argv.push_back(cmdline->substr(at, end - at));
-        at = end + 1;
+      std::istringstream args(*cmdline);
+      for (std::string arg; std::getline(args, arg, '\0');) {
+        argv.push_back(arg);
       }
-      const bool run = std::find(argv.begin(), argv.end(), "run") != argv.end();
-      const bool ours = std::find(argv.begin(), argv.end(), bundle_arg) != argv.end();
-      if (run && ours) {
-        found = fmt::format("/proc/{}/root{}", e->d_name, rootfs);
+      if (std::find(argv.begin(), argv.end(), "run") != argv.end() &&
+          std::find(argv.begin(), argv.end(), bundle_arg) != argv.end()) {
+        return entry.path().string() + "/root" + bundle + "/rootfs";
       }
     }
-    if (proc != nullptr) {
-      ::closedir(proc);
-    }
-    EXPECT_FALSE(found.empty()) << "no `runsc run` process for " << id;
-    return found;
+    ADD_FAILURE() << "no `runsc run` process for " << id;
+    return "";
   }
 
   bool Exists(const std::string& id, const std::string& path) {

@@ -9,20 +9,21 @@ namespace bragg::engine::qwen3 {
 namespace {
 
 // One expert's rows: g = x W_gu (each weight row read once for all n rows, while it is in L1),
-// a = silu(g[:I]) * g[I:], y = a W_down. x rows are x + row_of[r] * H; y rows are y + out_of[r]
-// * H. gu: [H][2I] and down: [I][H], row-major ([in, out]). scratch: n * 2I floats.
+// a = silu(g[:I]) * g[I:], y = a W_down. Row r is assignment a = slots[r] (token a / k, its slot
+// a % k): it reads x row a / k and writes y row a. gu: [H][2I] and down: [I][H], row-major
+// ([in, out]). scratch: n * 2I floats.
 // Built for each vector width the machine may have; the loops are written for the vectorizer
 // (this file is compiled with -O3).
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void ExpertRows(
     const float* __restrict x, int64_t H, int64_t I, const float* __restrict gu,
-    const float* __restrict down, const int64_t* row_of, const int64_t* out_of, int64_t n,
+    const float* __restrict down, const int64_t* slots, int64_t k, int64_t n,
     float* __restrict scratch, float* __restrict y) {
   const int64_t I2 = 2 * I;
   std::fill(scratch, scratch + n * I2, 0.0f);
-  for (int64_t k = 0; k < H; ++k) {
-    const float* __restrict wk = gu + k * I2;
+  for (int64_t kk = 0; kk < H; ++kk) {
+    const float* __restrict wk = gu + kk * I2;
     for (int64_t r = 0; r < n; ++r) {
-      const float a = x[row_of[r] * H + k];
+      const float a = x[slots[r] / k * H + kk];
       float* __restrict g = scratch + r * I2;
       for (int64_t j = 0; j < I2; ++j) {
         g[j] += a * wk[j];
@@ -37,13 +38,13 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
     }
   }
   for (int64_t r = 0; r < n; ++r) {
-    std::fill(y + out_of[r] * H, y + out_of[r] * H + H, 0.0f);
+    std::fill(y + slots[r] * H, y + slots[r] * H + H, 0.0f);
   }
   for (int64_t i = 0; i < I; ++i) {
     const float* __restrict wi = down + i * H;
     for (int64_t r = 0; r < n; ++r) {
       const float a = scratch[r * I2 + i];
-      float* __restrict yr = y + out_of[r] * H;
+      float* __restrict yr = y + slots[r] * H;
       for (int64_t h = 0; h < H; ++h) {
         yr[h] += a * wi[h];
       }
@@ -51,14 +52,10 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
   }
 }
 
-// The [in, out] memory under a Linear weight of shape [out, in], or null when it is not laid
-// out that way.
-const float* InOutMemory(const torch::Tensor& t) {
-  if (t.dim() != 2 || t.scalar_type() != torch::kFloat32 || !t.device().is_cpu() ||
-      t.stride(0) != 1 || t.stride(1) != t.size(0)) {
-    return nullptr;
-  }
-  return t.data_ptr<float>();
+// Whether a Linear weight of shape [out, in] is fp32 on the CPU over [in, out] memory.
+bool InOutLayout(const torch::Tensor& t) {
+  return t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.device().is_cpu() &&
+         t.stride(0) == 1 && t.stride(1) == t.size(0);
 }
 
 }  // namespace
@@ -79,7 +76,7 @@ bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tenso
     }
     if (gate_up[e].requires_grad() || down[e].requires_grad() || gate_up[e].size(1) != H ||
         down[e].size(0) != H || gate_up[e].size(0) != 2 * down[e].size(1) ||
-        InOutMemory(gate_up[e]) == nullptr || InOutMemory(down[e]) == nullptr) {
+        !InOutLayout(gate_up[e]) || !InOutLayout(down[e])) {
       return false;
     }
   }
@@ -95,18 +92,17 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
   const int64_t T = xc.size(0), H = xc.size(1), k = ic.size(1);
   const int64_t E = static_cast<int64_t>(gate_up.size());
   const int64_t I = down[0].size(1);
-  // Assignments (row t, slot j) by expert; assignment a = t * k + j writes y row a.
-  std::vector<std::vector<int64_t>> rows(E), outs(E);
+  // Assignments (token t, slot j) by expert; assignment a = t * k + j writes y row a.
+  std::vector<std::vector<int64_t>> slots(E);
   const int64_t* ip = ic.data_ptr<int64_t>();
   for (int64_t a = 0; a < T * k; ++a) {
     const int64_t e = ip[a];
     TORCH_CHECK(e >= 0 && e < E, "expert index ", e, " outside [0, ", E, ")");
-    rows[e].push_back(a / k);
-    outs[e].push_back(a);
+    slots[e].push_back(a);
   }
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e) {
-    if (!rows[e].empty()) {
+    if (!slots[e].empty()) {
       active.push_back(e);
     }
   }
@@ -117,10 +113,10 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
     std::vector<float> scratch;
     for (int64_t i = b; i < end; ++i) {
       const int64_t e = active[i];
-      const int64_t n = static_cast<int64_t>(rows[e].size());
+      const int64_t n = static_cast<int64_t>(slots[e].size());
       scratch.resize(static_cast<size_t>(n * 2 * I));
-      ExpertRows(xp, H, I, gate_up[e].data_ptr<float>(), down[e].data_ptr<float>(), rows[e].data(),
-                 outs[e].data(), n, scratch.data(), yp);
+      ExpertRows(xp, H, I, gate_up[e].data_ptr<float>(), down[e].data_ptr<float>(), slots[e].data(),
+                 k, n, scratch.data(), yp);
     }
   });
   // out[t] = sum_j w[t, j] y[t * k + j], in slot order.
