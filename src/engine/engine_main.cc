@@ -4,6 +4,7 @@
 // An SGLang-API inference server for Qwen3 dense and MoE models (docs/engine.md).
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "common/serve.h"
 #include "engine/engine.h"
 #include "engine/server/server.h"
+#include "engine/tokenizer.h"
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
@@ -38,6 +40,12 @@ int main(int argc, char** argv) {
   app.add_option("--served-model-name", o.served_model_name, "the name /v1/models reports");
   app.add_option("--api-key", api_key, "require Authorization: Bearer KEY");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
+  std::string tokenizer_path;
+  bool skip_tokenizer_init = false;
+  app.add_option("--tokenizer-path", tokenizer_path,
+                 "a tokenizer.json, or a directory holding one (default: the model's, if any)");
+  app.add_flag("--skip-tokenizer-init", skip_tokenizer_init,
+               "serve token ids only, even if the model directory has a tokenizer");
   CLI11_PARSE(app, argc, argv);
   if (bragg::Status s = bragg::InitLogging(argv[0], log_level); !s.ok()) {
     std::fprintf(stderr, "bragg-engine: %s\n", s.ToString().c_str());
@@ -52,12 +60,50 @@ int main(int argc, char** argv) {
                     ? CPU_COUNT(&set)
                     : static_cast<int>(std::thread::hardware_concurrency());
   }
+  // The tokenizer: --tokenizer-path (which must load), else the model directory's tokenizer.json
+  // if it has one. One of the model's own that Bragg cannot read leaves the engine serving token
+  // ids, the contract, with a warning: a model must not stop serving for its text side.
+  std::unique_ptr<bragg::engine::Tokenizer> tokenizer;
+  bool explicit_tokenizer = !tokenizer_path.empty();
+  if (!skip_tokenizer_init) {
+    namespace fs = std::filesystem;
+    fs::path path = explicit_tokenizer ? fs::path(tokenizer_path) : fs::path(o.model_dir);
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) {
+      path /= "tokenizer.json";
+    }
+    if (explicit_tokenizer || fs::exists(path, ec)) {
+      auto loaded = bragg::engine::Tokenizer::Load(path.string());
+      if (loaded.ok()) {
+        tokenizer = *std::move(loaded);
+        tokenizer_path = path.string();
+      } else if (explicit_tokenizer) {
+        std::fprintf(stderr, "bragg-engine: tokenizer: %s\n", loaded.status().ToString().c_str());
+        return 2;
+      } else {
+        spdlog::warn("serving token ids only: {}", std::string(loaded.status().message()));
+      }
+    }
+  }
   std::unique_ptr<bragg::engine::Engine> engine;
   std::optional<bragg::engine::Server> server;
   return bragg::ServeUntilTerminated(
       listen,
       [&](const bragg::HostPort& hp) -> bragg::Result<std::string> {
         BRAGG_ASSIGN_OR_RETURN(engine, bragg::engine::Engine::Create(o));
+        if (tokenizer && tokenizer->size() > engine->model_info().vocab_size) {
+          std::string why =
+              fmt::format("the tokenizer ({}) has ids up to {}, past the model's vocabulary of {}",
+                          tokenizer_path, tokenizer->size() - 1, engine->model_info().vocab_size);
+          if (explicit_tokenizer) {
+            return absl::InvalidArgumentError(why + ": give the model's own tokenizer");
+          }
+          spdlog::warn("serving token ids only: {}", why);
+          tokenizer.reset();
+        }
+        if (tokenizer) {
+          spdlog::info("tokenizer: {} ({} tokens)", tokenizer_path, tokenizer->size());
+        }
         if (o.device == bragg::engine::Device::kCpu) {
           spdlog::info("CPU math: {}", bragg::engine::Engine::CpuRuntime());
         }
@@ -66,6 +112,8 @@ int main(int argc, char** argv) {
         so.port = hp.port;
         so.api_key = api_key;
         so.engine_options = o;
+        so.tokenizer = tokenizer.get();
+        so.tokenizer_path = tokenizer_path;
         server.emplace(*engine, so);
         BRAGG_RETURN_IF_ERROR(server->Start());
         return server->url();

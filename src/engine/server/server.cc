@@ -40,8 +40,8 @@ constexpr FieldSpec kFields[] = {
     // POST /generate (SGLang's GenerateReqInput)
     {"generate", "input_ids", FieldUse::kServed, "",
      "prompt token ids; a list of lists is a batch, answered as an array"},
-    {"generate", "text", FieldUse::kDefaultOnly, "null",
-     "refused: the engine has no tokenizer (send input_ids)"},
+    {"generate", "text", FieldUse::kServed, "",
+     "prompt text (a list is a batch), with a tokenizer; without one refused"},
     {"generate", "sampling_params", FieldUse::kServed, "",
      "an object, or one per prompt of a batch"},
     {"generate", "rid", FieldUse::kServed, "",
@@ -111,11 +111,13 @@ constexpr FieldSpec kFields[] = {
     {"sampling_params", "custom_params", FieldUse::kDefaultOnly, "null", "not served"},
     {"sampling_params", "stream_interval", FieldUse::kDefaultOnly, "null|1",
      "every token is streamed"},
-    {"sampling_params", "skip_special_tokens", FieldUse::kIgnored, "", "no detokenizer"},
+    {"sampling_params", "skip_special_tokens", FieldUse::kServed, "",
+     "default true: special tokens are left out of the answer's text"},
     {"sampling_params", "spaces_between_special_tokens", FieldUse::kIgnored, "", "no detokenizer"},
     {"sampling_params", "no_stop_trim", FieldUse::kIgnored, "", "no stop strings to trim"},
     // POST /v1/completions (OpenAI, prompt as token ids)
-    {"completions", "prompt", FieldUse::kServed, "", "token ids; a string is refused"},
+    {"completions", "prompt", FieldUse::kServed, "",
+     "token ids, or a string with a tokenizer (a list of strings is refused)"},
     {"completions", "model", FieldUse::kIgnored, "", "one model is served"},
     {"completions", "max_tokens", FieldUse::kServed, "", "default 16 (OpenAI's)"},
     {"completions", "temperature", FieldUse::kServed, "", "as sampling_params"},
@@ -140,6 +142,49 @@ constexpr FieldSpec kFields[] = {
     {"completions", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
     {"completions", "presence_penalty", FieldUse::kDefaultOnly, "0", "not served"},
     {"completions", "logit_bias", FieldUse::kDefaultOnly, "null", "not served"},
+    // POST /v1/chat/completions (OpenAI; needs a tokenizer with ChatML's tokens)
+    {"chat_completions", "messages", FieldUse::kServed, "",
+     "role system|user|assistant|tool, content a string or text parts; rendered as ChatML"},
+    {"chat_completions", "model", FieldUse::kIgnored, "", "one model is served"},
+    {"chat_completions", "max_tokens", FieldUse::kServed, "", "default: up to the context"},
+    {"chat_completions", "max_completion_tokens", FieldUse::kServed, "", "as max_tokens"},
+    {"chat_completions", "temperature", FieldUse::kServed, "", "as sampling_params"},
+    {"chat_completions", "top_p", FieldUse::kServed, "", "as sampling_params"},
+    {"chat_completions", "top_k", FieldUse::kServed, "", "SGLang extension"},
+    {"chat_completions", "min_p", FieldUse::kServed, "", "SGLang extension"},
+    {"chat_completions", "seed", FieldUse::kServed, "", "sampling_seed"},
+    {"chat_completions", "stop_token_ids", FieldUse::kServed, "",
+     "SGLang extension; <|im_end|> always stops"},
+    {"chat_completions", "ignore_eos", FieldUse::kServed, "", "SGLang extension"},
+    {"chat_completions", "skip_special_tokens", FieldUse::kServed, "", "default true"},
+    {"chat_completions", "rid", FieldUse::kServed, "", "SGLang extension"},
+    {"chat_completions", "extra_key", FieldUse::kServed, "", "SGLang extension"},
+    {"chat_completions", "user", FieldUse::kIgnored, "", "not recorded"},
+    {"chat_completions", "stream", FieldUse::kDefaultOnly, "false",
+     "streaming: use /generate with stream"},
+    {"chat_completions", "n", FieldUse::kDefaultOnly, "1", "one choice"},
+    {"chat_completions", "logprobs", FieldUse::kDefaultOnly, "null|false",
+     "use /generate with return_logprob"},
+    {"chat_completions", "top_logprobs", FieldUse::kDefaultOnly, "null|0", "not served"},
+    {"chat_completions", "stop", FieldUse::kDefaultOnly, "null|[]|\"\"",
+     "stop strings: not served (use stop_token_ids)"},
+    {"chat_completions", "tools", FieldUse::kDefaultOnly, "null|[]",
+     "no tool-call parsing: put tools in the system message"},
+    {"chat_completions", "tool_choice", FieldUse::kDefaultOnly, "null|\"none\"|\"auto\"",
+     "no tool-call parsing"},
+    {"chat_completions", "response_format", FieldUse::kDefaultOnly, "null",
+     "no constrained decoding"},
+    {"chat_completions", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
+    {"chat_completions", "presence_penalty", FieldUse::kDefaultOnly, "0", "not served"},
+    {"chat_completions", "logit_bias", FieldUse::kDefaultOnly, "null", "not served"},
+    // POST /tokenize and /detokenize (SGLang's TokenizeRequest, DetokenizeRequest)
+    {"tokenize", "prompt", FieldUse::kServed, "", "a string or a list of strings"},
+    {"tokenize", "add_special_tokens", FieldUse::kServed, "",
+     "default true: the tokenizer's template (a BOS for some models)"},
+    {"tokenize", "model", FieldUse::kIgnored, "", "one model is served"},
+    {"detokenize", "tokens", FieldUse::kServed, "", "a list of ids, or a list of lists"},
+    {"detokenize", "skip_special_tokens", FieldUse::kServed, "", "default false"},
+    {"detokenize", "model", FieldUse::kIgnored, "", "one model is served"},
     // POST /update_weights_from_disk (UpdateWeightFromDiskReqInput)
     {"update_weights_from_disk", "model_path", FieldUse::kServed, "", "a Hugging Face directory"},
     {"update_weights_from_disk", "weight_version", FieldUse::kServed, "",
@@ -421,8 +466,48 @@ Status ReadSampling(const json& sp, SamplingParams* s) {
 // One prompt of a /generate call as parsed.
 struct Item {
   GenerateRequest request;
-  std::vector<int32_t> input_ids;  // kept for input_token_logprobs (the request's are moved)
+  std::vector<int32_t> input_ids;   // kept for input_token_logprobs (the request's are moved)
+  bool skip_special_tokens = true;  // for the answer's text
 };
+
+// The answer's text for `ids`; empty without a tokenizer. A stream's chunk (`partial`) holds back
+// the bytes of a character the next token has yet to complete.
+std::string OutputText(const Tokenizer* tokenizer, const std::vector<int32_t>& ids, bool skip,
+                       bool partial) {
+  if (tokenizer == nullptr) {
+    return "";
+  }
+  if (!partial) {
+    return tokenizer->Decode(ids, skip);
+  }
+  std::string raw = tokenizer->DecodeBytes(ids, skip);
+  raw.resize(raw.size() - IncompleteUtf8Tail(raw));
+  return Utf8Lossy(raw);
+}
+
+// Tokenizes one prompt text for `where` (a field name in errors). A text too long to fit in
+// `max_tokens` whatever its tokens is refused before it is encoded (a regex's work on a long text
+// is the costly part).
+Status EncodePrompt(const Tokenizer& tokenizer, const json& text, std::string_view where,
+                    int64_t max_tokens, std::vector<int32_t>* out, bool add_special_tokens = true) {
+  if (!text.is_string()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{} must be a string, got {}", where, text.type_name()));
+  }
+  const std::string& s = text.get_ref<const std::string&>();
+  if (max_tokens > 0 && s.size() / tokenizer.max_token_bytes() > static_cast<size_t>(max_tokens)) {
+    return absl::InvalidArgumentError(
+        fmt::format("{} has {} bytes, more than {} tokens (the context length) can be", where,
+                    s.size(), max_tokens));
+  }
+  Result<std::vector<int32_t>> ids = tokenizer.Encode(s, add_special_tokens);
+  if (!ids.ok()) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: {}", where, std::string(ids.status().message())));
+  }
+  *out = *std::move(ids);
+  return absl::OkStatus();
+}
 
 struct GenerateCall {
   std::vector<Item> items;
@@ -449,16 +534,45 @@ const json& PerItem(const json& body, std::string_view name, bool batch, size_t 
   return *it;
 }
 
-Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch) {
-  if (Present(body, "text")) {
+Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch, const Tokenizer* tokenizer,
+                                   int64_t context_length) {
+  json encoded;
+  bool text = Present(body, "text");
+  if (text && tokenizer == nullptr) {
     return absl::InvalidArgumentError(
-        "text is refused: this engine takes input_ids (no tokenizer)");
+        "text is refused: this engine takes input_ids (no tokenizer: its model directory has no "
+        "tokenizer.json, or it runs with --skip-tokenizer-init)");
   }
   BRAGG_RETURN_IF_ERROR(CheckFields("generate", body, "the request"));
-  if (!Present(body, "input_ids")) {
+  if (text) {
+    if (Present(body, "input_ids")) {
+      return absl::InvalidArgumentError("send text or input_ids, not both");
+    }
+    const json& t = body["text"];
+    if (t.is_array()) {
+      if (t.empty()) {
+        return absl::InvalidArgumentError("text is an empty batch");
+      }
+      if (t.size() > max_batch) {
+        return absl::InvalidArgumentError(fmt::format(
+            "a batch of {} prompts is more than this server takes ({})", t.size(), max_batch));
+      }
+      encoded = json::array();
+      for (size_t i = 0; i < t.size(); ++i) {
+        std::vector<int32_t> ids;
+        BRAGG_RETURN_IF_ERROR(
+            EncodePrompt(*tokenizer, t[i], fmt::format("text[{}]", i), context_length, &ids));
+        encoded.push_back(std::move(ids));
+      }
+    } else {
+      std::vector<int32_t> ids;
+      BRAGG_RETURN_IF_ERROR(EncodePrompt(*tokenizer, t, "text", context_length, &ids));
+      encoded = std::move(ids);
+    }
+  } else if (!Present(body, "input_ids")) {
     return absl::InvalidArgumentError("input_ids is required (a list of token ids)");
   }
-  const json& ids = body["input_ids"];
+  const json& ids = text ? encoded : body["input_ids"];
   if (!ids.is_array()) {
     return absl::InvalidArgumentError(
         fmt::format("input_ids must be a list of token ids, got {}", ids.type_name()));
@@ -484,7 +598,8 @@ Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch) {
   for (size_t i = 0; i < n; ++i) {
     Item& item = call.items[i];
     GenerateRequest& r = item.request;
-    std::string where = call.batch ? fmt::format("input_ids[{}]", i) : "input_ids";
+    std::string where =
+        fmt::format("{}{}", text ? "text" : "input_ids", call.batch ? fmt::format("[{}]", i) : "");
     BRAGG_RETURN_IF_ERROR(ReadIds(call.batch ? ids[i] : ids, where, &r.input_ids));
     if (r.input_ids.empty()) {
       return absl::InvalidArgumentError(fmt::format("{} is empty", where));
@@ -498,6 +613,10 @@ Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch) {
     BRAGG_RETURN_IF_ERROR(error);
     BRAGG_RETURN_IF_ERROR(ReadSampling(sp["sampling_params"], &r.sampling));
     std::string prefix = call.batch ? fmt::format("[{}] ", i) : "";
+    if (sp["sampling_params"].is_object()) {
+      BRAGG_RETURN_IF_ERROR(ReadBool(sp["sampling_params"], prefix + "sampling_params.",
+                                     "skip_special_tokens", &item.skip_special_tokens));
+    }
     if (!rid_prefix.empty()) {
       r.rid = fmt::format("{}_{}", rid_prefix, i);
     } else {
@@ -579,7 +698,8 @@ std::string Base64Int32(const std::vector<int32_t>& values) {
 }
 
 // SGLang's /generate answer for one prompt.
-json OutputJson(const GenerateOutput& out, const Item& item, bool moe, Clock::time_point start) {
+json OutputJson(const GenerateOutput& out, const Item& item, bool moe, Clock::time_point start,
+                const Tokenizer* tokenizer) {
   const GenerateRequest& r = item.request;
   json spans = json::array();
   for (const VersionSpan& s : out.weight_versions) {
@@ -615,7 +735,10 @@ json OutputJson(const GenerateOutput& out, const Item& item, bool moe, Clock::ti
   if (r.return_routed_experts && moe && out.finished()) {
     meta["routed_experts"] = Base64Int32(out.routed_experts);
   }
-  return {{"text", ""}, {"output_ids", out.output_ids}, {"meta_info", std::move(meta)}};
+  std::string text =
+      OutputText(tokenizer, out.output_ids, item.skip_special_tokens, !out.finished());
+  return {
+      {"text", std::move(text)}, {"output_ids", out.output_ids}, {"meta_info", std::move(meta)}};
 }
 
 // The streams of one HTTP request; cancels those unfinished when the exchange ends early.
@@ -643,7 +766,10 @@ struct Server::Impl {
 
   void Register();
   void HandleGenerate(const httplib::Request& req, httplib::Response& res);
-  void HandleCompletions(const httplib::Request& req, httplib::Response& res);
+  // /v1/completions, or /v1/chat/completions when `chat`.
+  void HandleCompletions(const httplib::Request& req, httplib::Response& res, bool chat);
+  // /tokenize, or /detokenize.
+  void HandleTokenize(const httplib::Request& req, httplib::Response& res, bool detokenize);
   // Submits every item; on a failure cancels those already submitted.
   Result<std::shared_ptr<Exchange>> Submit(std::vector<Item> items);
   // Waits for the exchange's requests to finish, probing the client every heartbeat with
@@ -713,7 +839,8 @@ void Server::Impl::HandleGenerate(const httplib::Request& req, httplib::Response
     SetError(res, body.status());
     return;
   }
-  Result<GenerateCall> call = ParseGenerate(*body, options.max_batch);
+  Result<GenerateCall> call = ParseGenerate(*body, options.max_batch, options.tokenizer,
+                                            engine.model_info().context_length);
   if (!call.ok()) {
     SetError(res, call.status());
     return;
@@ -741,7 +868,7 @@ void Server::Impl::HandleGenerate(const httplib::Request& req, httplib::Response
           }
           json answer = json::array();
           for (size_t i = 0; i < outs.size(); ++i) {
-            answer.push_back(OutputJson(outs[i], ex->items[i], moe, ex->start));
+            answer.push_back(OutputJson(outs[i], ex->items[i], moe, ex->start, options.tokenizer));
           }
           std::string text = batch ? Dump(answer) : Dump(answer[0]);
           if (!sink.write(text.data(), text.size())) {
@@ -775,7 +902,8 @@ void Server::Impl::HandleGenerate(const httplib::Request& req, httplib::Response
           GenerateOutput out = s.Wait(seen, options.heartbeat);
           if (out.finished()) {
             ex->finished[0] = true;
-            if (!send("data: " + Dump(OutputJson(out, ex->items[0], moe, ex->start)) +
+            if (!send("data: " +
+                      Dump(OutputJson(out, ex->items[0], moe, ex->start, options.tokenizer)) +
                       "\n\ndata: [DONE]\n\n")) {
               return false;
             }
@@ -784,7 +912,9 @@ void Server::Impl::HandleGenerate(const httplib::Request& req, httplib::Response
           }
           if (out.output_ids.size() > seen) {
             seen = out.output_ids.size();
-            if (!send("data: " + Dump(OutputJson(out, ex->items[0], moe, ex->start)) + "\n\n")) {
+            if (!send("data: " +
+                      Dump(OutputJson(out, ex->items[0], moe, ex->start, options.tokenizer)) +
+                      "\n\n")) {
               return false;
             }
           } else if (Clock::now() - last_write >= options.heartbeat) {
@@ -798,49 +928,150 @@ void Server::Impl::HandleGenerate(const httplib::Request& req, httplib::Response
       release);
 }
 
-void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Response& res) {
+// OpenAI's sampling fields of a completions or chat request, as sampling_params.
+Status ReadOpenAiSampling(const json& body, int64_t default_max_tokens, SamplingParams* out) {
+  json sp = json::object();
+  for (const char* name :
+       {"temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos"}) {
+    if (body.contains(name)) {
+      sp[name] = body[name];
+    }
+  }
+  sp["max_new_tokens"] = default_max_tokens;
+  for (const char* name : {"max_completion_tokens", "max_tokens"}) {
+    if (body.contains(name) && !body[name].is_null()) {
+      sp["max_new_tokens"] = body[name];
+    }
+  }
+  if (body.contains("seed")) {
+    sp["sampling_seed"] = body["seed"];
+  }
+  return ReadSampling(sp, out);
+}
+
+// ChatML, the format of Qwen's chat templates for plain messages: each message is
+// "<|im_start|>ROLE\nCONTENT<|im_end|>\n", then "<|im_start|>assistant\n" for the answer.
+Result<std::string> RenderChatMl(const json& messages) {
+  if (!messages.is_array() || messages.empty()) {
+    return absl::InvalidArgumentError("messages must be a non-empty list");
+  }
+  std::string out;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    std::string where = fmt::format("messages[{}]", i);
+    if (!m.is_object()) {
+      return absl::InvalidArgumentError(fmt::format("{} must be an object", where));
+    }
+    for (const auto& [key, value] : m.items()) {
+      if (key != "role" && key != "content" && key != "name" && key != "tool_call_id") {
+        return absl::InvalidArgumentError(
+            fmt::format("{} has field {}, which is not served (role, content, name, "
+                        "tool_call_id)",
+                        where, key));
+      }
+    }
+    std::string role;
+    BRAGG_RETURN_IF_ERROR(ReadString(m, where + ".", "role", &role));
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool" &&
+        role != "developer") {
+      return absl::InvalidArgumentError(
+          fmt::format("{}.role is {}: one of system, developer, user, assistant, tool", where,
+                      Dump(m.value("role", json())).substr(0, 64)));
+    }
+    std::string content;
+    const json& c = m.value("content", json());
+    if (c.is_string()) {
+      content = c.get<std::string>();
+    } else if (c.is_array()) {
+      for (size_t j = 0; j < c.size(); ++j) {
+        const json& part = c[j];
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          return absl::InvalidArgumentError(fmt::format(
+              "{}.content[{}] must be {{\"type\": \"text\", \"text\": ...}} (text-only model)",
+              where, j));
+        }
+        content += part["text"].get<std::string>();
+      }
+    } else if (!c.is_null()) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}.content must be a string or a list of text parts", where));
+    }
+    out += fmt::format("<|im_start|>{}\n{}<|im_end|>\n", role, content);
+  }
+  out += "<|im_start|>assistant\n";
+  return out;
+}
+
+void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Response& res,
+                                     bool chat) {
   Result<json> parsed = ParseObject(req.body, false);
   if (!parsed.ok()) {
     SetError(res, parsed.status());
     return;
   }
   const json& body = *parsed;
-  if (Present(body, "prompt") && body["prompt"].is_string()) {
+  const Tokenizer* tokenizer = options.tokenizer;
+  if (tokenizer == nullptr && (chat || (Present(body, "prompt") && body["prompt"].is_string()))) {
     SetError(res, 400,
-             "this engine has no tokenizer: send prompt as a list of token ids, or use /generate "
-             "with input_ids");
+             chat ? "this engine has no tokenizer (its model directory has no tokenizer.json, or "
+                    "it runs with --skip-tokenizer-init): use /generate with input_ids"
+                  : "this engine has no tokenizer: send prompt as a list of token ids, or use "
+                    "/generate with input_ids");
     return;
   }
-  Status st = CheckFields("completions", body, "the request");
+  Status st = CheckFields(chat ? "chat_completions" : "completions", body, "the request");
   if (!st.ok()) {
     SetError(res, st);
     return;
   }
   Item item;
   GenerateRequest& r = item.request;
-  r.sampling.max_new_tokens = 16;
+  ModelInfo info = engine.model_info();
   st = [&]() -> Status {
-    if (!Present(body, "prompt")) {
-      return absl::InvalidArgumentError("prompt is required (a list of token ids)");
-    }
-    BRAGG_RETURN_IF_ERROR(ReadIds(body["prompt"], "prompt", &r.input_ids));
-    if (r.input_ids.empty()) {
-      return absl::InvalidArgumentError("prompt is empty");
-    }
-    json sp = json::object();
-    for (const char* name :
-         {"temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos"}) {
-      if (body.contains(name)) {
-        sp[name] = body[name];
+    if (chat) {
+      std::optional<int32_t> end = tokenizer->TokenId("<|im_end|>");
+      if (!tokenizer->TokenId("<|im_start|>") || !end) {
+        return absl::FailedPreconditionError(
+            "chat needs ChatML's <|im_start|> and <|im_end|> tokens, which this tokenizer does "
+            "not have: use /v1/completions or /generate with the model's own prompt format");
       }
+      if (!Present(body, "messages")) {
+        return absl::InvalidArgumentError("messages is required");
+      }
+      BRAGG_ASSIGN_OR_RETURN(std::string prompt, RenderChatMl(body["messages"]));
+      BRAGG_RETURN_IF_ERROR(EncodePrompt(*tokenizer, json(std::move(prompt)), "messages",
+                                         info.context_length, &r.input_ids,
+                                         /*add_special_tokens=*/false));
+      // OpenAI's default is as long as the context allows (and the KV cache: a request that
+      // could never fit is refused).
+      int64_t limit = info.context_length;
+      int64_t capacity = engine.stats().kv_tokens_capacity;
+      if (capacity > 0) {
+        limit = std::min(limit, capacity);
+      }
+      int64_t room = std::max<int64_t>(1, limit - static_cast<int64_t>(r.input_ids.size()));
+      BRAGG_RETURN_IF_ERROR(ReadOpenAiSampling(body, room, &r.sampling));
+      if (std::find(r.sampling.stop_token_ids.begin(), r.sampling.stop_token_ids.end(), *end) ==
+          r.sampling.stop_token_ids.end()) {
+        r.sampling.stop_token_ids.push_back(*end);
+      }
+      BRAGG_RETURN_IF_ERROR(ReadBool(body, "", "skip_special_tokens", &item.skip_special_tokens));
+    } else {
+      if (!Present(body, "prompt")) {
+        return absl::InvalidArgumentError("prompt is required (a list of token ids or a string)");
+      }
+      if (body["prompt"].is_string()) {
+        BRAGG_RETURN_IF_ERROR(
+            EncodePrompt(*tokenizer, body["prompt"], "prompt", info.context_length, &r.input_ids));
+      } else {
+        BRAGG_RETURN_IF_ERROR(ReadIds(body["prompt"], "prompt", &r.input_ids));
+      }
+      BRAGG_RETURN_IF_ERROR(ReadOpenAiSampling(body, 16, &r.sampling));  // OpenAI's default
     }
-    if (body.contains("max_tokens")) {
-      sp["max_new_tokens"] = body["max_tokens"];
+    if (r.input_ids.empty()) {
+      return absl::InvalidArgumentError(chat ? "the messages give no tokens" : "prompt is empty");
     }
-    if (body.contains("seed")) {
-      sp["sampling_seed"] = body["seed"];
-    }
-    BRAGG_RETURN_IF_ERROR(ReadSampling(sp, &r.sampling));
     BRAGG_RETURN_IF_ERROR(ReadString(body, "", "rid", &r.rid));
     BRAGG_RETURN_IF_ERROR(ReadString(body, "", "extra_key", &r.extra_key));
     return absl::OkStatus();
@@ -858,24 +1089,30 @@ void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Respo
     return;
   }
   std::shared_ptr<Exchange> ex = *std::move(submitted);
-  std::string model = engine.model_info().served_model_name;
+  std::string model = info.served_model_name;
   res.set_chunked_content_provider(
       "application/json",
-      [this, ex, model](size_t, httplib::DataSink& sink) {
+      [this, ex, model, chat](size_t, httplib::DataSink& sink) {
         std::vector<GenerateOutput> outs;
         if (!WaitAll(*ex, &outs, [&sink] { return sink.write(" ", 1); })) {
           return false;
         }
         const GenerateOutput& out = outs[0];
+        std::string text = OutputText(options.tokenizer, out.output_ids,
+                                      ex->items[0].skip_special_tokens, /*partial=*/false);
         json choice = {{"index", 0},
-                       {"text", ""},
                        {"output_ids", out.output_ids},
                        {"logprobs", nullptr},
                        {"finish_reason", FinishName(out.finish)},
                        {"matched_stop", out.matched_stop ? json(*out.matched_stop) : json()}};
+        if (chat) {
+          choice["message"] = {{"role", "assistant"}, {"content", std::move(text)}};
+        } else {
+          choice["text"] = std::move(text);
+        }
         int64_t completion = static_cast<int64_t>(out.output_ids.size());
         json answer = {{"id", out.rid},
-                       {"object", "text_completion"},
+                       {"object", chat ? "chat.completion" : "text_completion"},
                        {"created", std::chrono::duration_cast<std::chrono::seconds>(
                                        std::chrono::system_clock::now().time_since_epoch())
                                        .count()},
@@ -887,14 +1124,82 @@ void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Respo
                          {"total_tokens", out.prompt_tokens + completion},
                          {"prompt_tokens_details", {{"cached_tokens", out.cached_tokens}}}}},
                        {"weight_version", out.weight_version}};
-        std::string text = Dump(answer);
-        if (!sink.write(text.data(), text.size())) {
+        std::string dumped = Dump(answer);
+        if (!sink.write(dumped.data(), dumped.size())) {
           return false;
         }
         sink.done();
         return true;
       },
       [ex](bool) { ex->CancelUnfinished(); });
+}
+
+void Server::Impl::HandleTokenize(const httplib::Request& req, httplib::Response& res,
+                                  bool detokenize) {
+  if (options.tokenizer == nullptr) {
+    SetError(res, 400,
+             "this engine has no tokenizer (its model directory has no tokenizer.json, or it "
+             "runs with --skip-tokenizer-init)");
+    return;
+  }
+  const Tokenizer& tokenizer = *options.tokenizer;
+  Result<json> parsed = ParseObject(req.body, false);
+  Status st = parsed.ok()
+                  ? CheckFields(detokenize ? "detokenize" : "tokenize", *parsed, "the request")
+                  : parsed.status();
+  json answer;
+  if (st.ok() && detokenize) {
+    st = [&]() -> Status {
+      bool skip = false;
+      BRAGG_RETURN_IF_ERROR(ReadBool(*parsed, "", "skip_special_tokens", &skip));
+      const json& tokens = parsed->value("tokens", json());
+      std::vector<int32_t> ids;
+      if (tokens.is_array() && !tokens.empty() && tokens[0].is_array()) {
+        answer["text"] = json::array();
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          BRAGG_RETURN_IF_ERROR(ReadIds(tokens[i], fmt::format("tokens[{}]", i), &ids));
+          answer["text"].push_back(tokenizer.Decode(ids, skip));
+        }
+        return absl::OkStatus();
+      }
+      BRAGG_RETURN_IF_ERROR(ReadIds(tokens, "tokens", &ids));
+      answer["text"] = tokenizer.Decode(ids, skip);
+      return absl::OkStatus();
+    }();
+  } else if (st.ok()) {
+    st = [&]() -> Status {
+      bool special = true;
+      BRAGG_RETURN_IF_ERROR(ReadBool(*parsed, "", "add_special_tokens", &special));
+      const json& prompt = parsed->value("prompt", json());
+      // Counting a text longer than the context is what /tokenize is for; up to 16 contexts.
+      int64_t limit = 16 * engine.model_info().context_length;
+      auto one = [&](const json& text, std::string_view where) -> Result<json> {
+        std::vector<int32_t> ids;
+        BRAGG_RETURN_IF_ERROR(EncodePrompt(tokenizer, text, where, limit, &ids, special));
+        return json(std::move(ids));
+      };
+      if (prompt.is_array()) {
+        answer["tokens"] = json::array();
+        answer["count"] = json::array();
+        for (size_t i = 0; i < prompt.size(); ++i) {
+          BRAGG_ASSIGN_OR_RETURN(json ids, one(prompt[i], fmt::format("prompt[{}]", i)));
+          answer["count"].push_back(ids.size());
+          answer["tokens"].push_back(std::move(ids));
+        }
+      } else {
+        BRAGG_ASSIGN_OR_RETURN(json ids, one(prompt, "prompt"));
+        answer["count"] = ids.size();
+        answer["tokens"] = std::move(ids);
+      }
+      answer["max_model_len"] = engine.model_info().context_length;
+      return absl::OkStatus();
+    }();
+  }
+  if (!st.ok()) {
+    SetError(res, st);
+    return;
+  }
+  Reply(res, answer);
 }
 
 std::string Server::Impl::MetricsText() {
@@ -957,7 +1262,8 @@ json Server::Impl::ServerInfo() {
   ModelInfo info = engine.model_info();
   EngineStats s = engine.stats();
   json out = {{"model_path", info.model_path},
-              {"tokenizer_path", nullptr},
+              {"tokenizer_path", options.tokenizer ? json(options.tokenizer_path) : json()},
+              {"skip_tokenizer_init", options.tokenizer == nullptr},
               {"served_model_name", info.served_model_name},
               {"weight_version", s.weight_version},
               {"host", options.host},
@@ -1002,7 +1308,7 @@ void Server::Impl::Register() {
   http.Get("/get_model_info", [this](const httplib::Request&, httplib::Response& res) {
     ModelInfo info = engine.model_info();
     Reply(res, {{"model_path", info.model_path},
-                {"tokenizer_path", nullptr},
+                {"tokenizer_path", options.tokenizer ? json(options.tokenizer_path) : json()},
                 {"is_generation", true},
                 {"preferred_sampling_params", nullptr},
                 {"weight_version", engine.stats().weight_version},
@@ -1174,11 +1480,19 @@ void Server::Impl::Register() {
                                        {"max_model_len", info.context_length}}})}});
   });
   http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleCompletions(req, res);
+    HandleCompletions(req, res, /*chat=*/false);
   });
-  http.Post("/v1/chat/completions", [](const httplib::Request&, httplib::Response& res) {
-    SetError(res, 400, "this model directory has no tokenizer; use /generate with input_ids");
+  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    HandleCompletions(req, res, /*chat=*/true);
   });
+  for (bool detokenize : {false, true}) {
+    for (const char* prefix : {"", "/v1"}) {
+      http.Post(fmt::format("{}/{}", prefix, detokenize ? "detokenize" : "tokenize"),
+                [this, detokenize](const httplib::Request& req, httplib::Response& res) {
+                  HandleTokenize(req, res, detokenize);
+                });
+    }
+  }
 }
 
 Server::Server(Engine& engine, ServerOptions options)

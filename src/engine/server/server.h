@@ -2,7 +2,10 @@
 
 // bragg-engine's HTTP door: SGLang's native API (/generate, control endpoints, /metrics) and the
 // token-id subset of the OpenAI API, served over cpp-httplib in front of an Engine (engine.h).
-// The engine has no tokenizer: prompts are token ids, answers carry output_ids and "text" is "".
+// Token ids are the contract (input_ids in, output_ids out). With a tokenizer (tokenizer.h, the
+// model directory's tokenizer.json) the text endpoints are served too: /generate's `text`,
+// string prompts on /v1/completions, /v1/chat/completions (ChatML), /tokenize and /detokenize,
+// and answers carry the decoded "text". Without one those are refused with 400 and "text" is "".
 //
 // Every field name a request may carry is listed in one table (RequestFields()); a field outside
 // it is refused with 400 naming it, a known SGLang field Bragg does not implement is refused
@@ -19,6 +22,7 @@
 
 #include "common/status.h"
 #include "engine/engine.h"
+#include "engine/tokenizer.h"
 
 namespace bragg::engine {
 
@@ -31,6 +35,9 @@ struct ServerOptions {
   // The engine's options, when the caller has them: /get_server_info reports them (the Engine
   // interface does not expose its options).
   std::optional<EngineOptions> engine_options;
+  // Text in and out; null: token ids only. Not owned: must outlive the server.
+  const Tokenizer* tokenizer = nullptr;
+  std::string tokenizer_path;  // what /get_model_info reports
   // A request that makes no progress for this long writes a keep-alive (an SSE comment in a
   // stream, a JSON whitespace byte before a plain answer) so that a client that went away is
   // noticed and its request cancelled.
@@ -48,7 +55,8 @@ enum class FieldUse {
 };
 
 struct FieldSpec {
-  std::string_view scope;  // generate | sampling_params | completions | update_weights_from_disk
+  std::string_view scope;  // generate | sampling_params | completions | chat_completions
+                           // | tokenize | detokenize | update_weights_from_disk
                            // | abort_request | pause_generation | continue_generation
   std::string_view name;   // SGLang's (or OpenAI's) field name
   FieldUse use;

@@ -287,6 +287,30 @@ void FakeStream::Cancel() {
   engine_->cv_.notify_all();
 }
 
+// A byte-level tokenizer: id b is the byte b (GPT-2's byte-to-character table), and ChatML's two
+// tokens are 256 and 257. No merges: the text's bytes are its ids.
+std::unique_ptr<Tokenizer> ByteTokenizer() {
+  json vocab = json::object();
+  int extra = 0;
+  for (int b = 0; b < 256; ++b) {
+    bool keep = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    int c = keep ? b : 256 + extra++;
+    std::string utf8 = c < 0x80 ? std::string(1, static_cast<char>(c))
+                                : std::string{static_cast<char>(0xC0 | (c >> 6)),
+                                              static_cast<char>(0x80 | (c & 0x3F))};
+    vocab[utf8] = b;
+  }
+  json doc = {
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}},
+      {"added_tokens", json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
+                                    {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})}};
+  auto t = Tokenizer::FromJson(doc.dump(), "byte tokenizer");
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *std::move(t) : nullptr;
+}
+
 class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -329,6 +353,7 @@ class ServerTest : public ::testing::Test {
   }
 
   FakeEngine engine_;
+  std::unique_ptr<Tokenizer> tokenizer_;  // before server_: the server points at it
   std::unique_ptr<Server> server_;
   std::unique_ptr<httplib::Client> client_;
 };
@@ -588,7 +613,7 @@ TEST_F(ServerTest, HostileBodiesGetA400NamingTheProblem) {
       {"{\"input_ids\": " + std::string(5000, '[') + std::string(5000, ']') + "}", "nests deeper"},
       {R"({"input_ids": [1], "bogus": 1})", "unknown field 'bogus'"},
       {R"({"input_ids": [1], "sampling_params": {"bogus": 1}})", "unknown field 'bogus'"},
-      {R"({"text": "hello"})", "this engine takes input_ids (no tokenizer)"},
+      {R"({"text": "hello"})", "this engine takes input_ids (no tokenizer"},
       {R"({})", "input_ids is required"},
       {R"({"input_ids": []})", "input_ids is empty"},
       {R"({"input_ids": [[1], []]})", "input_ids[1] is empty"},
@@ -934,9 +959,34 @@ TEST_F(ServerTest, EveryEndpointAnswers) {
 
 // Every field in the table is accepted with its example value, and nothing outside the table is.
 TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
+  tokenizer_ = ByteTokenizer();  // the text fields need one
+  ASSERT_NE(tokenizer_, nullptr);
+  ServerOptions with_tokenizer;
+  with_tokenizer.tokenizer = tokenizer_.get();
+  Start(with_tokenizer);
+  const json hi = json::array({{{"role", "user"}, {"content", "hi"}}});
   // A value for each served field (a served field added to the table needs one here).
   const std::map<std::pair<std::string, std::string>, json> served = {
       {{"generate", "input_ids"}, {1, 2}},
+      {{"generate", "text"}, "hi"},
+      {{"sampling_params", "skip_special_tokens"}, false},
+      {{"chat_completions", "messages"}, hi},
+      {{"chat_completions", "max_tokens"}, 1},
+      {{"chat_completions", "max_completion_tokens"}, 1},
+      {{"chat_completions", "temperature"}, 0},
+      {{"chat_completions", "top_p"}, 1},
+      {{"chat_completions", "top_k"}, -1},
+      {{"chat_completions", "min_p"}, 0},
+      {{"chat_completions", "seed"}, 1},
+      {{"chat_completions", "stop_token_ids"}, {2}},
+      {{"chat_completions", "ignore_eos"}, false},
+      {{"chat_completions", "skip_special_tokens"}, true},
+      {{"chat_completions", "rid"}, "c"},
+      {{"chat_completions", "extra_key"}, "k"},
+      {{"tokenize", "prompt"}, "hi"},
+      {{"tokenize", "add_special_tokens"}, false},
+      {{"detokenize", "tokens"}, {104, 105}},
+      {{"detokenize", "skip_special_tokens"}, true},
       {{"generate", "sampling_params"}, {{"max_new_tokens", 1}}},
       {{"generate", "rid"}, "field-test"},
       {{"generate", "return_logprob"}, true},
@@ -978,6 +1028,9 @@ TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
        {"/generate", {{"input_ids", {1}}, {"sampling_params", {{"max_new_tokens", 1}}}}}},
       {"sampling_params", {"/generate", {{"input_ids", {1}}}}},
       {"completions", {"/v1/completions", {{"prompt", {1}}, {"max_tokens", 1}}}},
+      {"chat_completions", {"/v1/chat/completions", {{"messages", hi}, {"max_tokens", 1}}}},
+      {"tokenize", {"/tokenize", {{"prompt", "hi"}}}},
+      {"detokenize", {"/detokenize", {{"tokens", {104}}}}},
       {"update_weights_from_disk", {"/update_weights_from_disk", {{"model_path", "/ckpt/f"}}}},
       {"abort_request", {"/abort_request", {{"abort_all", true}}}},
       {"pause_generation", {"/pause_generation", json::object()}},
@@ -1001,6 +1054,9 @@ TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
       value = true;
     }
     auto [path, body] = scopes.at(key.first);
+    if (key == std::pair<std::string, std::string>{"generate", "text"}) {
+      body.erase("input_ids");
+    }
     if (key.first == "sampling_params") {
       body["sampling_params"][key.second] = value;
       body["sampling_params"]["max_new_tokens"] = 1;
@@ -1030,6 +1086,153 @@ TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
                                RequestFields().begin(), RequestFields().end(),
                                [](const FieldSpec& f) { return f.use == FieldUse::kServed; })))
       << "an example value names a field the table does not serve";
+}
+
+// With a tokenizer: text prompts become the tokenizer's ids, answers carry the decoded text (a
+// stream never ends a chunk inside a character), ChatML chat, /tokenize and /detokenize.
+TEST_F(ServerTest, TextEndpointsWithATokenizer) {
+  tokenizer_ = ByteTokenizer();
+  ASSERT_NE(tokenizer_, nullptr);
+  ServerOptions options;
+  options.tokenizer = tokenizer_.get();
+  options.tokenizer_path = "/models/x/tokenizer.json";
+  Start(options);
+  const Tokenizer& tok = *tokenizer_;
+
+  json out =
+      PostOk("/generate", {{"text", "h\xC3\xA9"}, {"sampling_params", {{"max_new_tokens", 40}}}});
+  ASSERT_TRUE(out.is_object());
+  std::vector<int32_t> prompt = {'h', 0xC3, 0xA9};
+  EXPECT_EQ(out["meta_info"]["prompt_tokens"], 3);
+  std::vector<int32_t> ids = out["output_ids"];
+  ASSERT_EQ(ids.size(), 40u);
+  EXPECT_EQ(ids[0], FakeToken(prompt, 0));
+  EXPECT_EQ(out["text"], tok.Decode(ids, true));
+
+  // A batch of texts; both text and input_ids is refused.
+  out = PostOk("/generate",
+               {{"text", {"a", "<|im_start|>b"}}, {"sampling_params", {{"max_new_tokens", 2}}}});
+  ASSERT_TRUE(out.is_array());
+  EXPECT_EQ(out[0]["meta_info"]["prompt_tokens"], 1);
+  EXPECT_EQ(out[1]["meta_info"]["prompt_tokens"], 2);  // the special token is one id
+  EXPECT_EQ(out[1]["output_ids"][0], FakeToken({256, 'b'}, 0));
+  auto res = Post("/generate", {{"text", "a"}, {"input_ids", {1}}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_NE(ErrorMessage(res).find("not both"), std::string::npos);
+  for (json bad : {json(3), json::array({"a", 4}), json::array()}) {
+    res = Post("/generate", {{"text", bad}});
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << bad.dump();
+    EXPECT_NE(ErrorMessage(res).find("text"), std::string::npos) << res->body;
+  }
+
+  // A stream: every chunk's text is the start of the final text, and none ends inside a
+  // character (the fake's ids include UTF-8 lead bytes whose continuation comes a token later).
+  res = client_->Post(
+      "/generate",
+      json({{"text", "stream me"}, {"stream", true}, {"sampling_params", {{"max_new_tokens", 60}}}})
+          .dump(),
+      "application/json");
+  ASSERT_TRUE(res);
+  std::vector<json> chunks;
+  for (size_t at = 0; (at = res->body.find("data: {", at)) != std::string::npos;) {
+    size_t end = res->body.find("\n\n", at);
+    chunks.push_back(json::parse(res->body.substr(at + 6, end - at - 6)));
+    at = end;
+  }
+  ASSERT_GT(chunks.size(), 10u);
+  std::string final_text = chunks.back()["text"];
+  EXPECT_EQ(final_text, tok.Decode(chunks.back()["output_ids"].get<std::vector<int32_t>>(), true));
+  int held_back = 0;
+  for (size_t i = 0; i + 1 < chunks.size(); ++i) {
+    std::string text = chunks[i]["text"];
+    std::vector<int32_t> so_far = chunks[i]["output_ids"];
+    std::string raw = tok.DecodeBytes(so_far, true);
+    held_back += IncompleteUtf8Tail(raw) > 0;
+    EXPECT_EQ(final_text.compare(0, text.size(), text), 0) << i << ": " << text;
+  }
+  EXPECT_GT(held_back, 0) << "the fake's ids never cut a character: the check checked nothing";
+
+  // /v1/completions with a string prompt.
+  out = PostOk("/v1/completions", {{"prompt", "abc"}, {"max_tokens", 5}});
+  ASSERT_TRUE(out.is_object());
+  EXPECT_EQ(out["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(out["choices"][0]["text"],
+            tok.Decode(out["choices"][0]["output_ids"].get<std::vector<int32_t>>(), true));
+
+  // Chat: ChatML, and <|im_end|> stops.
+  json messages = json::array(
+      {{{"role", "system"}, {"content", "S"}},
+       {{"role", "user"}, {"content", json::array({{{"type", "text"}, {"text", "U"}}})}}});
+  out = PostOk("/v1/chat/completions", {{"messages", messages}, {"max_tokens", 4}});
+  ASSERT_TRUE(out.is_object());
+  std::string chatml =
+      "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+      "<|im_start|>assistant\n";
+  std::vector<int32_t> chat_ids = *tok.Encode(chatml, false);
+  EXPECT_EQ(out["usage"]["prompt_tokens"], chat_ids.size());
+  EXPECT_EQ(out["object"], "chat.completion");
+  EXPECT_EQ(out["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(out["choices"][0]["output_ids"][0], FakeToken(chat_ids, 0));
+  EXPECT_EQ(out["choices"][0]["message"]["content"],
+            tok.Decode(out["choices"][0]["output_ids"].get<std::vector<int32_t>>(), true));
+  for (json bad :
+       {json::array(), json::array({{{"role", "wizard"}, {"content", "x"}}}),
+        json::array({{{"content", "x"}}}), json::array({{{"role", "user"}, {"content", 5}}}),
+        json::array({{{"role", "user"}, {"content", "x"}, {"tool_calls", 1}}}),
+        json::array({{{"role", "user"}, {"content", json::array({{{"type", "image_url"}}})}}})}) {
+    res = Post("/v1/chat/completions", {{"messages", bad}});
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << bad.dump();
+    EXPECT_NE(ErrorMessage(res).find("messages"), std::string::npos) << res->body;
+  }
+
+  // /tokenize and /detokenize, one and a batch, and the /v1 spellings.
+  out = PostOk("/tokenize", {{"prompt", "hi<|im_end|>"}});
+  EXPECT_EQ(out["tokens"], json({'h', 'i', 257}));
+  EXPECT_EQ(out["count"], 3);
+  EXPECT_EQ(out["max_model_len"], 4096);
+  out = PostOk("/v1/tokenize", {{"prompt", {"a", ""}}});
+  EXPECT_EQ(out["tokens"], json({{'a'}, json::array()}));
+  EXPECT_EQ(out["count"], json({1, 0}));
+  out = PostOk("/detokenize", {{"tokens", {'h', 'i', 257}}});
+  EXPECT_EQ(out["text"], "hi<|im_end|>");
+  out = PostOk("/v1/detokenize",
+               {{"tokens", {{'h', 257}, {0xE2, 0x82}}}, {"skip_special_tokens", true}});
+  EXPECT_EQ(out["text"], json({"h", "\xEF\xBF\xBD"}));
+  for (auto [path, body] : std::vector<std::pair<std::string, json>>{
+           {"/tokenize", {{"prompt", 5}}},
+           {"/tokenize", {{"prompt", {"a", 5}}}},
+           {"/tokenize", {{"text", "a"}}},
+           {"/detokenize", {{"tokens", "abc"}}},
+           {"/detokenize", {{"tokens", {1, -1}}}},
+       }) {
+    res = Post(path, body);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << path << " " << body.dump();
+  }
+
+  out =
+      client_->Get("/get_model_info") ? json::parse(client_->Get("/get_model_info")->body) : json();
+  EXPECT_EQ(out["tokenizer_path"], "/models/x/tokenizer.json");
+}
+
+// Without a tokenizer every text endpoint says so.
+TEST_F(ServerTest, TextEndpointsWithoutATokenizerSaySo) {
+  for (auto [path, body] : std::vector<std::pair<std::string, json>>{
+           {"/generate", {{"text", "a"}}},
+           {"/v1/completions", {{"prompt", "a"}}},
+           {"/v1/chat/completions",
+            {{"messages", json::array({{{"role", "user"}, {"content", "a"}}})}}},
+           {"/tokenize", {{"prompt", "a"}}},
+           {"/detokenize", {{"tokens", {1}}}},
+       }) {
+    auto res = Post(path, body);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << path;
+    EXPECT_NE(ErrorMessage(res).find("no tokenizer"), std::string::npos) << path << res->body;
+  }
 }
 
 TEST_F(ServerTest, ThirtyTwoClientsAtOnce) {
