@@ -497,6 +497,9 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   tr.Int("threads", &train.threads, 1);
   tr.Int("max_tokens", &train.max_tokens, 1);
   tr.Bool("deterministic", &train.deterministic);
+  tr.Bool("external", &train.external);
+  tr.String("external_weights", &train.external_weights);
+  tr.Number("external_timeout_s", &train.external_timeout_s, Above(0));
 
   FleetConfig& fleet = config->fleet;
   Section& f = open("fleet", &root);
@@ -521,6 +524,14 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   x.Int("tp", &ex.tp, 1);
   x.Bool("sequence_parallel", &ex.sequence_parallel);
   x.Int("max_tokens", &ex.max_tokens, 0);
+  if (train.external) {
+    if (x.Has("batches") && !ex.batches) {
+      problems->Add("export.batches",
+                    "must be true with train.external: the external trainer "
+                    "trains on the exported batches");
+    }
+    ex.batches = true;
+  }
 }
 
 // Keys and tables no Section read: typos, keys in the wrong table, keys outside any table.
@@ -765,6 +776,9 @@ void CheckWhole(Config* c, const fs::path& base, Problems* problems) {
   task.files = Resolve(base, task.files);
   c->warm_start.traces = Resolve(base, c->warm_start.traces);
   c->fleet.bin_dir = Resolve(base, c->fleet.bin_dir);
+  c->train.external_weights = c->train.external_weights.empty()
+                                  ? c->run.dir + "/external"
+                                  : Resolve(base, c->train.external_weights);
 
   if (!c->model.path.empty()) {
     MustExist("model.path", c->model.path, Expect::kModelDirectory, problems);

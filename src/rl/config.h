@@ -122,6 +122,13 @@ struct TrainConfig {
   int threads = 1;
   int64_t max_tokens = 8192;  // tokens per packed micro-batch
   bool deterministic = true;  // the engine's batch-invariant arithmetic on both sides
+  // An external trainer (docs/rl.md "An external trainer"): bragg-rl exports each step's batch
+  // and, instead of training, waits for the weights of the next version to appear as
+  // external_weights/vNNNNNN/ (a Hugging Face directory, renamed into place whole), then pushes
+  // them to the fleet. Implies export.batches.
+  bool external = false;
+  std::string external_weights;      // default: run.dir/external
+  double external_timeout_s = 3600;  // waiting for one version's weights at most
 };
 
 // [fleet]

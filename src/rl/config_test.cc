@@ -208,6 +208,9 @@ normalize_std = false
 threads = 4
 max_tokens = 4096
 deterministic = false
+external = true
+external_weights = "megatron/hf"
+external_timeout_s = 90
 
 [fleet]
 engines = 0
@@ -309,6 +312,9 @@ max_tokens = 16384
   EXPECT_EQ(train.threads, 4);
   EXPECT_EQ(train.max_tokens, 4096);
   EXPECT_FALSE(train.deterministic);
+  EXPECT_TRUE(train.external);
+  EXPECT_EQ(train.external_weights, Path("megatron/hf"));
+  EXPECT_EQ(train.external_timeout_s, 90.0);
 
   const FleetConfig& fleet = c->fleet;
   EXPECT_EQ(fleet.engines, 0);
@@ -410,6 +416,9 @@ TEST_F(ConfigTest, ReferenceConfigStatesEveryDefault) {
   EXPECT_EQ(c->train.threads, d.train.threads);
   EXPECT_EQ(c->train.max_tokens, d.train.max_tokens);
   EXPECT_EQ(c->train.deterministic, d.train.deterministic);
+  EXPECT_EQ(c->train.external, d.train.external);
+  EXPECT_EQ(c->train.external_weights, c->run.dir + "/external");
+  EXPECT_EQ(c->train.external_timeout_s, d.train.external_timeout_s);
 
   EXPECT_EQ(c->fleet.engines, d.fleet.engines);
   EXPECT_EQ(c->fleet.engine_urls, d.fleet.engine_urls);
@@ -672,6 +681,25 @@ TEST_F(ConfigTest, ExportRowMustHoldAPaddedTrajectory) {
               StartsWith("config.toml: train.max_tokens: must be >= 515"));
   EXPECT_THAT(Refusal(Parse({{"export.dp", "0"}})),
               StartsWith("config.toml: export.dp: must be >= 1, got 0"));
+}
+
+// An external trainer trains on the exported batches: export.batches is implied, and refused
+// when set false; its weights directory defaults into run.dir.
+TEST_F(ConfigTest, ExternalTrainerImpliesExportedBatches) {
+  auto c = Parse({{"train.external", "true"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->export_.batches);
+  EXPECT_EQ(c->train.external_weights, Path("rl-run") + "/external");
+  c = Parse({{"train.external", "true"}, {"train.external_weights", "\"w\""}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->train.external_weights, Path("w"));
+  EXPECT_THAT(Refusal(Parse({{"train.external", "true"}, {"export.batches", "false"}})),
+              HasSubstr("export.batches: must be true with train.external"));
+  EXPECT_THAT(Refusal(Parse({{"train.external_timeout_s", "0"}})),
+              HasSubstr("train.external_timeout_s: must be > 0"));
+  auto plain = Parse(std::vector<std::pair<std::string, std::string>>{});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->export_.batches);
 }
 
 TEST_F(ConfigTest, BoundariesAreAccepted) {

@@ -236,7 +236,27 @@ class Controller {
   // (dropped as sandbox_failed); the next groups get new sandboxes.
   Status RecoverSandboxes();
   Result<std::vector<std::string>> CloneSandboxes(uint32_t count);
+  // Saves the trainer's weights as `version` and pushes them to the fleet.
   Status PushWeights(int64_t version);
+  // Pushes the Hugging Face directory `dir` to the fleet as `version` (the gateway's in-place
+  // update of every engine).
+  Status PushModel(const std::string& dir, int64_t version);
+  // train.external: writes `batch` for the next step and waits for the external trainer's
+  // weights of the next version (AwaitExternal).
+  Result<train::StepMetrics> ExternalStep(const std::vector<train::Trajectory>& batch);
+  // Waits for ExternalDir(version) to hold a model. DeadlineExceeded after
+  // train.external_timeout_s, Cancelled when run.time_limit_s runs out first.
+  Status AwaitExternal(int64_t version, const std::string& batch_path);
+  // --resume with train.external: the batch the killed run exported and never got weights for
+  // may be in the external trainer's hands; it is kept (not exported again with other
+  // rollouts), its weights awaited and pushed, and its trajectories recorded as trained.
+  Status FinishExportedStep(const std::string& batch_path);
+  Status SaveExternalState();
+  std::string ExternalDir(int64_t version) const {
+    return fmt::format("{}/v{:06d}", cfg_.train.external_weights, version);
+  }
+  // Optimizer steps done: the trainer's, or the external trainer's versions pushed.
+  int64_t StepsDone() const { return cfg_.train.external ? external_step_ : trainer_->step(); }
   void Worker(int index);
   bool TakeTask(Task* task);
   // One rollout in `sandbox` (its tool server started there), then the sandbox destroyed and the
@@ -282,7 +302,10 @@ class Controller {
   std::string prepared_;  // the sandbox every rollout's sandbox is cloned from
   int64_t sandbox_recoveries_ = 0;
 
+  // With train.external it only gives the initial model (and warm start): steps are the external
+  // trainer's, counted by external_step_ and kept in run.dir/external_state.json for --resume.
   std::unique_ptr<train::Trainer> trainer_;
+  int64_t external_step_ = 0;
   std::ofstream metrics_, trained_;
   std::mutex rollouts_mu_;
   std::ofstream rollouts_;  // every finished rollout as text, for reading what the model does
@@ -549,6 +572,14 @@ Result<std::vector<std::string>> Controller::CloneSandboxes(uint32_t count) {
 Status Controller::PushWeights(int64_t version) {
   std::string dir = ModelDir(version);
   BRAGG_RETURN_IF_ERROR(trainer_->SaveModel(dir));
+  BRAGG_RETURN_IF_ERROR(PushModel(dir, version));
+  // The previous model's files: every engine has the new one now. Keep the last two.
+  std::error_code ec;
+  fs::remove_all(ModelDir(version - 2), ec);
+  return absl::OkStatus();
+}
+
+Status Controller::PushModel(const std::string& dir, int64_t version) {
   httplib::Client http(gateway_url_);
   http.set_read_timeout(600, 0);
   json body = {{"model_path", fs::absolute(dir).string()},
@@ -562,10 +593,114 @@ Status Controller::PushWeights(int64_t version) {
     return absl::InternalError(
         Cat("POST /weights/update: HTTP ", r->status, ": ", r->body.substr(0, 500)));
   }
-  // The previous model's files: every engine has the new one now. Keep the last two.
-  std::error_code ec;
-  fs::remove_all(ModelDir(version - 2), ec);
   return absl::OkStatus();
+}
+
+Status Controller::AwaitExternal(int64_t version, const std::string& batch_path) {
+  // The trainer renames a whole directory into place: once config.json is there, so is the rest.
+  const std::string dir = ExternalDir(version);
+  auto start = Clock::now();
+  auto next_note = start + std::chrono::seconds(30);
+  spdlog::info("waiting for the external trainer's weights for {} in {}", batch_path, dir);
+  for (;;) {
+    std::error_code ec;
+    if (fs::exists(dir + "/config.json", ec)) {
+      return absl::OkStatus();
+    }
+    auto now = Clock::now();
+    if (cfg_.run.time_limit_s > 0 && Seconds(now - t0_) > cfg_.run.time_limit_s) {
+      return absl::CancelledError("the time limit ran out waiting for the external trainer");
+    }
+    if (Seconds(now - start) > cfg_.train.external_timeout_s) {
+      return absl::DeadlineExceededError(Cat(
+          "no weights for version ", version, " in ", dir, " after ", cfg_.train.external_timeout_s,
+          " s (train.external_timeout_s): the external trainer should train on ", batch_path,
+          " and rename a Hugging Face directory (config.json and safetensors) to ", dir));
+    }
+    if (now >= next_note) {
+      spdlog::info("still waiting for {} ({:.0f} s)", dir, Seconds(now - start));
+      next_note = now + std::chrono::seconds(30);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+Status Controller::SaveExternalState() {
+  return WriteStringToFile(
+      cfg_.run.dir + "/external_state.json",
+      json{{"step", external_step_}, {"version", version_}, {"model", ExternalDir(version_)}}
+              .dump() +
+          "\n");
+}
+
+Status Controller::FinishExportedStep(const std::string& batch_path) {
+  BRAGG_ASSIGN_OR_RETURN(std::string text, ReadFileToString(batch_path));
+  std::istringstream in(text);
+  json ids = json::array();
+  int64_t version = -1;
+  for (std::string line; std::getline(in, line);) {
+    json row = json::parse(line, nullptr, false);
+    if (!row.is_object() || !row.contains("version") || !row.contains("trajectory_ids")) {
+      return absl::DataLossError(Cat(batch_path, ": a row without version and trajectory_ids"));
+    }
+    version = row["version"].get<int64_t>();
+    for (const json& id : row["trajectory_ids"]) {
+      ids.push_back(id);
+    }
+  }
+  if (version != version_ + 1) {
+    return absl::DataLossError(Cat(batch_path, " names version ", version, ", not ", version_ + 1,
+                                   " (the version after the last one pushed)"));
+  }
+  BRAGG_RETURN_IF_ERROR(AwaitExternal(version, batch_path));
+  BRAGG_RETURN_IF_ERROR(PushModel(ExternalDir(version), version));
+  external_step_ += 1;
+  version_ = version;
+  trainer_->set_version(version);
+  BRAGG_RETURN_IF_ERROR(SaveExternalState());
+  trained_ << json{{"step", external_step_}, {"version", version}, {"ids", ids}}.dump() << "\n";
+  trained_.flush();
+  Metric({{"event", "resumed_step"},
+          {"step", external_step_},
+          {"version", version},
+          {"samples", ids.size()}});
+  spdlog::info("step {} v{}: the killed run's exported batch, trained externally", external_step_,
+               version);
+  return absl::OkStatus();
+}
+
+Result<train::StepMetrics> Controller::ExternalStep(const std::vector<train::Trajectory>& batch) {
+  train::StepMetrics m;
+  m.step = external_step_ + 1;
+  m.version = version_ + 1;
+  const std::string batch_path = fmt::format("{}/batches/step-{:06d}.jsonl", cfg_.run.dir, m.step);
+  std::vector<double> adv = train::GroupAdvantages(batch, cfg_.train.normalize_std);
+  BRAGG_RETURN_IF_ERROR(
+      Annotate(WritePackedBatch(
+                   batch, adv, cfg_.export_,
+                   cfg_.export_.max_tokens > 0 ? cfg_.export_.max_tokens : cfg_.train.max_tokens,
+                   m.step, m.version, batch_path),
+               Cat("exporting the batch of step ", m.step)));
+  auto start = Clock::now();
+  BRAGG_RETURN_IF_ERROR(AwaitExternal(m.version, batch_path));
+  m.seconds = Seconds(Clock::now() - start);
+  m.trajectories = static_cast<int64_t>(batch.size());
+  for (const train::Trajectory& t : batch) {
+    m.tokens += static_cast<int64_t>(t.tokens.size());
+    for (size_t k = 0; k < t.tokens.size(); ++k) {
+      m.loss_tokens += t.loss_mask[k] ? 1 : 0;
+      if (k < t.versions.size() && t.versions[k] >= 0) {
+        m.min_version = m.min_version < 0 ? t.versions[k] : std::min(m.min_version, t.versions[k]);
+        m.max_version = std::max(m.max_version, t.versions[k]);
+      }
+    }
+  }
+  m.tokens_per_second = m.seconds > 0 ? static_cast<double>(m.tokens) / m.seconds : 0;
+  // What only the trainer knows: null in metrics.jsonl.
+  const double unknown = std::numeric_limits<double>::quiet_NaN();
+  m.loss = m.policy_loss = m.entropy = m.kl = m.clip_fraction = unknown;
+  m.logprob_diff_max = m.grad_norm = unknown;
+  return m;
 }
 
 bool Controller::TakeTask(Task* task) {
@@ -872,7 +1007,44 @@ Status Controller::Run() {
   o.normalize_std = cfg_.train.normalize_std;
   o.max_tokens = cfg_.train.max_tokens;
 
-  if (opt_.resume) {
+  const std::string external_state = cfg_.run.dir + "/external_state.json";
+  if (opt_.resume && cfg_.train.external) {
+    // The external trainer's last version pushed, and the initial model to start a trainer
+    // object from (it only serves the initial weights in this mode).
+    int64_t version = 0;
+    if (auto text = ReadFileToString(external_state); text.ok()) {
+      json st = json::parse(*text, nullptr, false);
+      if (!st.is_object() || !st.contains("step") || !st.contains("version")) {
+        return absl::DataLossError(Cat(external_state, " is not {\"step\", \"version\"}"));
+      }
+      external_step_ = st["step"].get<int64_t>();
+      version = st["version"].get<int64_t>();
+    }
+    if (!fs::exists(ModelDir(0) + "/config.json")) {
+      return absl::FailedPreconditionError(
+          Cat("cannot resume: ", ModelDir(0), " (the initial model) is missing"));
+    }
+    o.model_dir = ModelDir(0);
+    BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Create(o));
+    trainer_->set_version(version);
+    int64_t keep = external_step_;
+    for (const std::string& path : {metrics_path, trained_path}) {
+      auto text = ReadFileToString(path);
+      std::string kept;
+      if (text.ok()) {
+        std::istringstream in(*text);
+        for (std::string line; std::getline(in, line);) {
+          json j = json::parse(line, nullptr, false);
+          if (j.is_object() && (j.contains("event") || j.value("step", int64_t{0}) <= keep)) {
+            kept += line + "\n";
+          }
+        }
+      }
+      BRAGG_RETURN_IF_ERROR(WriteStringToFile(path, kept));
+    }
+    spdlog::info("resumed at step {} (version {}, the external trainer's)", external_step_,
+                 version);
+  } else if (opt_.resume) {
     if (cfg_.train.kl_coef > 0) {
       o.reference_dir = cfg_.run.dir + "/models/reference";
     }
@@ -948,17 +1120,33 @@ Status Controller::Run() {
   trained_.open(trained_path, std::ios::app);
   rollouts_.open(cfg_.run.dir + "/rollouts.jsonl", std::ios::app);
   version_ = trainer_->version();
-  BRAGG_RETURN_IF_ERROR(trainer_->SaveModel(ModelDir(version_)));
-  BRAGG_RETURN_IF_ERROR(StartFleet(ModelDir(version_), version_));
+  std::string serving = ModelDir(version_);
+  if (cfg_.train.external && version_ > 0) {
+    serving = ExternalDir(version_);
+  } else {
+    BRAGG_RETURN_IF_ERROR(trainer_->SaveModel(serving));
+  }
+  if (cfg_.train.external) {
+    BRAGG_RETURN_IF_ERROR(MakeDirs(cfg_.train.external_weights));
+  }
+  BRAGG_RETURN_IF_ERROR(StartFleet(serving, version_));
+  if (opt_.resume && cfg_.train.external) {
+    std::string exported =
+        fmt::format("{}/batches/step-{:06d}.jsonl", cfg_.run.dir, external_step_ + 1);
+    if (fs::exists(exported)) {
+      t0_ = Clock::now();  // the time limit counts from here
+      BRAGG_RETURN_IF_ERROR(FinishExportedStep(exported));
+    }
+  }
   sampler_ = std::make_unique<PromptSampler>(
-      &prompts_, cfg_.run.seed * 7919 + static_cast<uint64_t>(trainer_->step()));
+      &prompts_, cfg_.run.seed * 7919 + static_cast<uint64_t>(StepsDone()));
 
   std::optional<double> eval_before;
   if (!eval_prompts_.empty()) {
     BRAGG_ASSIGN_OR_RETURN(double e, Evaluate(eval_prompts_, "before"));
     eval_before = e;
     run_metrics_->ObserveEval(e);
-    Metric({{"event", "eval"}, {"step", trainer_->step()}, {"eval_success", e}});
+    Metric({{"event", "eval"}, {"step", StepsDone()}, {"eval_success", e}});
   }
 
   t0_ = Clock::now();
@@ -971,7 +1159,8 @@ Status Controller::Run() {
     workers_.emplace_back([this, i] { Worker(i); });
   }
   Metric({{"event", "start"},
-          {"step", trainer_->step()},
+          {"step", StepsDone()},
+          {"trainer", cfg_.train.external ? "external" : "bragg"},
           {"max_staleness", cfg_.run.max_staleness},
           {"resume", opt_.resume}});
 
@@ -982,7 +1171,7 @@ Status Controller::Run() {
   auto last = t0_;
   double last_idle = 0;
   Status failure;
-  while (trainer_->step() < cfg_.run.steps) {
+  while (StepsDone() < cfg_.run.steps) {
     // Wait for B groups whose trajectories are all within the bound.
     auto wait0 = Clock::now();
     std::vector<train::Trajectory> batch;
@@ -1047,7 +1236,8 @@ Status Controller::Run() {
     // Wholly: every sampled token carries this version, and the rollout began under it (one
     // that began earlier may reuse prompt KV of older weights; see start_version).
     std::vector<train::Trajectory> fresh;
-    for (size_t i = 0; i < batch.size() && fresh.size() < 4; ++i) {
+    // (Not with an external trainer: the trainer here does not hold its weights.)
+    for (size_t i = 0; i < batch.size() && fresh.size() < 4 && !cfg_.train.external; ++i) {
       if (staleness[i] == 0 && starts[i] == version_ &&
           std::all_of(batch[i].versions.begin(), batch[i].versions.end(),
                       [&](int64_t v) { return v < 0 || v == version_; })) {
@@ -1076,13 +1266,17 @@ Status Controller::Run() {
       ++hist[a];
     }
     auto train0 = Clock::now();
-    auto m = trainer_->Step(batch);
+    auto m = cfg_.train.external ? ExternalStep(batch) : trainer_->Step(batch);
+    if (absl::IsCancelled(m.status())) {
+      spdlog::info("time limit of {} s reached", cfg_.run.time_limit_s);
+      break;
+    }
     if (!m.ok()) {
-      failure = Annotate(m.status(), Cat("training step ", trainer_->step() + 1));
+      failure = Annotate(m.status(), Cat("training step ", StepsDone() + 1));
       break;
     }
     double train_s = Seconds(Clock::now() - train0);
-    if (cfg_.export_.batches) {
+    if (cfg_.export_.batches && !cfg_.train.external) {
       // What the step trained on, for an external trainer: before the weights move on.
       std::vector<double> adv = train::GroupAdvantages(batch, cfg_.train.normalize_std);
       Status ex = WritePackedBatch(
@@ -1095,7 +1289,8 @@ Status Controller::Run() {
       }
     }
     auto sync0 = Clock::now();
-    Status pushed = PushWeights(trainer_->version());
+    Status pushed = cfg_.train.external ? PushModel(ExternalDir(m->version), m->version)
+                                        : PushWeights(trainer_->version());
     if (!pushed.ok()) {
       failure = pushed;
       break;
@@ -1103,7 +1298,15 @@ Status Controller::Run() {
     double sync_s = Seconds(Clock::now() - sync0);
     {
       std::lock_guard<std::mutex> l(mu_);
-      version_ = trainer_->version();
+      version_ = m->version;
+    }
+    if (cfg_.train.external) {
+      external_step_ = m->step;
+      trainer_->set_version(m->version);
+      if (Status st = SaveExternalState(); !st.ok()) {
+        failure = st;
+        break;
+      }
     }
     cv_.notify_all();
     json ids = json::array();
@@ -1112,7 +1315,8 @@ Status Controller::Run() {
     }
     trained_ << json{{"step", m->step}, {"version", m->version}, {"ids", ids}}.dump() << "\n";
     trained_.flush();
-    if (cfg_.run.checkpoint_every > 0 && m->step % cfg_.run.checkpoint_every == 0) {
+    if (!cfg_.train.external && cfg_.run.checkpoint_every > 0 &&
+        m->step % cfg_.run.checkpoint_every == 0) {
       Status c = trainer_->SaveCheckpoint(ckpt);
       if (!c.ok()) {
         failure = c;
@@ -1234,9 +1438,12 @@ Status Controller::Run() {
   if (!failure.ok()) {
     return failure;
   }
-  BRAGG_RETURN_IF_ERROR(trainer_->SaveCheckpoint(ckpt));
-  json summary = {{"steps", trainer_->step()},
-                  {"version", trainer_->version()},
+  if (!cfg_.train.external) {
+    BRAGG_RETURN_IF_ERROR(trainer_->SaveCheckpoint(ckpt));
+  }
+  json summary = {{"steps", StepsDone()},
+                  {"version", version_},
+                  {"trainer", cfg_.train.external ? "external" : "bragg"},
                   {"seconds", Seconds(Clock::now() - t0_)},
                   {"target_time_s", target_time ? json(*target_time) : json(nullptr)},
                   {"max_staleness", cfg_.run.max_staleness}};

@@ -109,7 +109,7 @@ def task_dir(tmp: Path, calm: bool) -> Path:
 
 
 def write_config(tmp: Path, *, steps=6, calm=False, staleness=1, checkpoint_every=2,
-                 extra="") -> Path:
+                 extra="", train_extra="") -> Path:
     task = task_dir(tmp, calm)
     text = f"""
 [run]
@@ -153,6 +153,7 @@ group_size = 4
 lr = 1e-3
 groups_per_step = 2
 max_tokens = 2048
+{train_extra}
 
 [fleet]
 engines = 2
@@ -330,6 +331,129 @@ def test_exported_batches_load_into_megatron(agent, tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["rows"] >= len(files)
+
+
+def test_an_external_trainer_trains_and_its_weights_are_served(agent, tmp_path):
+    """[train] external: bragg-rl exports each step's batch and waits; an external trainer
+    (examples/external-trainer/train_hf.py, on transformers) trains on it and renames its weights
+    into place; bragg-rl pushes them to the engines. Synchronous (max_staleness 0), so every
+    token of batch k was sampled by version k-1: the external trainer's own log-probs of them,
+    with the weights it wrote, equal the engines' behaviour log-probs. That holds only if the
+    engines served exactly the external trainer's weights."""
+    if not PEER_PYTHON or not Path(PEER_PYTHON).exists():
+        pytest.skip("no Python peer environment (BRAGG_PEER_PYTHON): run scripts/install-deps")
+    steps = 3
+    config = write_config(tmp_path, steps=steps, calm=True, staleness=0,
+                          train_extra="external = true\nexternal_timeout_s = 300\n")
+    run = tmp_path / "run"
+    p = start(config, agent)
+    trainer_log = open(tmp_path / "train_hf.log", "wb")
+    trainer = subprocess.Popen(
+        [PEER_PYTHON, str(ROOT / "examples" / "external-trainer" / "train_hf.py"), str(run),
+         "--steps", str(steps), "--lr", "0.05", "--timeout", "300"],
+        stdout=trainer_log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
+    STARTED.append(trainer)
+    finish(p, config)
+    assert trainer.wait(timeout=120) == 0, (tmp_path / "train_hf.log").read_text()[-3000:]
+    m = check_common(run, 0, steps)
+    for k, s in enumerate(m, start=1):
+        assert s["version"] == k
+        assert s["loss"] is None and s["grad_norm"] is None  # the trainer's, not bragg-rl's
+        assert s["agreement_samples"] == 0
+    start_event = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
+                   if '"event":"start"' in l.replace(" ", "")]
+    assert start_event and start_event[0]["trainer"] == "external"
+    assert json.loads((run / "external_state.json").read_text())["version"] == steps
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+    report = [json.loads(l) for l in (run / "external" / "report.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in report] == list(range(1, steps + 1))
+    for r in report:
+        assert r["tokens"] > 0
+        # fp32 transformers against the engine's deterministic fp32 kernels.
+        assert r["logprob_agreement_max"] <= 1e-3, r
+    # Batch k+1 was sampled by the engines with the weights the external trainer wrote at step k:
+    # a step that moved the log-probs by far more than the agreement above shows the engines
+    # served those weights and not the ones before.
+    moved = [r for r in report[:-1] if r["logprob_change_max"] > 0.05]
+    assert moved, report
+    from_init = subprocess.run(
+        [PEER_PYTHON, "-c", WEIGHTS_MOVED, str(run / "models" / "v0"),
+         str(run / "external" / f"v{steps:06d}")], capture_output=True, text=True, timeout=120)
+    assert from_init.returncode == 0, from_init.stderr[-2000:]
+    assert float(from_init.stdout.strip()) > 0
+
+
+WEIGHTS_MOVED = r'''
+import sys
+from safetensors.torch import load_file
+import glob, os
+def load(d):
+    out = {}
+    for f in glob.glob(os.path.join(d, "*.safetensors")):
+        out.update(load_file(f))
+    return out
+a, b = load(sys.argv[1]), load(sys.argv[2])
+common = set(a) & set(b)
+assert common, (sorted(a)[:5], sorted(b)[:5])
+print(max(float((a[k].float() - b[k].float()).abs().max()) for k in common))
+'''
+
+
+def test_kill_9_while_the_external_trainer_trains_then_resume(agent, tmp_path):
+    """kill -9 of bragg-rl after it exported step 1's batch and before the weights came back:
+    --resume keeps that batch (the external trainer may be training on it), waits for its
+    weights, records its trajectories as step 1, and goes on; nothing is trained twice."""
+    if not PEER_PYTHON or not Path(PEER_PYTHON).exists():
+        pytest.skip("no Python peer environment (BRAGG_PEER_PYTHON): run scripts/install-deps")
+    steps = 3
+    config = write_config(tmp_path, steps=steps, calm=True, staleness=0,
+                          train_extra="external = true\nexternal_timeout_s = 300\n")
+    run = tmp_path / "run"
+    first = run / "batches" / "step-000001.jsonl"
+    p = start(config, agent)
+    deadline = time.time() + 240
+    while not first.exists():
+        assert p.poll() is None and time.time() < deadline, log_tail(config)
+        time.sleep(0.1)
+    p.kill()
+    p.wait()
+    exported = [i for l in first.read_text().splitlines() for i in json.loads(l)["trajectory_ids"]]
+    trainer_log = open(tmp_path / "train_hf.log", "wb")
+    trainer = subprocess.Popen(
+        [PEER_PYTHON, str(ROOT / "examples" / "external-trainer" / "train_hf.py"), str(run),
+         "--steps", str(steps), "--lr", "0.05", "--timeout", "300"],
+        stdout=trainer_log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
+    STARTED.append(trainer)
+    p = start(config, agent, "--resume")
+    finish(p, config)
+    assert trainer.wait(timeout=120) == 0, (tmp_path / "train_hf.log").read_text()[-3000:]
+    trained = [json.loads(l) for l in (run / "trained.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == list(range(1, steps + 1))
+    assert sorted(trained[0]["ids"]) == sorted(exported)
+    ids = [i for t in trained for i in t["ids"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(j.get("event") == "resumed_step" and j["step"] == 1 for j in lines)
+    assert [s["step"] for s in steps_of(run)] == list(range(2, steps + 1))
+    report = [json.loads(l) for l in (run / "external" / "report.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in report] == list(range(1, steps + 1))
+    assert all(r["logprob_agreement_max"] <= 1e-3 for r in report), report
+    assert json.loads((run / "summary.json").read_text())["steps"] == steps
+
+
+def test_an_external_trainer_that_never_answers(agent, tmp_path):
+    """No weights within train.external_timeout_s: bragg-rl stops with an error that says what
+    it waited for and where."""
+    config = write_config(tmp_path, steps=2, calm=True,
+                          train_extra="external = true\nexternal_timeout_s = 2\n")
+    p = start(config, agent)
+    rc = p.wait(timeout=300)
+    log = log_tail(config)
+    assert rc != 0, log
+    assert "no weights for version 1" in log and "external/v000001" in log, log
+    assert (tmp_path / "run" / "batches" / "step-000001.jsonl").exists()
 
 
 def test_kill_9_then_resume_trains_nothing_twice(agent, tmp_path):
