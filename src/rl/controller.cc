@@ -206,6 +206,23 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(i, v.size() - 1)];
 }
 
+// Rewrites the JSON Lines file `path` (metrics.jsonl, trained.jsonl) without the step lines past
+// `step`: on --resume those steps are redone. Event lines stay; a missing file is left missing.
+Status DropStepsAfter(const std::string& path, int64_t step) {
+  auto text = ReadFileToString(path);
+  std::string kept;
+  if (text.ok()) {
+    std::istringstream in(*text);
+    for (std::string line; std::getline(in, line);) {
+      json j = json::parse(line, nullptr, false);
+      if (j.is_object() && (j.contains("event") || j.value("step", int64_t{0}) <= step)) {
+        kept += line + "\n";
+      }
+    }
+  }
+  return WriteStringToFile(path, kept);
+}
+
 // What the config names, read and checked once (Preflight) and then run on.
 struct Inputs {
   Vocab vocab;
@@ -1027,20 +1044,8 @@ Status Controller::Run() {
     o.model_dir = ModelDir(0);
     BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Create(o));
     trainer_->set_version(version);
-    int64_t keep = external_step_;
     for (const std::string& path : {metrics_path, trained_path}) {
-      auto text = ReadFileToString(path);
-      std::string kept;
-      if (text.ok()) {
-        std::istringstream in(*text);
-        for (std::string line; std::getline(in, line);) {
-          json j = json::parse(line, nullptr, false);
-          if (j.is_object() && (j.contains("event") || j.value("step", int64_t{0}) <= keep)) {
-            kept += line + "\n";
-          }
-        }
-      }
-      BRAGG_RETURN_IF_ERROR(WriteStringToFile(path, kept));
+      BRAGG_RETURN_IF_ERROR(DropStepsAfter(path, external_step_));
     }
     spdlog::info("resumed at step {} (version {}, the external trainer's)", external_step_,
                  version);
@@ -1050,20 +1055,8 @@ Status Controller::Run() {
     }
     BRAGG_ASSIGN_OR_RETURN(trainer_, train::Trainer::Resume(ckpt, o));
     // What the killed run wrote after its last checkpoint is redone: its lines go.
-    int64_t keep = trainer_->step();
     for (const std::string& path : {metrics_path, trained_path}) {
-      auto text = ReadFileToString(path);
-      std::string kept;
-      if (text.ok()) {
-        std::istringstream in(*text);
-        for (std::string line; std::getline(in, line);) {
-          json j = json::parse(line, nullptr, false);
-          if (j.is_object() && (j.contains("event") || j.value("step", int64_t{0}) <= keep)) {
-            kept += line + "\n";
-          }
-        }
-      }
-      BRAGG_RETURN_IF_ERROR(WriteStringToFile(path, kept));
+      BRAGG_RETURN_IF_ERROR(DropStepsAfter(path, trainer_->step()));
     }
     spdlog::info("resumed at step {} (version {})", trainer_->step(), trainer_->version());
   } else {

@@ -333,6 +333,18 @@ def test_exported_batches_load_into_megatron(agent, tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1])["rows"] >= len(files)
 
 
+def start_external_trainer(tmp: Path, steps: int) -> subprocess.Popen:
+    """examples/external-trainer/train_hf.py for tmp/run's steps, logging to tmp/train_hf.log."""
+    log = open(tmp / "train_hf.log", "wb")
+    p = subprocess.Popen(
+        [PEER_PYTHON, str(ROOT / "examples" / "external-trainer" / "train_hf.py"),
+         str(tmp / "run"), "--steps", str(steps), "--lr", "0.05", "--timeout", "300"],
+        stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
+    STARTED.append(p)
+    return p
+
+
 def test_an_external_trainer_trains_and_its_weights_are_served(agent, tmp_path):
     """[train] external: bragg-rl exports each step's batch and waits; an external trainer
     (examples/external-trainer/train_hf.py, on transformers) trains on it and renames its weights
@@ -347,13 +359,7 @@ def test_an_external_trainer_trains_and_its_weights_are_served(agent, tmp_path):
                           train_extra="external = true\nexternal_timeout_s = 300\n")
     run = tmp_path / "run"
     p = start(config, agent)
-    trainer_log = open(tmp_path / "train_hf.log", "wb")
-    trainer = subprocess.Popen(
-        [PEER_PYTHON, str(ROOT / "examples" / "external-trainer" / "train_hf.py"), str(run),
-         "--steps", str(steps), "--lr", "0.05", "--timeout", "300"],
-        stdout=trainer_log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
-    STARTED.append(trainer)
+    trainer = start_external_trainer(tmp_path, steps)
     finish(p, config)
     assert trainer.wait(timeout=120) == 0, (tmp_path / "train_hf.log").read_text()[-3000:]
     m = check_common(run, 0, steps)
@@ -419,13 +425,7 @@ def test_kill_9_while_the_external_trainer_trains_then_resume(agent, tmp_path):
     p.kill()
     p.wait()
     exported = [i for l in first.read_text().splitlines() for i in json.loads(l)["trajectory_ids"]]
-    trainer_log = open(tmp_path / "train_hf.log", "wb")
-    trainer = subprocess.Popen(
-        [PEER_PYTHON, str(ROOT / "examples" / "external-trainer" / "train_hf.py"), str(run),
-         "--steps", str(steps), "--lr", "0.05", "--timeout", "300"],
-        stdout=trainer_log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONPATH=str(BUILD / "python")))
-    STARTED.append(trainer)
+    trainer = start_external_trainer(tmp_path, steps)
     p = start(config, agent, "--resume")
     finish(p, config)
     assert trainer.wait(timeout=120) == 0, (tmp_path / "train_hf.log").read_text()[-3000:]
