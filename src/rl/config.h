@@ -140,7 +140,9 @@ struct FleetConfig {
   std::string gateway;  // existing bragg-gateway URL; "": bragg-rl starts one
   int engine_threads = 1;
   int64_t kv_cache_tokens = 65536;
-  std::string pbox;      // pbox endpoint ("": $PBOX_ENDPOINT, else the default socket)
+  // One pbox endpoint, or several agents: a comma-separated list or a pbox-slurm endpoints file.
+  // "": $PBOX_ENDPOINTS if set, else $PBOX_ENDPOINT, else the default socket.
+  std::string pbox;
   int concurrency = 32;  // rollouts in flight at most
   std::string bin_dir;   // where bragg-engine and bragg-gateway are ("": next to bragg-rl)
 };

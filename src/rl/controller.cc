@@ -30,6 +30,7 @@
 #include "engine/testing/tiny_model.h"
 #include "gateway/client.h"
 #include "pbox/client/client.h"
+#include "pbox/client/cluster_client.h"
 #include "rl/export.h"
 #include "rl/metrics.h"
 #include "rl/rollout.h"
@@ -175,6 +176,7 @@ struct Group {
   std::string id;
   const Prompt* prompt = nullptr;
   int64_t admitted_at = 0;  // the trainer's version when it was admitted
+  size_t node = 0;          // the pbox agent its sandboxes are on (an index into nodes_)
   std::vector<std::string> sandboxes;
   std::vector<RolloutResult> results;
   int pending = 0;
@@ -248,11 +250,17 @@ class Controller {
   Status WarmStart(const std::string& from, const std::string& to);
   Status StartFleet(const std::string& model_dir, int64_t version);
   Status PrepareSandboxes();
-  // After the pbox agent restarted (its sessions and sandboxes are gone) or the prepared
-  // sandbox vanished: a new session and prepared sandbox. Rollouts in flight lose theirs
+  // One agent's session and prepared sandbox, the task's files and setup in it, its tool server
+  // and verifier probed. Called with pbox_mu_ held, or before any agent loop runs.
+  Status PrepareNode(size_t node);
+  // After agent `node` restarted (its sessions and sandboxes are gone) or its prepared sandbox
+  // vanished: a new session and prepared sandbox there. Rollouts in flight there lose theirs
   // (dropped as sandbox_failed); the next groups get new sandboxes.
-  Status RecoverSandboxes();
-  Result<std::vector<std::string>> CloneSandboxes(uint32_t count);
+  Status RecoverSandboxes(size_t node);
+  // `count` clones of the prepared sandbox of the agent with the fewest live sandboxes of this
+  // run; `*node` is that agent, whether or not the clone succeeded.
+  Result<std::vector<std::string>> CloneSandboxes(uint32_t count, size_t* node);
+  void DestroySandbox(size_t node, const std::string& id);
   // Saves the trainer's weights as `version` and pushes them to the fleet.
   Status PushWeights(int64_t version);
   // Pushes the Hugging Face directory `dir` to the fleet as `version` (the gateway's in-place
@@ -278,7 +286,7 @@ class Controller {
   bool TakeTask(Task* task);
   // One rollout in `sandbox` (its tool server started there), then the sandbox destroyed and the
   // rollout's routing forgotten, whatever happened.
-  RolloutResult RolloutInSandbox(const std::string& sandbox, const std::string& id,
+  RolloutResult RolloutInSandbox(size_t node, const std::string& sandbox, const std::string& id,
                                  const std::string& group, const Prompt& prompt,
                                  gateway::RolloutClient* client, const SamplingConfig& sampling,
                                  uint64_t seed, std::function<void(int)> on_generate);
@@ -313,10 +321,24 @@ class Controller {
   std::vector<Server> servers_;
   std::string gateway_url_;
 
-  std::unique_ptr<pbox::client::Client> pbox_;
-  std::mutex pbox_mu_;  // guards session_ and prepared_
-  std::unique_ptr<pbox::client::Session> session_;
-  std::string prepared_;  // the sandbox every rollout's sandbox is cloned from
+  // The pbox agents: one (fleet.pbox an endpoint, or the default), or several (fleet.pbox a
+  // comma-separated list or a pbox-slurm endpoints file, or $PBOX_ENDPOINTS). Each group's
+  // sandboxes are clones of one agent's prepared sandbox, on that agent.
+  struct PboxNode {
+    std::string name;
+    pbox::client::Client* client = nullptr;  // owned by pbox_single_ or pbox_cluster_
+    // Guarded by pbox_mu_.
+    std::unique_ptr<pbox::client::Session> session;
+    std::string prepared;  // the sandbox every rollout's sandbox there is cloned from
+    int64_t live = 0;      // this run's sandboxes there
+    int64_t cloned = 0;    // sandboxes cloned there, in all
+    // After a failed recovery: passed over for placement until then (unless all are).
+    Clock::time_point down_until{};
+  };
+  std::unique_ptr<pbox::client::Client> pbox_single_;
+  std::unique_ptr<pbox::client::ClusterClient> pbox_cluster_;
+  std::vector<PboxNode> nodes_;  // fixed once connected; entries' fields as marked
+  std::mutex pbox_mu_;
   int64_t sandbox_recoveries_ = 0;
 
   // With train.external it only gives the initial model (and warm start): steps are the external
@@ -468,28 +490,58 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   return absl::OkStatus();
 }
 
-Status Controller::RecoverSandboxes() {
+Status Controller::RecoverSandboxes(size_t node) {
   std::lock_guard<std::mutex> l(pbox_mu_);
   ++sandbox_recoveries_;
-  session_.reset();
-  return PrepareSandboxes();
+  nodes_[node].session.reset();
+  nodes_[node].live = 0;
+  Status st = PrepareNode(node);
+  nodes_[node].down_until = st.ok() ? Clock::time_point{} : Clock::now() + std::chrono::seconds(2);
+  return st;
 }
 
-// Called with pbox_mu_ held, or before any agent loop runs.
 Status Controller::PrepareSandboxes() {
-  if (pbox_ == nullptr) {
+  const std::string& where = cfg_.fleet.pbox;
+  std::error_code ec;
+  const char* env = std::getenv("PBOX_ENDPOINTS");
+  bool several = where.find(',') != std::string::npos || fs::is_regular_file(where, ec) ||
+                 (where.empty() && env != nullptr && *env != '\0');
+  if (several) {
+    pbox::client::ClusterOptions co;
+    co.endpoints = where;  // "": $PBOX_ENDPOINTS
+    BRAGG_ASSIGN_OR_RETURN(pbox_cluster_, pbox::client::ClusterClient::Connect(co));
+    BRAGG_RETURN_IF_ERROR(pbox_cluster_->WaitHealthy(std::chrono::seconds(60)));
+    for (const std::string& name : pbox_cluster_->nodes()) {
+      BRAGG_ASSIGN_OR_RETURN(pbox::client::Client * client, pbox_cluster_->client(name));
+      nodes_.push_back(PboxNode{name, client});
+    }
+  } else {
     pbox::client::ClientOptions po;
-    po.endpoint = cfg_.fleet.pbox;
-    BRAGG_ASSIGN_OR_RETURN(pbox_, pbox::client::Client::Connect(po));
+    po.endpoint = where;
+    BRAGG_ASSIGN_OR_RETURN(pbox_single_, pbox::client::Client::Connect(po));
+    nodes_.push_back(PboxNode{where.empty() ? "pbox" : where, pbox_single_.get()});
   }
-  BRAGG_ASSIGN_OR_RETURN(session_, pbox_->OpenSession("bragg-rl"));
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    BRAGG_RETURN_IF_ERROR(Annotate(PrepareNode(i), Cat("pbox agent ", nodes_[i].name)));
+  }
+  if (nodes_.size() > 1) {
+    spdlog::info("sandboxes on {} pbox agents", nodes_.size());
+  }
+  return absl::OkStatus();
+}
+
+Status Controller::PrepareNode(size_t node) {
+  PboxNode& n = nodes_[node];
+  pbox::client::Client* pbox = n.client;
+  BRAGG_ASSIGN_OR_RETURN(n.session, pbox->OpenSession("bragg-rl"));
   pbox::client::v1::SandboxSpec spec;
   spec.set_image(cfg_.task.image);
   spec.set_memory_bytes(static_cast<uint64_t>(cfg_.task.sandbox_memory_mb) << 20);
   spec.set_pids(static_cast<uint32_t>(cfg_.task.sandbox_pids));
   (*spec.mutable_labels())["bragg-rl"] = "prepared";
-  BRAGG_ASSIGN_OR_RETURN(pbox::client::v1::Sandbox sb, pbox_->Create(spec, session_->id()));
-  prepared_ = sb.id();
+  BRAGG_ASSIGN_OR_RETURN(pbox::client::v1::Sandbox sb, pbox->Create(spec, n.session->id()));
+  n.prepared = sb.id();
+  const std::string& prepared = n.prepared;
   if (!cfg_.task.files.empty()) {
     std::error_code ec;
     for (auto it = fs::recursive_directory_iterator(cfg_.task.files, ec);
@@ -499,7 +551,7 @@ Status Controller::PrepareSandboxes() {
       }
       std::string rel = fs::relative(it->path(), cfg_.task.files).string();
       BRAGG_ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(it->path().string(), O_RDONLY));
-      auto st = pbox_->WriteFileFromFd(prepared_, "/task/" + rel, fd.get(), 0755, true);
+      auto st = pbox->WriteFileFromFd(prepared, "/task/" + rel, fd.get(), 0755, true);
       if (!st.ok()) {
         return Annotate(st.status(), Cat("uploading ", it->path().string()));
       }
@@ -509,11 +561,11 @@ Status Controller::PrepareSandboxes() {
     }
   }
   if (!cfg_.task.setup.empty()) {
-    auto setup = pbox_->Run({.sandbox_id = prepared_,
-                             .argv = cfg_.task.setup,
-                             .timeout_ms = 600000,
-                             .stdin = "",
-                             .max_output_bytes = 4096});
+    auto setup = pbox->Run({.sandbox_id = prepared,
+                            .argv = cfg_.task.setup,
+                            .timeout_ms = 600000,
+                            .stdin = "",
+                            .max_output_bytes = 4096});
     if (!setup.ok()) {
       return Annotate(setup.status(), "task.setup");
     }
@@ -527,11 +579,11 @@ Status Controller::PrepareSandboxes() {
   }
   // The task must start: its tool server exits 0 at end of input, its verifier prints a number
   // for an empty rollout. Refused here, before any rollout.
-  auto probe = pbox_->Run({.sandbox_id = prepared_,
-                           .argv = cfg_.task.tool_server,
-                           .timeout_ms = 30000,
-                           .stdin = "",
-                           .max_output_bytes = 4096});
+  auto probe = pbox->Run({.sandbox_id = prepared,
+                          .argv = cfg_.task.tool_server,
+                          .timeout_ms = 30000,
+                          .stdin = "",
+                          .max_output_bytes = 4096});
   if (!probe.ok()) {
     return Annotate(probe.status(), "task.tool_server");
   }
@@ -548,11 +600,11 @@ Status Controller::PrepareSandboxes() {
              {"turns", json::array()},
              {"observations", json::array()},
              {"done", false}};
-  auto v = pbox_->Run({.sandbox_id = prepared_,
-                       .argv = cfg_.task.verifier,
-                       .timeout_ms = 30000,
-                       .stdin = in.dump(),
-                       .max_output_bytes = 4096});
+  auto v = pbox->Run({.sandbox_id = prepared,
+                      .argv = cfg_.task.verifier,
+                      .timeout_ms = 30000,
+                      .stdin = in.dump(),
+                      .max_output_bytes = 4096});
   if (!v.ok()) {
     return Annotate(v.status(), "task.verifier");
   }
@@ -569,21 +621,43 @@ Status Controller::PrepareSandboxes() {
   return absl::OkStatus();
 }
 
-Result<std::vector<std::string>> Controller::CloneSandboxes(uint32_t count) {
+Result<std::vector<std::string>> Controller::CloneSandboxes(uint32_t count, size_t* node) {
   std::string source;
+  pbox::client::Client* pbox;
   {
     std::lock_guard<std::mutex> l(pbox_mu_);
-    source = prepared_;
+    auto now = Clock::now();
+    size_t best = 0;
+    for (size_t i = 1; i < nodes_.size(); ++i) {
+      bool down = nodes_[i].down_until > now, best_down = nodes_[best].down_until > now;
+      if (down != best_down ? !down : nodes_[i].live < nodes_[best].live) {
+        best = i;
+      }
+    }
+    *node = best;
+    source = nodes_[best].prepared;
+    pbox = nodes_[best].client;
+    // Counted before the clone returns, so that concurrent groups spread over the agents.
+    nodes_[best].live += count;
   }
-  auto clones = pbox_->Clone(source, count);
+  auto clones = pbox->Clone(source, count);
+  std::lock_guard<std::mutex> l(pbox_mu_);
   if (!clones.ok()) {
+    nodes_[*node].live = std::max<int64_t>(0, nodes_[*node].live - count);
     return clones.status();
   }
+  nodes_[*node].cloned += count;
   std::vector<std::string> ids;
   for (const auto& c : *clones) {
     ids.push_back(c.id());
   }
   return ids;
+}
+
+void Controller::DestroySandbox(size_t node, const std::string& id) {
+  (void)nodes_[node].client->Destroy(id);
+  std::lock_guard<std::mutex> l(pbox_mu_);
+  nodes_[node].live = std::max<int64_t>(0, nodes_[node].live - 1);
 }
 
 Status Controller::PushWeights(int64_t version) {
@@ -741,7 +815,8 @@ bool Controller::TakeTask(Task* task) {
       g->admitted_at = version_;
       ++admitted_;
       l.unlock();
-      auto sandboxes = CloneSandboxes(static_cast<uint32_t>(cfg_.sampling.group_size));
+      size_t node = 0;
+      auto sandboxes = CloneSandboxes(static_cast<uint32_t>(cfg_.sampling.group_size), &node);
       l.lock();
       starting_group_ = false;
       if (!sandboxes.ok()) {
@@ -753,11 +828,12 @@ bool Controller::TakeTask(Task* task) {
         // the prepared sandbox gone (after an agent restart): prepare it again.
         bool gone = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kNotFound ||
                     code == absl::StatusCode::kFailedPrecondition;
-        spdlog::warn("cloning the group's sandboxes: {}{}", sandboxes.status().message(),
+        spdlog::warn("cloning the group's sandboxes on {}: {}{}", nodes_[node].name,
+                     sandboxes.status().message(),
                      gone ? "; preparing the task's sandbox again" : "");
         starting_group_ = true;  // one recovery at a time, by this thread
         l.unlock();
-        Status st = gone ? RecoverSandboxes() : absl::OkStatus();
+        Status st = gone ? RecoverSandboxes(node) : absl::OkStatus();
         if (!st.ok()) {
           spdlog::warn("preparing the task's sandbox: {}", st.message());
         }
@@ -768,6 +844,7 @@ bool Controller::TakeTask(Task* task) {
         starting_group_ = false;
         continue;
       }
+      g->node = node;
       g->sandboxes = std::move(*sandboxes);
       g->results.resize(g->sandboxes.size());
       g->pending = static_cast<int>(g->sandboxes.size());
@@ -781,13 +858,14 @@ bool Controller::TakeTask(Task* task) {
   }
 }
 
-RolloutResult Controller::RolloutInSandbox(const std::string& sandbox, const std::string& id,
-                                           const std::string& group, const Prompt& prompt,
-                                           gateway::RolloutClient* client,
+RolloutResult Controller::RolloutInSandbox(size_t node, const std::string& sandbox,
+                                           const std::string& id, const std::string& group,
+                                           const Prompt& prompt, gateway::RolloutClient* client,
                                            const SamplingConfig& sampling, uint64_t seed,
                                            std::function<void(int)> on_generate) {
   RolloutResult result;
-  auto tools = ToolServer::Start(pbox_.get(), sandbox, cfg_.task.tool_server);
+  pbox::client::Client* pbox = nodes_[node].client;
+  auto tools = ToolServer::Start(pbox, sandbox, cfg_.task.tool_server);
   if (!tools.ok()) {
     result.dropped = "sandbox_failed";
     result.detail = std::string(tools.status().message());
@@ -797,7 +875,7 @@ RolloutResult Controller::RolloutInSandbox(const std::string& sandbox, const std
                    stop_ids_,
                    client,
                    tools->get(),
-                   PboxVerifier(pbox_.get(), sandbox, &cfg_.task),
+                   PboxVerifier(pbox, sandbox, &cfg_.task),
                    std::move(on_generate)};
     auto r = RunRollout(env, id, group, prompt, sampling, seed);
     if (r.ok()) {
@@ -809,7 +887,7 @@ RolloutResult Controller::RolloutInSandbox(const std::string& sandbox, const std
     tools->reset();
   }
   (void)client->Forget(id);
-  (void)pbox_->Destroy(sandbox);
+  DestroySandbox(node, sandbox);
   return result;
 }
 
@@ -823,11 +901,12 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
     std::lock_guard<std::mutex> l(mu_);
     start_version = version_;
   }
-  RolloutResult result = RolloutInSandbox(
-      g.sandboxes[static_cast<size_t>(task.member)], id, g.id, *g.prompt, client, cfg_.sampling,
-      cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
-          static_cast<uint64_t>(task.member),
-      [this](int d) { OnGenerate(d); });
+  RolloutResult result =
+      RolloutInSandbox(g.node, g.sandboxes[static_cast<size_t>(task.member)], id, g.id, *g.prompt,
+                       client, cfg_.sampling,
+                       cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
+                           static_cast<uint64_t>(task.member),
+                       [this](int d) { OnGenerate(d); });
   result.start_version = start_version;
   {
     json line = {{"id", id},
@@ -916,7 +995,7 @@ void Controller::StopWorkers() {
   workers_.clear();
   // Sandboxes of groups never started.
   for (const Task& t : pending_) {
-    (void)pbox_->Destroy(t.group->sandboxes[static_cast<size_t>(t.member)]);
+    DestroySandbox(t.group->node, t.group->sandboxes[static_cast<size_t>(t.member)]);
   }
   pending_.clear();
 }
@@ -940,7 +1019,8 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         return;
       }
       for (size_t i; (i = next++) < prompts.size();) {
-        auto sb = CloneSandboxes(1);
+        size_t node = 0;
+        auto sb = CloneSandboxes(1, &node);
         if (!sb.ok()) {
           spdlog::warn("eval: cloning a sandbox: {}", sb.status().message());
           continue;
@@ -949,7 +1029,7 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         SamplingConfig greedy = cfg_.sampling;
         greedy.temperature = 0;
         RolloutResult r =
-            RolloutInSandbox((*sb)[0], id, id, prompts[i], client->get(), greedy, 0, nullptr);
+            RolloutInSandbox(node, (*sb)[0], id, id, prompts[i], client->get(), greedy, 0, nullptr);
         if (r.dropped.empty()) {
           ++scored;
           success += r.reward >= 1.0 ? 1 : 0;
@@ -1327,9 +1407,13 @@ Status Controller::Run() {
     Interval iv;
     int64_t dropped_groups;
     int64_t sandbox_recoveries;
+    json by_agent = json::object();  // sandboxes cloned on each pbox agent, in all
     {
       std::lock_guard<std::mutex> l(pbox_mu_);
       sandbox_recoveries = sandbox_recoveries_;
+      for (const PboxNode& n : nodes_) {
+        by_agent[n.name] = n.cloned;
+      }
     }
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -1370,6 +1454,7 @@ Status Controller::Run() {
         {"sandbox_failures", iv.sandbox_failures},
         {"generate_retries", iv.generate_retries},
         {"sandbox_recoveries", sandbox_recoveries},
+        {"sandboxes_by_agent", by_agent},
         {"time_split",
          {{"generate_s", iv.generate_s},
           {"tools_s", iv.tools_s + iv.verify_s},

@@ -523,6 +523,33 @@ def test_the_sandbox_agent_restarted_mid_run(agent, tmp_path):
     assert sum(s["sandbox_recoveries"] for s in m[-1:]) >= 1
 
 
+def test_sandboxes_on_two_agents_one_restarted(agent, tmp_path):
+    """fleet.pbox naming two agents (a comma-separated list, as $PBOX_ENDPOINTS or pbox-slurm's
+    endpoints file give them): groups are spread over both; one agent killed and restarted
+    mid-run is prepared again while the other keeps serving, and the run finishes."""
+    (tmp_path / "pbox2").mkdir()
+    second = Agent(tmp_path / "pbox2")
+    try:
+        config = write_config(
+            tmp_path, steps=6, calm=True,
+            extra=f'pbox = "unix://{agent.sock},unix://{second.sock}"\n')
+        run = tmp_path / "run"
+        p = start(config, agent)
+        wait_for_step(run, 2, p, config)
+        seen = steps_of(run)[-1]["sandboxes_by_agent"]
+        assert len(seen) == 2 and all(v > 0 for v in seen.values()), seen
+        second.kill()
+        time.sleep(0.5)
+        second.start()
+        finish(p, config)
+        m = check_common(run, 1, 6)
+        assert m[-1]["sandbox_recoveries"] >= 1, m[-1]
+        after = m[-1]["sandboxes_by_agent"]
+        assert all(after[k] > seen[k] for k in seen), (seen, after)
+    finally:
+        second.stop()
+
+
 def refused(config: Path, agent: Agent, needle: str) -> None:
     env = dict(os.environ, PBOX_ENDPOINT=f"unix://{agent.sock}")
     r = subprocess.run([str(RL), "run", str(config)], env=env, capture_output=True, text=True,
