@@ -823,3 +823,119 @@ def test_time_limit_leaves_nothing(cluster) -> None:
                                  f"{(r / 'job.out').read_text(errors='replace')}") from None
     finally:
         cluster.run(["scancel", job], check=False)
+
+
+RL_CONFIG = """
+[run]
+dir = "{run}"
+seed = 3
+steps = 2
+max_staleness = 1
+
+[model.init]
+hidden = 32
+layers = 2
+heads = 2
+kv_heads = 1
+head_dim = 16
+experts = 4
+top_k = 2
+moe_intermediate = 32
+context = 128
+std = 0.05
+
+[tokenizer]
+vocab = "{chaos}/vocab.json"
+
+[task]
+prompts = "{chaos}/prompts.jsonl"
+files = "{task}"
+tool_server = ["python3", "/task/chaos_env.py", "serve"]
+verifier = ["python3", "/task/chaos_env.py", "verify"]
+max_turns = 3
+max_new_tokens = 8
+max_tokens = 64
+stop = ["\\n"]
+tool_timeout_s = 5
+sandbox_memory_mb = 64
+
+[sampling]
+group_size = 4
+
+[train]
+lr = 1e-3
+groups_per_step = 2
+max_tokens = 2048
+
+[fleet]
+engines = 1
+kv_cache_tokens = 4096
+concurrency = 8
+"""
+
+
+def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
+    """deploy/slurm/bragg-rl.sbatch as it is (only its #SBATCH lines are the test's), from a
+    `cmake --install` prefix, on two Slurm nodes (the second in a network namespace of its
+    own): a pboxd on each, bragg-rl with its engine, gateway and trainer on the first node, and
+    the rollouts' sandboxes on both agents. The run finishes its steps and nothing of pbox is
+    left after the job."""
+    c = cluster2
+    r = c.root / "bragg-rl"
+    r.mkdir()
+    os.chmod(r, 0o755)
+    build = Path(c.pboxd).resolve().parents[2]
+    prefix = r / "prefix"
+    subprocess.run(["cmake", "--install", str(build), "--prefix", str(prefix)], check=True,
+                   capture_output=True, timeout=300)
+    chaos = REPO / "tests" / "rl" / "chaos"
+    task = r / "task"
+    task.mkdir()
+    shutil.copy(REPO / "python" / "bragg_rl" / "env.py", task / "env.py")
+    shutil.copy(chaos / "chaos_env.py", task / "chaos_env.py")
+    (task / "calm").write_text("")
+    run = r / "run"
+    (r / "rl.toml").write_text(RL_CONFIG.format(run=run, chaos=chaos, task=task))
+    example = (prefix / "share" / "bragg" / "deploy" / "slurm" / "bragg-rl.sbatch").read_text()
+    body = [ln for ln in example.splitlines() if not ln.startswith("#SBATCH")]
+    assert len(body) < len(example.splitlines())
+    (r / "job.sh").write_text("\n".join(
+        [body[0], "#SBATCH --job-name=bragg-rl-test", "#SBATCH --nodes=2",
+         "#SBATCH --exclusive", "#SBATCH --time=8"] + body[1:]) + "\n")
+    scratch = r / "scratch"
+    scratch.mkdir()
+    env = {k: v for k, v in c.env.items()
+           if k not in ("PYTHONPATH", "PBOXD", "PBOX_ENDPOINT", "PBOX_ENDPOINTS")}
+    env.update(BRAGG_PREFIX=str(prefix), CONFIG=str(r / "rl.toml"), SANDBOX_CPUS="1",
+               MAX_SANDBOXES="64", TMPDIR=str(scratch))
+    sub = subprocess.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
+                          "--export=ALL", str(r / "job.sh")], env=env, capture_output=True,
+                         text=True, timeout=30, check=True)
+    job = sub.stdout.strip().split(";")[0]
+
+    def finished() -> bool:
+        return c.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip() == ""
+
+    def log() -> str:
+        out = [(r / "job.out").read_text(errors="replace")[-4000:] if (r / "job.out").exists()
+               else ""]
+        rl_log = run / "logs"
+        if rl_log.exists():
+            out += [f.read_text(errors="replace")[-1500:] for f in sorted(rl_log.iterdir())]
+        return "\n".join(out)
+
+    try:
+        _wait(finished, 240, f"the bragg-rl job {job}:\n{log()}", interval=0.5)
+    finally:
+        c.run(["scancel", job], check=False)
+    summary = run / "summary.json"
+    assert summary.exists(), f"bragg-rl did not finish in job {job}:\n{log()}"
+    assert json.loads(summary.read_text())["steps"] == 2
+    steps = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()
+             if "event" not in json.loads(ln)]
+    by_agent = steps[-1]["sandboxes_by_agent"]
+    assert sorted(by_agent) == sorted([c.node, c.node2]), by_agent
+    assert all(v > 0 for v in by_agent.values()), by_agent
+    assert all(s["over_stale"] == 0 for s in steps)
+    _wait(lambda: not _pbox_leftovers(str(prefix / "bin" / "pboxd"), scratch, job), 20,
+          f"nothing of pbox after the bragg-rl job {job}")
