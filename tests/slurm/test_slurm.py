@@ -908,9 +908,10 @@ def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
            if k not in ("PYTHONPATH", "PBOXD", "PBOX_ENDPOINT", "PBOX_ENDPOINTS")}
     env.update(BRAGG_PREFIX=str(prefix), CONFIG=str(r / "rl.toml"), SANDBOX_CPUS="1",
                MAX_SANDBOXES="64", TMPDIR=str(scratch))
+    # From r: pbox-slurm keeps its run directory in the submit directory.
     sub = subprocess.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
                           "--export=ALL", str(r / "job.sh")], env=env, capture_output=True,
-                         text=True, timeout=30, check=True)
+                         text=True, timeout=30, check=True, cwd=r)
     job = sub.stdout.strip().split(";")[0]
 
     def finished() -> bool:
