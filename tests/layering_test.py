@@ -35,7 +35,7 @@ RULES = {
     "gateway/sim": ["common/", "gateway/"],
     "gateway": ["common/", "gateway/"],
     # engine: the server reaches the core through engine.h alone (no libtorch in its folder).
-    "engine/server": ["common/", "engine/engine.h"],
+    "engine/server": ["common/", "engine/engine.h", "engine/tokenizer.h"],
     # the model and the test-model writer: torch's side, under the scheduler.
     "engine/model": ["common/"],
     "engine/testing": ["common/"],
@@ -54,7 +54,8 @@ RULES = {
     # the gateway's rollout client, pbox's client; it writes a first model with the engine's
     # random-model writer.
     "rl": ["common/", "rl/", "train/trainer.h", "train/trajectory.h", "gateway/client.h",
-           "pbox/client/client.h", PROTO_PBOX, "pack/plan.h", "engine/testing/"],
+           "pbox/client/client.h", "pbox/client/cluster_client.h", PROTO_PBOX, "pack/plan.h",
+           "engine/testing/"],
     # fusion, SandboxFusion's API in front of pbox: pbox's client door only, as rl.
     "fusion": ["common/", "fusion/", "pbox/client/client.h", PROTO_PBOX],
 }
