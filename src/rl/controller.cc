@@ -208,6 +208,48 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(i, v.size() - 1)];
 }
 
+// model.path, or the random model [model.init] describes, written to run.dir/models/init (the
+// same bytes each time: its seed is in the config).
+Result<std::string> FirstModel(const Config& cfg, const Vocab& vocab) {
+  if (!cfg.model.path.empty()) {
+    return cfg.model.path;
+  }
+  const ModelInit& mi = *cfg.model.init;
+  engine::testing::TinyModelSpec s;
+  s.moe = mi.moe;
+  s.vocab = vocab.size();
+  s.hidden = mi.hidden;
+  s.intermediate = mi.intermediate;
+  s.layers = mi.layers;
+  s.heads = mi.heads;
+  s.kv_heads = mi.kv_heads;
+  s.head_dim = mi.head_dim;
+  s.experts = mi.experts;
+  s.top_k = mi.top_k;
+  s.moe_intermediate = mi.moe_intermediate;
+  s.context = mi.context;
+  s.std = mi.std;
+  s.seed = mi.seed;
+  if (auto eos = vocab.Id("<eos>")) {
+    s.eos = {*eos};
+  }
+  std::string dir = cfg.run.dir + "/models/init";
+  BRAGG_RETURN_IF_ERROR(engine::testing::WriteTinyModel(dir, s));
+  return dir;
+}
+
+// bragg-engine's flags for serving this run, but --listen and --weight-version.
+std::vector<std::string> EngineFlags(const Config& cfg, const std::string& model_dir) {
+  std::vector<std::string> argv = {
+      "--model",      model_dir, "--threads",         std::to_string(cfg.fleet.engine_threads),
+      "--block-size", "1",       "--kv-cache-tokens", std::to_string(cfg.fleet.kv_cache_tokens),
+      "--log-level",  "warn"};
+  if (cfg.train.deterministic) {
+    argv.push_back("--deterministic");
+  }
+  return argv;
+}
+
 // Rewrites the JSON Lines file `path` (metrics.jsonl, trained.jsonl) without the step lines past
 // `step`: on --resume those steps are redone. Event lines stay; a missing file is left missing.
 Status DropStepsAfter(const std::string& path, int64_t step) {
@@ -442,23 +484,10 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   // Started one after the other: each loads in well under a second for the models bragg-rl
   // makes, and their startup lines are read in order.
   for (int i = 0; i < cfg_.fleet.engines; ++i) {
-    std::vector<std::string> argv = {Binary("bragg-engine"),
-                                     "--model",
-                                     model_dir,
-                                     "--listen",
-                                     "127.0.0.1:0",
-                                     "--threads",
-                                     std::to_string(cfg_.fleet.engine_threads),
-                                     "--weight-version",
-                                     std::to_string(version),
-                                     "--block-size",
-                                     "1",
-                                     "--kv-cache-tokens",
-                                     std::to_string(cfg_.fleet.kv_cache_tokens),
-                                     "--log-level",
-                                     "warn"};
-    if (cfg_.train.deterministic) {
-      argv.push_back("--deterministic");
+    std::vector<std::string> argv = {Binary("bragg-engine"), "--listen", "127.0.0.1:0",
+                                     "--weight-version", std::to_string(version)};
+    for (std::string& flag : EngineFlags(cfg_, model_dir)) {
+      argv.push_back(std::move(flag));
     }
     BRAGG_ASSIGN_OR_RETURN(Server s,
                            StartServer(Cat("engine ", i), argv, Cat(logs, "/engine-", i, ".log")));
@@ -480,8 +509,10 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   gateway_url_ = g.url;
   servers_.push_back(std::move(g));
   // Who is who, for operators and tests: the processes bragg-rl started.
-  json fleet = {
-      {"controller_pid", ::getpid()}, {"gateway", gateway_url_}, {"servers", json::array()}};
+  json fleet = {{"controller_pid", ::getpid()},
+                {"gateway", gateway_url_},
+                {"workers", workers},
+                {"servers", json::array()}};
   for (const Server& s : servers_) {
     fleet["servers"].push_back({{"name", s.name}, {"url", s.url}, {"pid", s.process.pid()}});
   }
@@ -1140,30 +1171,7 @@ Status Controller::Run() {
     }
     spdlog::info("resumed at step {} (version {})", trainer_->step(), trainer_->version());
   } else {
-    std::string start = cfg_.model.path;
-    if (start.empty()) {
-      const ModelInit& mi = *cfg_.model.init;
-      engine::testing::TinyModelSpec s;
-      s.moe = mi.moe;
-      s.vocab = vocab_.size();
-      s.hidden = mi.hidden;
-      s.intermediate = mi.intermediate;
-      s.layers = mi.layers;
-      s.heads = mi.heads;
-      s.kv_heads = mi.kv_heads;
-      s.head_dim = mi.head_dim;
-      s.experts = mi.experts;
-      s.top_k = mi.top_k;
-      s.moe_intermediate = mi.moe_intermediate;
-      s.context = mi.context;
-      s.std = mi.std;
-      s.seed = mi.seed;
-      if (auto eos = vocab_.Id("<eos>")) {
-        s.eos = {*eos};
-      }
-      start = cfg_.run.dir + "/models/init";
-      BRAGG_RETURN_IF_ERROR(engine::testing::WriteTinyModel(start, s));
-    }
+    BRAGG_ASSIGN_OR_RETURN(std::string start, FirstModel(cfg_, vocab_));
     BRAGG_RETURN_IF_ERROR(WriteStringToFile(metrics_path, ""));
     BRAGG_RETURN_IF_ERROR(WriteStringToFile(trained_path, ""));
     metrics_.open(metrics_path, std::ios::app);
@@ -1203,6 +1211,12 @@ Status Controller::Run() {
     BRAGG_RETURN_IF_ERROR(MakeDirs(cfg_.train.external_weights));
   }
   BRAGG_RETURN_IF_ERROR(StartFleet(serving, version_));
+  if (!cfg_.fleet.engine_urls.empty()) {
+    // Servers bragg-rl did not start serve whatever they were started with (a Slurm job starts
+    // them from the first model, before the warm start): from now on, the run's weights.
+    BRAGG_RETURN_IF_ERROR(
+        Annotate(PushModel(serving, version_), "loading the run's weights into fleet.engine_urls"));
+  }
   if (opt_.resume && cfg_.train.external) {
     std::string exported =
         fmt::format("{}/batches/step-{:06d}.jsonl", cfg_.run.dir, external_step_ + 1);
@@ -1596,6 +1610,13 @@ Result<Inputs> LoadInputs(const Config& config) {
 }  // namespace
 
 Status Preflight(const Config& config) { return LoadInputs(config).status(); }
+
+Result<std::vector<std::string>> EngineArgs(const Config& config) {
+  BRAGG_ASSIGN_OR_RETURN(Inputs inputs, LoadInputs(config));
+  BRAGG_RETURN_IF_ERROR(MakeDirs(config.run.dir + "/models"));
+  BRAGG_ASSIGN_OR_RETURN(std::string model, FirstModel(config, inputs.vocab));
+  return EngineFlags(config, model);
+}
 
 Status Run(const Config& config, const RunOptions& options) {
   BRAGG_ASSIGN_OR_RETURN(Inputs inputs, LoadInputs(config));

@@ -9,6 +9,7 @@
 // is more than max_staleness versions behind the trainer is dropped, never trained on.
 
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "rl/config.h"
@@ -25,6 +26,12 @@ struct RunOptions {
 // and fits (prompt + max_new_tokens <= max_tokens <= the model's context), the warm-start
 // traces parse. InvalidArgument naming the file and line.
 Status Preflight(const Config& config);
+
+// The flags (all but --listen and --weight-version) of a bragg-engine that serves this run from
+// a host bragg-rl does not start engines on (a Slurm job's other nodes): the first model
+// (model.path, or [model.init]'s random model, written to run.dir/models/init) and the run's engine
+// settings. bragg-rl run with fleet.engine_urls then loads the run's weights into such engines.
+Result<std::vector<std::string>> EngineArgs(const Config& config);
 
 // Runs the whole loop: warm start, fleet, rollouts and training, evaluation, plots. Writes
 // run.dir/metrics.jsonl, run.dir/trained.jsonl (trajectory ids per step) and run.dir/summary.json.

@@ -877,9 +877,9 @@ concurrency = 8
 def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
     """deploy/slurm/bragg-rl.sbatch as it is (only its #SBATCH lines are the test's), from a
     `cmake --install` prefix, on two Slurm nodes (the second in a network namespace of its
-    own): a pboxd on each, bragg-rl with its engine, gateway and trainer on the first node, and
-    the rollouts' sandboxes on both agents. The run finishes its steps and nothing of pbox is
-    left after the job."""
+    own): a pboxd and a bragg-engine on each, bragg-rl with its gateway and trainer on the
+    first node, the engines serving the run's weights and the rollouts' sandboxes on both
+    agents. The run finishes its steps and nothing of pbox is left after the job."""
     c = cluster2
     r = c.root / "bragg-rl"
     r.mkdir()
@@ -906,8 +906,9 @@ def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
     scratch.mkdir()
     env = {k: v for k, v in c.env.items()
            if k not in ("PYTHONPATH", "PBOXD", "PBOX_ENDPOINT", "PBOX_ENDPOINTS")}
+    port = _free_port()
     env.update(BRAGG_PREFIX=str(prefix), CONFIG=str(r / "rl.toml"), SANDBOX_CPUS="1",
-               MAX_SANDBOXES="64", TMPDIR=str(scratch))
+               MAX_SANDBOXES="64", TMPDIR=str(scratch), ENGINE_PORT=str(port))
     # From r: pbox-slurm keeps its run directory in the submit directory.
     sub = subprocess.run(["sbatch", "--parsable", f"--output={r}/job.out", f"--chdir={r}",
                           "--export=ALL", str(r / "job.sh")], env=env, capture_output=True,
@@ -938,5 +939,13 @@ def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
     assert sorted(by_agent) == sorted([c.node, c.node2]), by_agent
     assert all(v > 0 for v in by_agent.values()), by_agent
     assert all(s["over_stale"] == 0 for s in steps)
+    # The job's two engines, one per node, and none of bragg-rl's own; the trainer's log-probs
+    # equal theirs on fresh trajectories (deterministic kernels): they serve the run's weights.
+    fleet = json.loads((run / "fleet.json").read_text())
+    assert sorted(fleet["workers"]) == sorted(f"http://{h}:{port}" for h in (c.addr1, c.addr2))
+    assert not [s for s in fleet["servers"] if s["name"].startswith("engine")], fleet
+    for s in steps:
+        if s["agreement_samples"] > 0:
+            assert s["logprob_agreement_max"] <= 1e-5, s
     _wait(lambda: not _pbox_leftovers(str(prefix / "bin" / "pboxd"), scratch, job), 20,
           f"nothing of pbox after the bragg-rl job {job}")
