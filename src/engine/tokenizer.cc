@@ -232,7 +232,8 @@ struct Tokenizer::Impl {
       pre.push_back(std::move(step));
       return absl::OkStatus();
     }
-    return Unsupported(origin, "pre_tokenizer", fmt::format("type {}", type.empty() ? "none" : type));
+    return Unsupported(origin, "pre_tokenizer",
+                       fmt::format("type {}", type.empty() ? "none" : type));
   }
 
   Status LoadModel(const json& model, std::string_view origin) {

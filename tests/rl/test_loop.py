@@ -111,56 +111,10 @@ def task_dir(tmp: Path, calm: bool) -> Path:
 def write_config(tmp: Path, *, steps=6, calm=False, staleness=1, checkpoint_every=2,
                  extra="", train_extra="") -> Path:
     task = task_dir(tmp, calm)
-    text = f"""
-[run]
-dir = "{tmp / 'run'}"
-seed = 3
-steps = {steps}
-max_staleness = {staleness}
-checkpoint_every = {checkpoint_every}
-
-[model.init]
-hidden = 32
-layers = 2
-heads = 2
-kv_heads = 1
-head_dim = 16
-experts = 4
-top_k = 2
-moe_intermediate = 32
-context = 128
-std = 0.05
-
-[tokenizer]
-vocab = "{CHAOS / 'vocab.json'}"
-
-[task]
-prompts = "{CHAOS / 'prompts.jsonl'}"
-files = "{task}"
-tool_server = ["python3", "/task/chaos_env.py", "serve"]
-verifier = ["python3", "/task/chaos_env.py", "verify"]
-max_turns = 3
-max_new_tokens = 8
-max_tokens = 64
-stop = ["\\n"]
-tool_timeout_s = 1
-sandbox_memory_mb = 64
-
-[sampling]
-group_size = 4
-
-[train]
-lr = 1e-3
-groups_per_step = 2
-max_tokens = 2048
-{train_extra}
-
-[fleet]
-engines = 2
-kv_cache_tokens = 4096
-concurrency = 8
-{extra}
-"""
+    text = (CHAOS / "config.toml.in").read_text().format(
+        run=tmp / "run", steps=steps, staleness=staleness, checkpoint_every=checkpoint_every,
+        chaos=CHAOS, task=task, tool_timeout_s=1, engines=2, train_extra=train_extra,
+        extra=extra)
     path = tmp / "config.toml"
     path.write_text(text)
     return path

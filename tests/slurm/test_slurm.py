@@ -825,55 +825,6 @@ def test_time_limit_leaves_nothing(cluster) -> None:
         cluster.run(["scancel", job], check=False)
 
 
-RL_CONFIG = """
-[run]
-dir = "{run}"
-seed = 3
-steps = 2
-max_staleness = 1
-
-[model.init]
-hidden = 32
-layers = 2
-heads = 2
-kv_heads = 1
-head_dim = 16
-experts = 4
-top_k = 2
-moe_intermediate = 32
-context = 128
-std = 0.05
-
-[tokenizer]
-vocab = "{chaos}/vocab.json"
-
-[task]
-prompts = "{chaos}/prompts.jsonl"
-files = "{task}"
-tool_server = ["python3", "/task/chaos_env.py", "serve"]
-verifier = ["python3", "/task/chaos_env.py", "verify"]
-max_turns = 3
-max_new_tokens = 8
-max_tokens = 64
-stop = ["\\n"]
-tool_timeout_s = 5
-sandbox_memory_mb = 64
-
-[sampling]
-group_size = 4
-
-[train]
-lr = 1e-3
-groups_per_step = 2
-max_tokens = 2048
-
-[fleet]
-engines = 1
-kv_cache_tokens = 4096
-concurrency = 8
-"""
-
-
 def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
     """deploy/slurm/bragg-rl.sbatch as it is (only its #SBATCH lines are the test's), from a
     `cmake --install` prefix, on two Slurm nodes (the second in a network namespace of its
@@ -895,7 +846,10 @@ def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
     shutil.copy(chaos / "chaos_env.py", task / "chaos_env.py")
     (task / "calm").write_text("")
     run = r / "run"
-    (r / "rl.toml").write_text(RL_CONFIG.format(run=run, chaos=chaos, task=task))
+    # The chaos task's small run (tests/rl/chaos/config.toml.in), its engines the job's.
+    (r / "rl.toml").write_text((chaos / "config.toml.in").read_text().format(
+        run=run, steps=2, staleness=1, checkpoint_every=10, chaos=chaos, task=task,
+        tool_timeout_s=5, engines=1, train_extra="", extra=""))
     example = (prefix / "share" / "bragg" / "deploy" / "slurm" / "bragg-rl.sbatch").read_text()
     body = [ln for ln in example.splitlines() if not ln.startswith("#SBATCH")]
     assert len(body) < len(example.splitlines())
