@@ -465,6 +465,7 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   t.Int("sandbox_memory_mb", &task.sandbox_memory_mb, 16);
   t.Int("sandbox_pids", &task.sandbox_pids, 1);
   t.String("balance_by", &task.balance_by);
+  t.Number("focus", &task.focus, Bounds{0, 1});
   t.Int("eval_every", &task.eval_every, 0);
 
   SamplingConfig& sampling = config->sampling;
@@ -706,6 +707,9 @@ void CheckWhole(Config* c, const fs::path& base, Problems* problems) {
     problems->Add("task.max_tokens",
                   Cat("must be > task.max_new_tokens (", task.max_new_tokens,
                       "): it holds the prompt and every turn, got ", task.max_tokens));
+  }
+  if (task.focus > 0 && task.balance_by.empty()) {
+    problems->Add("task.focus", "needs task.balance_by (the values it weights)");
   }
   if (task.eval_every > 0 && task.eval_prompts.empty()) {
     problems->Add("task.eval_every", "needs task.eval_prompts");

@@ -85,6 +85,10 @@ struct TaskConfig {
   int64_t sandbox_pids = 64;
   // Prompts are drawn balanced over this meta key's values ("": uniformly over prompts).
   std::string balance_by;
+  // With balance_by: a value's prompts are drawn with weight (1 - focus) + focus x (1 - its
+  // recent success rate), so values the policy still fails come up more often (a group it
+  // always solves teaches GRPO nothing). 0: equally.
+  double focus = 0;
   int64_t eval_every = 0;  // greedy eval on eval_prompts every N steps (0: only at the end)
 };
 

@@ -179,6 +179,7 @@ tool_timeout_s = 2.5
 sandbox_memory_mb = 512
 sandbox_pids = 128
 balance_by = "element"
+focus = 0.6
 eval_every = 20
 
 [sampling]
@@ -285,6 +286,7 @@ max_tokens = 16384
   EXPECT_EQ(task.sandbox_memory_mb, 512);
   EXPECT_EQ(task.sandbox_pids, 128);
   EXPECT_EQ(task.balance_by, "element");
+  EXPECT_EQ(task.focus, 0.6);
   EXPECT_EQ(task.eval_every, 20);
 
   EXPECT_EQ(c->sampling.temperature, 0.7);
@@ -390,6 +392,7 @@ TEST_F(ConfigTest, ReferenceConfigStatesEveryDefault) {
   EXPECT_EQ(c->task.sandbox_memory_mb, d.task.sandbox_memory_mb);
   EXPECT_EQ(c->task.sandbox_pids, d.task.sandbox_pids);
   EXPECT_EQ(c->task.balance_by, d.task.balance_by);
+  EXPECT_EQ(c->task.focus, d.task.focus);
   EXPECT_EQ(c->task.eval_every, d.task.eval_every);
 
   EXPECT_EQ(c->sampling.temperature, d.sampling.temperature);
@@ -614,6 +617,8 @@ TEST_F(ConfigTest, OutOfRangeValuesAreRefused) {
            {"task.tool_timeout_s", "0", "task.tool_timeout_s: must be > 0, got 0"},
            {"task.sandbox_memory_mb", "15", "task.sandbox_memory_mb: must be >= 16, got 15"},
            {"task.sandbox_pids", "0", "task.sandbox_pids: must be >= 1, got 0"},
+           {"task.focus", "1.5", "task.focus: must be in [0, 1], got 1.5"},
+           {"task.focus", "0.5", "task.focus: needs task.balance_by (the values it weights)"},
            {"task.eval_every", "-1", "task.eval_every: must be >= 0, got -1"},
            {"task.eval_every", "5", "task.eval_every: needs task.eval_prompts"},
            {"sampling.temperature", "-0.1", "sampling.temperature: must be >= 0, got -0.1"},

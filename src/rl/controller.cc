@@ -91,23 +91,52 @@ Result<std::vector<Prompt>> LoadPrompts(const std::string& path, const std::stri
 // Draws prompts uniformly over the balance key's values, then uniformly within one.
 class PromptSampler {
  public:
-  PromptSampler(const std::vector<Prompt>* prompts, uint64_t seed) : prompts_(prompts), rng_(seed) {
+  PromptSampler(const std::vector<Prompt>* prompts, uint64_t seed, double focus)
+      : prompts_(prompts), rng_(seed), focus_(focus) {
     for (size_t i = 0; i < prompts->size(); ++i) {
-      classes_[(*prompts)[i].balance_key].push_back(i);
+      classes_[(*prompts)[i].balance_key].members.push_back(i);
     }
     for (auto& [k, v] : classes_) {
       keys_.push_back(k);
     }
   }
   const Prompt& Next() {
-    const auto& members = classes_[keys_[rng_() % keys_.size()]];
+    std::vector<double> weights;
+    for (const std::string& k : keys_) {
+      weights.push_back((1 - focus_) + focus_ * (1 - classes_[k].success));
+    }
+    std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
+    const auto& members = classes_[keys_[focus_ > 0 ? pick(rng_) : rng_() % keys_.size()]].members;
     return (*prompts_)[members[rng_() % members.size()]];
+  }
+  // A finished group of `prompt`'s: the fraction of its rollouts that succeeded, folded into its
+  // class's recent success rate (an exponential average over the class's groups).
+  void Observe(const Prompt& prompt, double success) {
+    Class& c = classes_[prompt.balance_key];
+    c.success = c.groups == 0 ? success : 0.7 * c.success + 0.3 * success;
+    ++c.groups;
+  }
+  // Each class's recent success rate (those with a finished group).
+  json Success() const {
+    json out = json::object();
+    for (const auto& [k, c] : classes_) {
+      if (c.groups > 0) {
+        out[k.empty() ? "all" : k] = std::round(c.success * 1000) / 1000;
+      }
+    }
+    return out;
   }
 
  private:
+  struct Class {
+    std::vector<size_t> members;
+    double success = 0;
+    int64_t groups = 0;
+  };
   const std::vector<Prompt>* prompts_;
   std::mt19937_64 rng_;
-  std::map<std::string, std::vector<size_t>> classes_;
+  const double focus_;
+  std::map<std::string, Class> classes_;
   std::vector<std::string> keys_;
 };
 
@@ -177,6 +206,7 @@ struct Group {
   const Prompt* prompt = nullptr;
   int64_t admitted_at = 0;  // the trainer's version when it was admitted
   size_t node = 0;          // the pbox agent its sandboxes are on (an index into nodes_)
+  uint64_t epoch = 0;       // that agent's preparation they were cloned from
   std::vector<std::string> sandboxes;
   std::vector<RolloutResult> results;
   int pending = 0;
@@ -283,7 +313,10 @@ class Controller {
         stop_ids_(std::move(inputs.stop_ids)),
         prompts_(std::move(inputs.prompts)),
         eval_prompts_(std::move(inputs.eval_prompts)) {}
-  ~Controller() { StopWorkers(); }
+  ~Controller() {
+    StopWorkers();
+    StopRecoveries();
+  }
 
   Status Run();
 
@@ -292,17 +325,31 @@ class Controller {
   Status WarmStart(const std::string& from, const std::string& to);
   Status StartFleet(const std::string& model_dir, int64_t version);
   Status PrepareSandboxes();
-  // One agent's session and prepared sandbox, the task's files and setup in it, its tool server
-  // and verifier probed. Called with pbox_mu_ held, or before any agent loop runs.
-  Status PrepareNode(size_t node);
+  struct Prepared {
+    std::unique_ptr<pbox::client::Session> session;
+    std::string sandbox;
+  };
+  // A session on one agent and a sandbox prepared in it: the task's files and setup in it, its
+  // tool server and verifier probed. Holds no lock (RPCs only).
+  Result<Prepared> PrepareAgent(pbox::client::Client* pbox);
   // After agent `node` restarted (its sessions and sandboxes are gone) or its prepared sandbox
-  // vanished: a new session and prepared sandbox there. Rollouts in flight there lose theirs
-  // (dropped as sandbox_failed); the next groups get new sandboxes.
-  Status RecoverSandboxes(size_t node);
-  // `count` clones of the prepared sandbox of the agent with the fewest live sandboxes of this
-  // run; `*node` is that agent, whether or not the clone succeeded.
-  Result<std::vector<std::string>> CloneSandboxes(uint32_t count, size_t* node);
-  void DestroySandbox(size_t node, const std::string& id);
+  // vanished: a thread of its own prepares it again, retrying with backoff until it succeeds or
+  // the run stops, while groups start on the other agents. Rollouts in flight there lose their
+  // sandboxes (dropped as sandbox_failed); the next groups there get new ones. Does nothing if
+  // the agent is being recovered already. Not called with mu_ held.
+  void StartRecovery(size_t node);
+  void RecoverAgent(size_t node);
+  struct Clones {
+    size_t node = 0;
+    uint64_t epoch = 0;
+    std::vector<std::string> ids;
+  };
+  // `count` clones of the prepared sandbox of the agent, among those not being recovered (and,
+  // for a group start, with no other group start cloning there), with the fewest live sandboxes
+  // of this run. `*tried` is false when no agent was free (nothing was asked of any). A clone
+  // that finds the agent or its prepared sandbox gone starts its recovery.
+  Result<Clones> CloneSandboxes(uint32_t count, bool group_start, bool* tried);
+  void DestroySandbox(size_t node, uint64_t epoch, const std::string& id);
   // Saves the trainer's weights as `version` and pushes them to the fleet.
   Status PushWeights(int64_t version);
   // Pushes the Hugging Face directory `dir` to the fleet as `version` (the gateway's in-place
@@ -328,12 +375,15 @@ class Controller {
   bool TakeTask(Task* task);
   // One rollout in `sandbox` (its tool server started there), then the sandbox destroyed and the
   // rollout's routing forgotten, whatever happened.
-  RolloutResult RolloutInSandbox(size_t node, const std::string& sandbox, const std::string& id,
-                                 const std::string& group, const Prompt& prompt,
-                                 gateway::RolloutClient* client, const SamplingConfig& sampling,
-                                 uint64_t seed, std::function<void(int)> on_generate);
+  RolloutResult RolloutInSandbox(size_t node, uint64_t epoch, const std::string& sandbox,
+                                 const std::string& id, const std::string& group,
+                                 const Prompt& prompt, gateway::RolloutClient* client,
+                                 const SamplingConfig& sampling, uint64_t seed,
+                                 std::function<void(int)> on_generate);
   void RunTask(const Task& task, gateway::RolloutClient* client);
   void StopWorkers();
+  // Ends the agents' recoveries (their retries; an RPC in flight runs to its deadline).
+  void StopRecoveries();
   // Greedy success over `prompts` (one rollout each, temperature 0), run beside anything else.
   Result<double> Evaluate(const std::vector<Prompt>& prompts, const std::string& label);
   void Metric(const json& j);
@@ -371,16 +421,20 @@ class Controller {
     pbox::client::Client* client = nullptr;  // owned by pbox_single_ or pbox_cluster_
     // Guarded by pbox_mu_.
     std::unique_ptr<pbox::client::Session> session;
-    std::string prepared;  // the sandbox every rollout's sandbox there is cloned from
-    int64_t live = 0;      // this run's sandboxes there
-    int64_t cloned = 0;    // sandboxes cloned there, in all
-    // After a failed recovery: passed over for placement until then (unless all are).
-    Clock::time_point down_until{};
+    std::string prepared;        // the sandbox every rollout's sandbox there is cloned from
+    uint64_t epoch = 0;          // counts preparations: sandboxes of an older one are gone
+    int64_t live = 0;            // this run's sandboxes there, of this preparation
+    int64_t cloned = 0;          // sandboxes cloned there, in all
+    bool recovering = false;     // being prepared again (RecoverAgent): no clones there meanwhile
+    bool group_cloning = false;  // a group start's clone in flight there
+    std::thread recoverer;       // the last RecoverAgent's thread; joined before the next
   };
   std::unique_ptr<pbox::client::Client> pbox_single_;
   std::unique_ptr<pbox::client::ClusterClient> pbox_cluster_;
   std::vector<PboxNode> nodes_;  // fixed once connected; entries' fields as marked
   std::mutex pbox_mu_;
+  std::condition_variable recover_cv_;  // with pbox_mu_: wakes a recovery's backoff at stop
+  bool stopping_ = false;               // guarded by pbox_mu_: no new recovery, retries end
   int64_t sandbox_recoveries_ = 0;
 
   // With train.external it only gives the initial model (and warm start): steps are the external
@@ -399,7 +453,6 @@ class Controller {
   std::deque<Task> pending_;
   std::deque<std::shared_ptr<Group>> ready_;
   bool stop_ = false;
-  bool starting_group_ = false;
   Interval interval_;
   int64_t dropped_groups_ = 0;
   std::vector<std::thread> workers_;
@@ -521,14 +574,55 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   return absl::OkStatus();
 }
 
-Status Controller::RecoverSandboxes(size_t node) {
+void Controller::StartRecovery(size_t node) {
   std::lock_guard<std::mutex> l(pbox_mu_);
+  PboxNode& n = nodes_[node];
+  if (n.recovering || stopping_) {
+    return;
+  }
+  n.recovering = true;
+  ++n.epoch;
+  n.live = 0;
   ++sandbox_recoveries_;
-  nodes_[node].session.reset();
-  nodes_[node].live = 0;
-  Status st = PrepareNode(node);
-  nodes_[node].down_until = st.ok() ? Clock::time_point{} : Clock::now() + std::chrono::seconds(2);
-  return st;
+  if (n.recoverer.joinable()) {
+    n.recoverer.join();  // the last recovery's thread, which has finished (recovering was false)
+  }
+  n.recoverer = std::thread([this, node] { RecoverAgent(node); });
+}
+
+void Controller::RecoverAgent(size_t node) {
+  PboxNode& n = nodes_[node];
+  std::unique_ptr<pbox::client::Session> old;
+  {
+    std::lock_guard<std::mutex> l(pbox_mu_);
+    old = std::move(n.session);
+  }
+  old.reset();  // its sandboxes go with it, where the agent still has them
+  auto backoff = std::chrono::milliseconds(500);
+  for (;;) {
+    auto start = Clock::now();
+    auto prepared = PrepareAgent(n.client);
+    std::unique_lock<std::mutex> l(pbox_mu_);
+    if (prepared.ok() && !stopping_) {
+      n.session = std::move(prepared->session);
+      n.prepared = std::move(prepared->sandbox);
+      n.recovering = false;
+      spdlog::info("pbox agent {} prepared again in {:.1f} s", n.name,
+                   Seconds(Clock::now() - start));
+      break;
+    }
+    if (stopping_) {
+      break;  // a session made meanwhile closes as `prepared` goes
+    }
+    spdlog::warn("preparing pbox agent {} again: {}; retrying in {} ms", n.name,
+                 prepared.status().message(), backoff.count());
+    if (recover_cv_.wait_for(l, backoff, [this] { return stopping_; })) {
+      break;
+    }
+    backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::seconds(8));
+  }
+  { std::lock_guard<std::mutex> l(mu_); }  // a TakeTask between its check and its wait sees it
+  cv_.notify_all();
 }
 
 Status Controller::PrepareSandboxes() {
@@ -552,8 +646,13 @@ Status Controller::PrepareSandboxes() {
     BRAGG_ASSIGN_OR_RETURN(pbox_single_, pbox::client::Client::Connect(po));
     nodes_.push_back(PboxNode{where.empty() ? "pbox" : where, pbox_single_.get()});
   }
-  for (size_t i = 0; i < nodes_.size(); ++i) {
-    BRAGG_RETURN_IF_ERROR(Annotate(PrepareNode(i), Cat("pbox agent ", nodes_[i].name)));
+  for (PboxNode& n : nodes_) {
+    auto prepared = PrepareAgent(n.client);
+    if (!prepared.ok()) {
+      return Annotate(prepared.status(), Cat("pbox agent ", n.name));
+    }
+    n.session = std::move(prepared->session);
+    n.prepared = std::move(prepared->sandbox);
   }
   if (nodes_.size() > 1) {
     spdlog::info("sandboxes on {} pbox agents", nodes_.size());
@@ -561,18 +660,17 @@ Status Controller::PrepareSandboxes() {
   return absl::OkStatus();
 }
 
-Status Controller::PrepareNode(size_t node) {
-  PboxNode& n = nodes_[node];
-  pbox::client::Client* pbox = n.client;
-  BRAGG_ASSIGN_OR_RETURN(n.session, pbox->OpenSession("bragg-rl"));
+Result<Controller::Prepared> Controller::PrepareAgent(pbox::client::Client* pbox) {
+  Prepared out;
+  BRAGG_ASSIGN_OR_RETURN(out.session, pbox->OpenSession("bragg-rl"));
   pbox::client::v1::SandboxSpec spec;
   spec.set_image(cfg_.task.image);
   spec.set_memory_bytes(static_cast<uint64_t>(cfg_.task.sandbox_memory_mb) << 20);
   spec.set_pids(static_cast<uint32_t>(cfg_.task.sandbox_pids));
   (*spec.mutable_labels())["bragg-rl"] = "prepared";
-  BRAGG_ASSIGN_OR_RETURN(pbox::client::v1::Sandbox sb, pbox->Create(spec, n.session->id()));
-  n.prepared = sb.id();
-  const std::string& prepared = n.prepared;
+  BRAGG_ASSIGN_OR_RETURN(pbox::client::v1::Sandbox sb, pbox->Create(spec, out.session->id()));
+  out.sandbox = sb.id();
+  const std::string& prepared = out.sandbox;
   if (!cfg_.task.files.empty()) {
     std::error_code ec;
     for (auto it = fs::recursive_directory_iterator(cfg_.task.files, ec);
@@ -640,55 +738,89 @@ Status Controller::PrepareNode(size_t node) {
     return Annotate(v.status(), "task.verifier");
   }
   double x = 0;
-  absl::string_view out = absl::StripAsciiWhitespace(v->stdout());
-  if (v->result().exit_code() != 0 || !absl::SimpleAtod(out, &x)) {
+  absl::string_view printed = absl::StripAsciiWhitespace(v->stdout());
+  if (v->result().exit_code() != 0 || !absl::SimpleAtod(printed, &x)) {
     return absl::FailedPreconditionError(Cat(
         "task.verifier ", json(cfg_.task.verifier).dump(),
         " must print a reward (a number) for a rollout; for a rollout without turns it printed ",
-        json(std::string(out.substr(0, 80))).dump(-1, ' ', false, json::error_handler_t::replace),
+        json(std::string(printed.substr(0, 80)))
+            .dump(-1, ' ', false, json::error_handler_t::replace),
         " and exited ", v->result().exit_code(), " ", v->result().error(), " ",
         v->stderr().substr(0, 300)));
   }
-  return absl::OkStatus();
+  return out;
 }
 
-Result<std::vector<std::string>> Controller::CloneSandboxes(uint32_t count, size_t* node) {
+Result<Controller::Clones> Controller::CloneSandboxes(uint32_t count, bool group_start,
+                                                      bool* tried) {
+  Clones out;
+  pbox::client::Client* pbox = nullptr;
   std::string source;
-  pbox::client::Client* pbox;
   {
     std::lock_guard<std::mutex> l(pbox_mu_);
-    auto now = Clock::now();
-    size_t best = 0;
-    for (size_t i = 1; i < nodes_.size(); ++i) {
-      bool down = nodes_[i].down_until > now, best_down = nodes_[best].down_until > now;
-      if (down != best_down ? !down : nodes_[i].live < nodes_[best].live) {
-        best = i;
+    bool found = false;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      const PboxNode& n = nodes_[i];
+      if (n.recovering || (group_start && n.group_cloning)) {
+        continue;
+      }
+      if (!found || n.live < nodes_[out.node].live) {
+        out.node = i;
+        found = true;
       }
     }
-    *node = best;
-    source = nodes_[best].prepared;
-    pbox = nodes_[best].client;
+    *tried = found;
+    if (!found) {
+      return absl::UnavailableError("every pbox agent is being prepared again or cloning");
+    }
+    PboxNode& n = nodes_[out.node];
+    out.epoch = n.epoch;
+    source = n.prepared;
+    pbox = n.client;
     // Counted before the clone returns, so that concurrent groups spread over the agents.
-    nodes_[best].live += count;
+    n.live += count;
+    n.group_cloning = n.group_cloning || group_start;
   }
   auto clones = pbox->Clone(source, count);
-  std::lock_guard<std::mutex> l(pbox_mu_);
+  bool gone = false;
+  {
+    std::lock_guard<std::mutex> l(pbox_mu_);
+    PboxNode& n = nodes_[out.node];
+    if (group_start) {
+      n.group_cloning = false;
+    }
+    if (clones.ok()) {
+      n.cloned += count;
+    } else if (n.epoch == out.epoch) {
+      n.live = std::max<int64_t>(0, n.live - count);
+    }
+  }
   if (!clones.ok()) {
-    nodes_[*node].live = std::max<int64_t>(0, nodes_[*node].live - count);
+    // The agent full (ResourceExhausted): wait for sandboxes to be destroyed. The agent or the
+    // prepared sandbox gone (after an agent restart): prepare it again.
+    absl::StatusCode code = clones.status().code();
+    gone = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kNotFound ||
+           code == absl::StatusCode::kFailedPrecondition ||
+           code == absl::StatusCode::kDeadlineExceeded;
+    spdlog::warn("cloning {} sandbox(es) on pbox agent {}: {}{}", count, nodes_[out.node].name,
+                 clones.status().message(), gone ? "; preparing the agent again" : "");
+    if (gone) {
+      StartRecovery(out.node);
+    }
     return clones.status();
   }
-  nodes_[*node].cloned += count;
-  std::vector<std::string> ids;
   for (const auto& c : *clones) {
-    ids.push_back(c.id());
+    out.ids.push_back(c.id());
   }
-  return ids;
+  return out;
 }
 
-void Controller::DestroySandbox(size_t node, const std::string& id) {
+void Controller::DestroySandbox(size_t node, uint64_t epoch, const std::string& id) {
   (void)nodes_[node].client->Destroy(id);
   std::lock_guard<std::mutex> l(pbox_mu_);
-  nodes_[node].live = std::max<int64_t>(0, nodes_[node].live - 1);
+  if (nodes_[node].epoch == epoch) {  // else counted out when the agent was prepared again
+    nodes_[node].live = std::max<int64_t>(0, nodes_[node].live - 1);
+  }
 }
 
 Status Controller::PushWeights(int64_t version) {
@@ -837,8 +969,9 @@ bool Controller::TakeTask(Task* task) {
       return true;
     }
     int64_t limit = (version_ + cfg_.run.max_staleness + 1) * cfg_.train.groups_per_step;
-    if (!starting_group_ && admitted_ < limit) {
-      starting_group_ = true;
+    if (admitted_ < limit) {
+      // Several groups may start at once, one per agent: an agent that hangs holds up its own
+      // start only.
       auto g = std::make_shared<Group>();
       g->index = groups_started_++;
       g->id = Cat(incarnation_, "-g", g->index);
@@ -846,37 +979,22 @@ bool Controller::TakeTask(Task* task) {
       g->admitted_at = version_;
       ++admitted_;
       l.unlock();
-      size_t node = 0;
-      auto sandboxes = CloneSandboxes(static_cast<uint32_t>(cfg_.sampling.group_size), &node);
+      bool tried = false;
+      auto clones = CloneSandboxes(static_cast<uint32_t>(cfg_.sampling.group_size), true, &tried);
       l.lock();
-      starting_group_ = false;
-      if (!sandboxes.ok()) {
-        --admitted_;
-        --groups_started_;
-        interval_.sandbox_failures += cfg_.sampling.group_size;
-        absl::StatusCode code = sandboxes.status().code();
-        // The agent full (ResourceExhausted): wait for sandboxes to be destroyed. The agent or
-        // the prepared sandbox gone (after an agent restart): prepare it again.
-        bool gone = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kNotFound ||
-                    code == absl::StatusCode::kFailedPrecondition;
-        spdlog::warn("cloning the group's sandboxes on {}: {}{}", nodes_[node].name,
-                     sandboxes.status().message(),
-                     gone ? "; preparing the task's sandbox again" : "");
-        starting_group_ = true;  // one recovery at a time, by this thread
-        l.unlock();
-        Status st = gone ? RecoverSandboxes(node) : absl::OkStatus();
-        if (!st.ok()) {
-          spdlog::warn("preparing the task's sandbox: {}", st.message());
+      if (!clones.ok()) {
+        --admitted_;  // its index stays used: another start may have taken the next one
+        if (tried) {
+          interval_.sandbox_failures += cfg_.sampling.group_size;
         }
-        if (!gone || !st.ok()) {
-          std::this_thread::sleep_for(std::chrono::seconds(1));
-        }
-        l.lock();
-        starting_group_ = false;
+        // Until an agent is free, prepared again or has room: woken by a finished clone or
+        // recovery, or a destroyed sandbox's rollout ending.
+        cv_.wait_for(l, std::chrono::milliseconds(tried ? 1000 : 200));
         continue;
       }
-      g->node = node;
-      g->sandboxes = std::move(*sandboxes);
+      g->node = clones->node;
+      g->epoch = clones->epoch;
+      g->sandboxes = std::move(clones->ids);
       g->results.resize(g->sandboxes.size());
       g->pending = static_cast<int>(g->sandboxes.size());
       for (int i = 0; i < g->pending; ++i) {
@@ -889,7 +1007,7 @@ bool Controller::TakeTask(Task* task) {
   }
 }
 
-RolloutResult Controller::RolloutInSandbox(size_t node, const std::string& sandbox,
+RolloutResult Controller::RolloutInSandbox(size_t node, uint64_t epoch, const std::string& sandbox,
                                            const std::string& id, const std::string& group,
                                            const Prompt& prompt, gateway::RolloutClient* client,
                                            const SamplingConfig& sampling, uint64_t seed,
@@ -918,7 +1036,7 @@ RolloutResult Controller::RolloutInSandbox(size_t node, const std::string& sandb
     tools->reset();
   }
   (void)client->Forget(id);
-  DestroySandbox(node, sandbox);
+  DestroySandbox(node, epoch, sandbox);
   return result;
 }
 
@@ -933,8 +1051,8 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
     start_version = version_;
   }
   RolloutResult result =
-      RolloutInSandbox(g.node, g.sandboxes[static_cast<size_t>(task.member)], id, g.id, *g.prompt,
-                       client, cfg_.sampling,
+      RolloutInSandbox(g.node, g.epoch, g.sandboxes[static_cast<size_t>(task.member)], id, g.id,
+                       *g.prompt, client, cfg_.sampling,
                        cfg_.run.seed * 1000003 + static_cast<uint64_t>(g.index) * 1009 +
                            static_cast<uint64_t>(task.member),
                        [this](int d) { OnGenerate(d); });
@@ -983,9 +1101,13 @@ void Controller::RunTask(const Task& task, gateway::RolloutClient* client) {
   }
   g.results[static_cast<size_t>(task.member)] = std::move(result);
   if (--g.pending == 0) {
-    int kept = 0;
+    int kept = 0, succeeded = 0;
     for (const RolloutResult& r : g.results) {
       kept += r.dropped.empty() ? 1 : 0;
+      succeeded += r.dropped.empty() && r.reward >= 1.0 ? 1 : 0;
+    }
+    if (kept > 0) {
+      sampler_->Observe(*g.prompt, static_cast<double>(succeeded) / kept);
     }
     if (kept >= 2) {
       ready_.push_back(task.group);
@@ -1026,9 +1148,23 @@ void Controller::StopWorkers() {
   workers_.clear();
   // Sandboxes of groups never started.
   for (const Task& t : pending_) {
-    DestroySandbox(t.group->node, t.group->sandboxes[static_cast<size_t>(t.member)]);
+    DestroySandbox(t.group->node, t.group->epoch,
+                   t.group->sandboxes[static_cast<size_t>(t.member)]);
   }
   pending_.clear();
+}
+
+void Controller::StopRecoveries() {
+  {
+    std::lock_guard<std::mutex> l(pbox_mu_);
+    stopping_ = true;
+  }
+  recover_cv_.notify_all();
+  for (PboxNode& n : nodes_) {
+    if (n.recoverer.joinable()) {
+      n.recoverer.join();
+    }
+  }
 }
 
 Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const std::string& label) {
@@ -1050,8 +1186,13 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         return;
       }
       for (size_t i; (i = next++) < prompts.size();) {
-        size_t node = 0;
-        auto sb = CloneSandboxes(1, &node);
+        bool tried = false;
+        auto sb = CloneSandboxes(1, false, &tried);
+        // Every agent being prepared again: wait for one (a minute at most), as group starts do.
+        for (int waits = 0; !sb.ok() && !tried && waits < 300; ++waits) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          sb = CloneSandboxes(1, false, &tried);
+        }
         if (!sb.ok()) {
           spdlog::warn("eval: cloning a sandbox: {}", sb.status().message());
           continue;
@@ -1059,8 +1200,8 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         std::string id = Cat(incarnation_, "-eval-", label, "-", i);
         SamplingConfig greedy = cfg_.sampling;
         greedy.temperature = 0;
-        RolloutResult r =
-            RolloutInSandbox(node, (*sb)[0], id, id, prompts[i], client->get(), greedy, 0, nullptr);
+        RolloutResult r = RolloutInSandbox(sb->node, sb->epoch, sb->ids[0], id, id, prompts[i],
+                                           client->get(), greedy, 0, nullptr);
         if (r.dropped.empty()) {
           ++scored;
           success += r.reward >= 1.0 ? 1 : 0;
@@ -1226,7 +1367,7 @@ Status Controller::Run() {
     }
   }
   sampler_ = std::make_unique<PromptSampler>(
-      &prompts_, cfg_.run.seed * 7919 + static_cast<uint64_t>(StepsDone()));
+      &prompts_, cfg_.run.seed * 7919 + static_cast<uint64_t>(StepsDone()), cfg_.task.focus);
 
   std::optional<double> eval_before;
   if (!eval_prompts_.empty()) {
@@ -1429,11 +1570,13 @@ Status Controller::Run() {
         by_agent[n.name] = n.cloned;
       }
     }
+    json class_success;  // the prompt sampler's recent success rate per balance_by value
     {
       std::lock_guard<std::mutex> l(mu_);
       iv = std::move(interval_);
       interval_ = Interval{};
       dropped_groups = dropped_groups_;
+      class_success = sampler_->Success();
     }
     double n = static_cast<double>(batch.size());
     double reward = rewards / n, success = successes / n;
@@ -1469,6 +1612,7 @@ Status Controller::Run() {
         {"generate_retries", iv.generate_retries},
         {"sandbox_recoveries", sandbox_recoveries},
         {"sandboxes_by_agent", by_agent},
+        {"class_success", class_success},
         {"time_split",
          {{"generate_s", iv.generate_s},
           {"tools_s", iv.tools_s + iv.verify_s},

@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -500,6 +499,49 @@ def test_sandboxes_on_two_agents_one_restarted(agent, tmp_path):
         assert m[-1]["sandbox_recoveries"] >= 1, m[-1]
         after = m[-1]["sandboxes_by_agent"]
         assert all(after[k] > seen[k] for k in seen), (seen, after)
+    finally:
+        second.stop()
+
+
+def test_an_agent_down_for_a_while_is_recovered_in_the_background(agent, tmp_path):
+    """One of two agents killed and left down: the first group start that finds it gone hands it
+    to a recovery that retries in the background, so the dead agent costs one failed start (not
+    one every few seconds) while the other serves every group; started again, it is prepared
+    again by that same recovery and serves too."""
+    (tmp_path / "pbox2").mkdir()
+    second = Agent(tmp_path / "pbox2")
+    try:
+        config = write_config(
+            tmp_path, steps=80, calm=True,
+            extra=f'pbox = "unix://{agent.sock},unix://{second.sock}"\n')
+        run = tmp_path / "run"
+        p = start(config, agent)
+        wait_for_step(run, 2, p, config)
+        second.kill()
+        at_kill = steps_of(run)[-1]
+        down = time.time()
+        wait_for_step(run, at_kill["step"] + 3, p, config, timeout=120)
+        while time.time() - down < 8:
+            assert p.poll() is None, log_tail(config)
+            time.sleep(0.2)
+        during = steps_of(run)[-1]
+        first = next(k for k in at_kill["sandboxes_by_agent"] if str(agent.sock) in k)
+        other = next(k for k in at_kill["sandboxes_by_agent"] if str(second.sock) in k)
+        failed = [line for line in (tmp_path / "bragg-rl.log").read_text().splitlines()
+                  if "cloning" in line and str(second.sock) in line]
+        assert len(failed) == 1, failed
+        assert during["sandbox_recoveries"] == 1, during
+        assert during["sandboxes_by_agent"][first] > at_kill["sandboxes_by_agent"][first]
+        second.start()
+        deadline = time.time() + 60
+        while steps_of(run)[-1]["sandboxes_by_agent"][other] <= during["sandboxes_by_agent"][other]:
+            assert time.time() < deadline, \
+                "the restarted agent got no sandboxes:\n" + log_tail(config)
+            assert p.poll() is None, log_tail(config)
+            time.sleep(0.2)
+        finish(p, config)
+        m = check_common(run, 1, 80)
+        assert m[-1]["sandbox_recoveries"] == 1, m[-1]
     finally:
         second.stop()
 
