@@ -701,8 +701,16 @@ class EngineImpl final : public Engine {
               sp.stop_token_ids.end() ||
           (!sp.ignore_eos && std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(),
                                        s.token) != config_.eos_token_ids.end());
+      std::optional<std::string> matched;
+      if (!stop && r.req.stop_check) {
+        matched = r.req.stop_check(r.out.output_ids);
+      }
       if (stop) {
         r.out.matched_stop = s.token;
+        r.out.finish = FinishReason::kStop;
+        finished.push_back(&r);
+      } else if (matched) {
+        r.out.matched_stop_string = std::move(matched);
         r.out.finish = FinishReason::kStop;
         finished.push_back(&r);
       } else if (produced + 1 >= sp.max_new_tokens) {

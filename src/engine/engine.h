@@ -11,8 +11,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,6 +62,11 @@ struct GenerateRequest {
   bool return_routed_experts = false;
   int64_t routed_experts_start_len = 0;  // experts of positions [this, tokens - 1) are returned
   std::string extra_key;                 // cache salt: prefixes match only under the same key
+  // Stop strings (SGLang's sampling_params.stop), matched by the caller, who has the tokenizer:
+  // called on the engine thread after each sampled token that did not already end the request,
+  // with the output so far. A returned string ends the request there (finish stop,
+  // matched_stop_string). Must be quick and must not call into the engine.
+  std::function<std::optional<std::string>(std::span<const int32_t> output_ids)> stop_check;
 };
 
 // Output tokens [start, end) were sampled under weight version `version`.
@@ -80,9 +87,10 @@ struct GenerateOutput {
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;  // prompt tokens served from the prefix cache
   FinishReason finish = FinishReason::kNone;
-  std::optional<int32_t> matched_stop;  // the stop token that ended it, if one did
-  std::string finish_message;           // why an abort happened
-  std::string weight_version;           // the version when the last token was sampled
+  std::optional<int32_t> matched_stop;             // the stop token that ended it, if one did
+  std::optional<std::string> matched_stop_string;  // or the stop string (stop_check)
+  std::string finish_message;                      // why an abort happened
+  std::string weight_version;                      // the version when the last token was sampled
   std::vector<VersionSpan> weight_versions;
   // int32 [positions, layers, top_k] for positions [routed_experts_start_len, tokens - 1) where
   // tokens = prompt + output; empty for a dense model or when not asked for.

@@ -297,6 +297,35 @@ TEST_F(EngineTest, AbortAndCancelFreeTheirBlocks) {
   EXPECT_EQ(st.running + st.queued, 0);
 }
 
+// A stop check (the server's stop strings) ends a request at the token it names: the output is
+// the same tokens as the unstopped run's up to there, the finish is stop with the string, and the
+// request leaves the engine (no KV blocks held beyond the prefix cache's).
+TEST_F(EngineTest, AStopCheckEndsTheRequestAtItsToken) {
+  auto e = Start();
+  GenerateOutput whole = Run(*e, Greedy(Prompt(20, 6), 12));
+  ASSERT_EQ(whole.output_ids.size(), 12u);
+  GenerateRequest r = Greedy(Prompt(20, 6), 12);
+  std::atomic<int> calls{0};
+  std::vector<int32_t> want(whole.output_ids.begin(), whole.output_ids.begin() + 5);
+  r.stop_check = [&](std::span<const int32_t> ids) -> std::optional<std::string> {
+    ++calls;
+    if (std::vector<int32_t>(ids.begin(), ids.end()) == want) {
+      return "five";
+    }
+    return std::nullopt;
+  };
+  GenerateOutput out = Run(*e, r);
+  EXPECT_EQ(out.output_ids, want);
+  EXPECT_EQ(out.output_logprobs.size(), 5u);
+  EXPECT_EQ(out.finish, FinishReason::kStop);
+  EXPECT_EQ(out.matched_stop_string, "five");
+  EXPECT_FALSE(out.matched_stop.has_value());
+  EXPECT_EQ(calls.load(), 5);
+  EngineStats st = e->stats();
+  EXPECT_EQ(st.running + st.queued, 0);
+  EXPECT_EQ(st.aborted_total, 0);
+}
+
 TEST_F(EngineTest, ASmallCacheQueuesAndRetractsButAnswersEveryRequestAsABigOneDoes) {
   std::vector<GenerateRequest> reqs;
   for (int i = 0; i < 12; ++i) {

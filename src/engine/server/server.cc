@@ -94,8 +94,8 @@ constexpr FieldSpec kFields[] = {
     {"sampling_params", "sampling_seed", FieldUse::kServed, "",
      "same seed, prompt and weights: same tokens"},
     {"sampling_params", "ignore_eos", FieldUse::kServed, "", "keep going past EOS"},
-    {"sampling_params", "stop", FieldUse::kDefaultOnly, "null|[]|\"\"",
-     "stop strings need a tokenizer: use stop_token_ids"},
+    {"sampling_params", "stop", FieldUse::kServed, "",
+     "a string or a list of strings that end the request (needs a tokenizer)"},
     {"sampling_params", "stop_regex", FieldUse::kDefaultOnly, "null|[]", "needs a tokenizer"},
     {"sampling_params", "n", FieldUse::kDefaultOnly, "1", "one sample per prompt; batch instead"},
     {"sampling_params", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
@@ -114,7 +114,8 @@ constexpr FieldSpec kFields[] = {
     {"sampling_params", "skip_special_tokens", FieldUse::kServed, "",
      "default true: special tokens are left out of the answer's text"},
     {"sampling_params", "spaces_between_special_tokens", FieldUse::kIgnored, "", "no detokenizer"},
-    {"sampling_params", "no_stop_trim", FieldUse::kIgnored, "", "no stop strings to trim"},
+    {"sampling_params", "no_stop_trim", FieldUse::kServed, "",
+     "default false: the text ends before the stop string"},
     // POST /v1/completions (OpenAI, prompt as token ids)
     {"completions", "prompt", FieldUse::kServed, "",
      "token ids, or a string with a tokenizer (a list of strings is refused)"},
@@ -137,7 +138,7 @@ constexpr FieldSpec kFields[] = {
     {"completions", "echo", FieldUse::kDefaultOnly, "false", "not served"},
     {"completions", "logprobs", FieldUse::kDefaultOnly, "null|0",
      "use /generate with return_logprob"},
-    {"completions", "stop", FieldUse::kDefaultOnly, "null|[]|\"\"", "needs a tokenizer"},
+    {"completions", "stop", FieldUse::kServed, "", "stop strings (needs a tokenizer)"},
     {"completions", "suffix", FieldUse::kDefaultOnly, "null", "not served"},
     {"completions", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
     {"completions", "presence_penalty", FieldUse::kDefaultOnly, "0", "not served"},
@@ -166,8 +167,7 @@ constexpr FieldSpec kFields[] = {
     {"chat_completions", "logprobs", FieldUse::kDefaultOnly, "null|false",
      "use /generate with return_logprob"},
     {"chat_completions", "top_logprobs", FieldUse::kDefaultOnly, "null|0", "not served"},
-    {"chat_completions", "stop", FieldUse::kDefaultOnly, "null|[]|\"\"",
-     "stop strings: not served (use stop_token_ids)"},
+    {"chat_completions", "stop", FieldUse::kServed, "", "stop strings"},
     {"chat_completions", "tools", FieldUse::kDefaultOnly, "null|[]",
      "no tool-call parsing: put tools in the system message"},
     {"chat_completions", "tool_choice", FieldUse::kDefaultOnly, "null|\"none\"|\"auto\"",
@@ -468,21 +468,124 @@ struct Item {
   GenerateRequest request;
   std::vector<int32_t> input_ids;   // kept for input_token_logprobs (the request's are moved)
   bool skip_special_tokens = true;  // for the answer's text
+  std::vector<std::string> stop;    // stop strings
+  bool no_stop_trim = false;        // keep the matched stop string in the text
 };
 
-// The answer's text for `ids`; empty without a tokenizer. A stream's chunk (`partial`) holds back
-// the bytes of a character the next token has yet to complete.
-std::string OutputText(const Tokenizer* tokenizer, const std::vector<int32_t>& ids, bool skip,
-                       bool partial) {
+// Where the text ends for the answer: before the first stop string in it (none: npos).
+size_t StopCut(std::string_view text, const std::vector<std::string>& stop) {
+  size_t cut = std::string_view::npos;
+  for (const std::string& s : stop) {
+    cut = std::min(cut, text.find(s));
+  }
+  return cut;
+}
+
+// The answer's text for `out`; empty without a tokenizer. A stream's chunk (not finished) holds
+// back the bytes of a character the next token has yet to complete, and an end of the text that
+// may be the start of a stop string; a finished answer that a stop string ended stops before it
+// (unless no_stop_trim).
+std::string OutputText(const Tokenizer* tokenizer, const GenerateOutput& out, const Item& item) {
   if (tokenizer == nullptr) {
     return "";
   }
-  if (!partial) {
-    return tokenizer->Decode(ids, skip);
+  if (out.finished()) {
+    std::string text = tokenizer->Decode(out.output_ids, item.skip_special_tokens);
+    if (out.matched_stop_string && !item.no_stop_trim) {
+      text.resize(std::min(text.size(), StopCut(text, item.stop)));
+    }
+    return text;
   }
-  std::string raw = tokenizer->DecodeBytes(ids, skip);
+  std::string raw = tokenizer->DecodeBytes(out.output_ids, item.skip_special_tokens);
+  raw.resize(raw.size() - IncompleteUtf8Tail(raw));
+  size_t held = 0;
+  for (const std::string& s : item.stop) {
+    for (size_t k = std::min(s.size() - 1, raw.size()); k > held; --k) {
+      if (raw.compare(raw.size() - k, k, s, 0, k) == 0) {
+        held = k;
+        break;
+      }
+    }
+  }
+  raw.resize(raw.size() - held);
   raw.resize(raw.size() - IncompleteUtf8Tail(raw));
   return Utf8Lossy(raw);
+}
+
+constexpr size_t kMaxStopStrings = 32;
+constexpr size_t kMaxStopBytes = 1024;
+
+// `value` as stop strings (SGLang's `stop`: a string or a list of them; null, "" and [] are
+// none) into `item`, and the engine's check for them. Refused without a tokenizer.
+Status ReadStop(const json& value, std::string_view where, const Tokenizer* tokenizer, Item* item) {
+  std::vector<std::string> stop;
+  auto add = [&](const json& v) -> Status {
+    if (!v.is_string()) {
+      return absl::InvalidArgumentError(
+          fmt::format("{} must be a string or a list of strings, got {}", where, v.type_name()));
+    }
+    const std::string& s = v.get_ref<const std::string&>();
+    if (s.size() > kMaxStopBytes || Utf8Lossy(s) != s) {
+      return absl::InvalidArgumentError(fmt::format(
+          "{} holds a string that is not UTF-8 or longer than {} bytes", where, kMaxStopBytes));
+    }
+    if (!s.empty()) {
+      stop.push_back(s);
+    }
+    return absl::OkStatus();
+  };
+  if (value.is_array()) {
+    if (value.size() > kMaxStopStrings) {
+      return absl::InvalidArgumentError(
+          fmt::format("{} has {} strings, more than {}", where, value.size(), kMaxStopStrings));
+    }
+    for (const json& v : value) {
+      BRAGG_RETURN_IF_ERROR(add(v));
+    }
+  } else if (!value.is_null()) {
+    BRAGG_RETURN_IF_ERROR(add(value));
+  }
+  if (stop.empty()) {
+    return absl::OkStatus();
+  }
+  if (tokenizer == nullptr) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: stop strings need a tokenizer (this engine has none: use stop_token_ids)", where));
+  }
+  size_t longest = 0;
+  for (const std::string& s : stop) {
+    longest = std::max(longest, s.size());
+  }
+  item->stop = stop;
+  bool skip = item->skip_special_tokens;
+  // A stop string that the last token completes: the last token's bytes, and enough bytes of
+  // the tokens before it to hold the longest stop string (byte-level tokens decode one by one).
+  item->request.stop_check = [tokenizer, stop = std::move(stop), longest,
+                              skip](std::span<const int32_t> ids) -> std::optional<std::string> {
+    if (ids.empty()) {
+      return std::nullopt;
+    }
+    std::string tail = tokenizer->DecodeBytes(ids.last(1), skip);
+    size_t fresh = tail.size();
+    if (fresh == 0) {
+      return std::nullopt;
+    }
+    for (size_t k = 2; k <= ids.size() && tail.size() < fresh + longest - 1; ++k) {
+      tail.insert(0, tokenizer->DecodeBytes(ids.subspan(ids.size() - k, 1), skip));
+    }
+    std::optional<std::string> best;
+    size_t best_at = std::string::npos;
+    for (const std::string& s : stop) {
+      size_t from = tail.size() - fresh + 1 > s.size() ? tail.size() - fresh + 1 - s.size() : 0;
+      size_t at = tail.find(s, from);
+      if (at != std::string::npos && at < best_at) {
+        best_at = at;
+        best = s;
+      }
+    }
+    return best;
+  };
+  return absl::OkStatus();
 }
 
 // Tokenizes one prompt text for `where` (a field name in errors). A text too long to fit in
@@ -614,8 +717,15 @@ Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch, const Tok
     BRAGG_RETURN_IF_ERROR(ReadSampling(sp["sampling_params"], &r.sampling));
     std::string prefix = call.batch ? fmt::format("[{}] ", i) : "";
     if (sp["sampling_params"].is_object()) {
-      BRAGG_RETURN_IF_ERROR(ReadBool(sp["sampling_params"], prefix + "sampling_params.",
-                                     "skip_special_tokens", &item.skip_special_tokens));
+      const json& params = sp["sampling_params"];
+      BRAGG_RETURN_IF_ERROR(ReadBool(params, prefix + "sampling_params.", "skip_special_tokens",
+                                     &item.skip_special_tokens));
+      BRAGG_RETURN_IF_ERROR(
+          ReadBool(params, prefix + "sampling_params.", "no_stop_trim", &item.no_stop_trim));
+      if (params.contains("stop")) {
+        BRAGG_RETURN_IF_ERROR(
+            ReadStop(params["stop"], prefix + "sampling_params.stop", tokenizer, &item));
+      }
     }
     if (!rid_prefix.empty()) {
       r.rid = fmt::format("{}_{}", rid_prefix, i);
@@ -675,7 +785,9 @@ json FinishJson(const GenerateOutput& out) {
       return nullptr;
     case FinishReason::kStop: {
       json f = {{"type", "stop"}};
-      if (out.matched_stop) {
+      if (out.matched_stop_string) {
+        f["matched"] = *out.matched_stop_string;
+      } else if (out.matched_stop) {
         f["matched"] = *out.matched_stop;
       }
       return f;
@@ -735,8 +847,7 @@ json OutputJson(const GenerateOutput& out, const Item& item, bool moe, Clock::ti
   if (r.return_routed_experts && moe && out.finished()) {
     meta["routed_experts"] = Base64Int32(out.routed_experts);
   }
-  std::string text =
-      OutputText(tokenizer, out.output_ids, item.skip_special_tokens, !out.finished());
+  std::string text = OutputText(tokenizer, out, item);
   return {
       {"text", std::move(text)}, {"output_ids", out.output_ids}, {"meta_info", std::move(meta)}};
 }
@@ -1069,6 +1180,9 @@ void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Respo
       }
       BRAGG_RETURN_IF_ERROR(ReadOpenAiSampling(body, 16, &r.sampling));  // OpenAI's default
     }
+    if (body.contains("stop")) {
+      BRAGG_RETURN_IF_ERROR(ReadStop(body["stop"], "stop", tokenizer, &item));
+    }
     if (r.input_ids.empty()) {
       return absl::InvalidArgumentError(chat ? "the messages give no tokens" : "prompt is empty");
     }
@@ -1098,13 +1212,14 @@ void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Respo
           return false;
         }
         const GenerateOutput& out = outs[0];
-        std::string text = OutputText(options.tokenizer, out.output_ids,
-                                      ex->items[0].skip_special_tokens, /*partial=*/false);
+        std::string text = OutputText(options.tokenizer, out, ex->items[0]);
         json choice = {{"index", 0},
                        {"output_ids", out.output_ids},
                        {"logprobs", nullptr},
                        {"finish_reason", FinishName(out.finish)},
-                       {"matched_stop", out.matched_stop ? json(*out.matched_stop) : json()}};
+                       {"matched_stop", out.matched_stop_string ? json(*out.matched_stop_string)
+                                        : out.matched_stop      ? json(*out.matched_stop)
+                                                                : json()}};
         if (chat) {
           choice["message"] = {{"role", "assistant"}, {"content", std::move(text)}};
         } else {

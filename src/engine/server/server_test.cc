@@ -250,9 +250,13 @@ void FakeStream::StepLocked() {
   out_.weight_version = engine_->version_;
   out_.weight_versions = {{engine_->version_, 0, static_cast<int64_t>(n + 1)}};
   const auto& stops = r.sampling.stop_token_ids;
+  std::optional<std::string> matched;
   if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
     out_.finish = FinishReason::kStop;
     out_.matched_stop = token;
+  } else if (r.stop_check && (matched = r.stop_check(out_.output_ids))) {
+    out_.finish = FinishReason::kStop;  // as the engine: checked after each token
+    out_.matched_stop_string = std::move(matched);
   } else if (static_cast<int64_t>(n + 1) >= r.sampling.max_new_tokens) {
     out_.finish = FinishReason::kLength;
   }
@@ -1001,6 +1005,10 @@ TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
       {{"sampling_params", "top_k"}, 5},
       {{"sampling_params", "min_p"}, 0.1},
       {{"sampling_params", "stop_token_ids"}, {3}},
+      {{"sampling_params", "stop"}, {"zz", "y"}},
+      {{"sampling_params", "no_stop_trim"}, true},
+      {{"completions", "stop"}, "zz"},
+      {{"chat_completions", "stop"}, {"zz"}},
       {{"sampling_params", "sampling_seed"}, 7},
       {{"sampling_params", "ignore_eos"}, true},
       {{"completions", "prompt"}, {1}},
@@ -1216,6 +1224,112 @@ TEST_F(ServerTest, TextEndpointsWithATokenizer) {
   out =
       client_->Get("/get_model_info") ? json::parse(client_->Get("/get_model_info")->body) : json();
   EXPECT_EQ(out["tokenizer_path"], "/models/x/tokenizer.json");
+}
+
+// Stop strings (sampling_params.stop, OpenAI's stop): the request ends at the token that
+// completes one, the text stops before it (or keeps it: no_stop_trim), finish_reason names it;
+// a stream never shows the start of a stop string that may yet complete. The fake's tokens for
+// the prompt [63] are the bytes "@GNU\\cjqx..." (63 + 1 + 7n).
+TEST_F(ServerTest, StopStrings) {
+  tokenizer_ = ByteTokenizer();
+  ASSERT_NE(tokenizer_, nullptr);
+  ServerOptions options;
+  options.tokenizer = tokenizer_.get();
+  Start(options);
+  auto gen = [&](json sp) {
+    sp["max_new_tokens"] = 20;
+    return PostOk("/generate", {{"input_ids", {63}}, {"sampling_params", sp}});
+  };
+  json out = gen({{"stop", "NU"}});
+  EXPECT_EQ(out["output_ids"], json({'@', 'G', 'N', 'U'}));
+  EXPECT_EQ(out["text"], "@G");
+  EXPECT_EQ(out["meta_info"]["finish_reason"], json({{"type", "stop"}, {"matched", "NU"}}));
+  EXPECT_EQ(out["meta_info"]["completion_tokens"], 4);
+  out = gen({{"stop", "NU"}, {"no_stop_trim", true}});
+  EXPECT_EQ(out["text"], "@GNU");
+  // The first to complete wins; a string over three tokens; empty strings are none.
+  out = gen({{"stop", {"", "zz", "U\\c", "cj"}}});
+  EXPECT_EQ(out["output_ids"].size(), 6u);
+  EXPECT_EQ(out["text"], "@GN");
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["matched"], "U\\c");
+  out = gen({{"stop", {"zz"}}});
+  EXPECT_EQ(out["output_ids"].size(), 20u);
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["type"], "length");
+  for (json none : {json(nullptr), json(""), json::array()}) {
+    out = gen({{"stop", none}});
+    EXPECT_EQ(out["output_ids"].size(), 20u) << none.dump();
+  }
+
+  // Streams: "U" is held back while "U\\c" may complete, then never shown; with "Ux" it is
+  // shown once "\\" rules that out.
+  auto stream = [&](const std::string& stop) {
+    auto res = client_->Post("/generate",
+                             json({{"input_ids", {63}},
+                                   {"stream", true},
+                                   {"sampling_params", {{"max_new_tokens", 8}, {"stop", stop}}}})
+                                 .dump(),
+                             "application/json");
+    EXPECT_TRUE(res);
+    bool done = false;
+    std::vector<std::string> texts;
+    for (const json& e : SseEvents(res ? res->body : "", &done)) {
+      texts.push_back(e["text"]);
+    }
+    EXPECT_TRUE(done);
+    return texts;
+  };
+  std::vector<std::string> texts = stream("U\\c");
+  ASSERT_FALSE(texts.empty());
+  EXPECT_EQ(texts.back(), "@GN");
+  for (const std::string& t : texts) {
+    EXPECT_EQ(t.find('U'), std::string::npos) << t;
+    EXPECT_EQ(texts.back().compare(0, t.size(), t), 0) << t << " is not a start of the text";
+  }
+  texts = stream("Ux");
+  ASSERT_FALSE(texts.empty());
+  EXPECT_EQ(texts.back(), "@GNU\\cjq");
+  for (size_t i = 0; i + 1 < texts.size(); ++i) {
+    EXPECT_EQ(texts[i + 1].compare(0, texts[i].size(), texts[i]), 0) << texts[i];
+  }
+  EXPECT_NE(std::find(texts.begin(), texts.end(), "@GN"), texts.end());
+  EXPECT_NE(std::find(texts.begin(), texts.end(), "@GNU\\"), texts.end());
+
+  // OpenAI's endpoints.
+  out = PostOk("/v1/completions", {{"prompt", {63}}, {"max_tokens", 20}, {"stop", {"NU"}}});
+  EXPECT_EQ(out["choices"][0]["text"], "@G");
+  EXPECT_EQ(out["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(out["choices"][0]["matched_stop"], "NU");
+  EXPECT_EQ(out["usage"]["completion_tokens"], 4);
+
+  // Refused, naming the field.
+  const std::vector<std::pair<json, std::string>> bad = {
+      {json(5), "must be a string or a list of strings"},
+      {json::array({"a", 5}), "must be a string or a list of strings"},
+      {json(std::vector<std::string>(33, "a")), "more than 32"},
+      {json(std::string(1025, 'a')), "longer than 1024 bytes"},
+  };
+  for (const auto& [value, needle] : bad) {
+    auto res = Post("/generate", {{"input_ids", {63}}, {"sampling_params", {{"stop", value}}}});
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << value.dump();
+    EXPECT_NE(ErrorMessage(res).find("sampling_params.stop"), std::string::npos) << res->body;
+    EXPECT_NE(ErrorMessage(res).find(needle), std::string::npos) << res->body;
+  }
+  auto res =
+      PostRaw("/generate", "{\"input_ids\": [63], \"sampling_params\": {\"stop\": \"a\xff\"}}");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400) << res->body;  // by the JSON parser or as not UTF-8
+
+  // Without a tokenizer a stop string is refused; no stop strings are fine.
+  Start({});
+  res = Post("/generate", {{"input_ids", {63}}, {"sampling_params", {{"stop", "NU"}}}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_NE(ErrorMessage(res).find("need a tokenizer"), std::string::npos) << res->body;
+  out = PostOk(
+      "/generate",
+      {{"input_ids", {63}}, {"sampling_params", {{"stop", json::array()}, {"max_new_tokens", 3}}}});
+  EXPECT_EQ(out["output_ids"].size(), 3u);
 }
 
 // Without a tokenizer every text endpoint says so.
