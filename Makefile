@@ -23,7 +23,7 @@ PREFIX ?= /usr/local
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
-# Every test but the cgroup v2 VM (make test-vm: its emulated VM holds both cores for about five
+# Every test but the cgroup v2 VM (make test-vm: its emulated VM holds both cores for about seven
 # minutes, past make test's 30-minute budget; .ci/run runs it after make test), then what was
 # skipped and why (scripts/test-summary); under CI=true a skip that tests/allowed-skips.txt does
 # not name fails the run: CI must run what its install provides.
@@ -40,7 +40,8 @@ test-wheel: build
 	scripts/check-wheel --build $(BUILD)
 
 # pbox's cgroup v2 path on a real cgroup v2 kernel: Debian's kernel booted under qemu (KVM when
-# /dev/kvm works) on a root made with mmdebstrap, the checkout shared over 9p (tests/vm/run-vm).
+# /dev/kvm works) on a root made with mmdebstrap, the checkout shared over 9p (tests/vm/run-vm);
+# a second boot runs pboxd's systemd units under systemd as PID 1.
 test-vm: build
 	tests/vm/run-vm --build $(BUILD)
 

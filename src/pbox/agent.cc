@@ -270,7 +270,11 @@ Status RunAgent(const AgentConfig& config) {
   }
 
   CgroupManagerOptions cg = CgroupOptions(config);
-  cg.cpus = sandbox_cpus.ToString();
+  // Without --cpus the sandboxes' parent inherits the agent's CPUs: no cpuset controller is
+  // needed for that (a user's systemd delegates cpu, memory and pids, not cpuset).
+  if (!config.cpus.empty()) {
+    cg.cpus = sandbox_cpus.ToString();
+  }
   Result<std::unique_ptr<CgroupManager>> made = CgroupManager::Create(cg);
   if (!made.ok() && rootless && absl::IsPermissionDenied(made.status())) {
     return Annotate(made.status(), NotDelegatedHint());

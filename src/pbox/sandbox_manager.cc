@@ -27,6 +27,15 @@ std::string NewId(const char* prefix) {
   return out;
 }
 
+namespace {
+
+bool HasController(const CgroupManager& cgroups, const char* name) {
+  std::vector<std::string> have = cgroups.controllers();
+  return std::find(have.begin(), have.end(), name) != have.end();
+}
+
+}  // namespace
+
 SandboxManager::SandboxManager(std::map<std::string, Runtime*> runtimes,
                                std::string default_runtime, ImageStore* images,
                                CgroupManager* cgroups, CpuAllocator* cpus, SandboxDefaults defaults,
@@ -36,6 +45,8 @@ SandboxManager::SandboxManager(std::map<std::string, Runtime*> runtimes,
       images_(images),
       cgroups_(cgroups),
       cpus_(cpus),
+      pin_cpus_(HasController(*cgroups, "cpuset")),
+      cpu_controller_(HasController(*cgroups, "cpu")),
       defaults_(defaults),
       max_sandboxes_(max_sandboxes),
       hooks_(std::move(hooks)) {
@@ -54,6 +65,12 @@ SandboxManager::~SandboxManager() {
 
 Result<std::string> SandboxManager::OpenSession(const std::string& client_name,
                                                 const std::string& job_id, const CpuSet& cpus) {
+  if (!cpus.empty() && !pin_cpus_) {
+    return absl::FailedPreconditionError(fmt::format(
+        "session CPUs {} cannot be held: this agent's cgroup has no cpuset controller (delegate "
+        "cpuset to it, docs/cluster.md)",
+        cpus.ToString()));
+  }
   if (!cpus.empty() && !cpus.IsSubsetOf(cpus_->pool())) {
     return absl::InvalidArgumentError(
         fmt::format("session CPUs {} are not within this agent's sandbox CPUs {}", cpus.ToString(),
@@ -200,8 +217,11 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
       session_cpus = it->second;
     }
   }
-  BRAGG_ASSIGN_OR_RETURN(CpuSet cpus,
-                         cpus_->Allocate(s.cpus, session_cpus.empty() ? nullptr : &session_cpus));
+  CpuSet cpus;
+  if (pin_cpus_) {
+    BRAGG_ASSIGN_OR_RETURN(cpus,
+                           cpus_->Allocate(s.cpus, session_cpus.empty() ? nullptr : &session_cpus));
+  }
   absl::Cleanup cpus_release = [allocator = cpus_, cpus] { allocator->Release(cpus); };
 
   CgroupLimits limits;
@@ -209,6 +229,9 @@ Result<std::shared_ptr<Sandbox>> SandboxManager::CreateImpl(const std::string& s
   limits.pids = rt->second->HostPidsLimit(s.pids);
   limits.cpus = cpus.ToString();
   limits.cpu_quota = s.cpu_quota;
+  if (!pin_cpus_ && s.cpu_quota <= 0 && cpu_controller_) {
+    limits.cpu_quota = static_cast<double>(s.cpus);  // N CPUs' worth of time, on shared CPUs
+  }
   const auto t_cgroup = std::chrono::steady_clock::now();
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<Cgroup> cgroup, cgroups_->CreateCgroup(id, limits));
   const double cgroup_ms =

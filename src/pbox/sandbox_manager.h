@@ -119,6 +119,11 @@ class SandboxManager {
   ImageStore* images_;
   CgroupManager* cgroups_;
   CpuAllocator* cpus_;
+  // The sandboxes' cgroups have the cpuset controller: a sandbox's CPUs are its own. Without it
+  // (a user's systemd delegates cpu, memory and pids) sandboxes run on the agent's CPUs and
+  // `cpus` becomes that many CPUs' worth of time (cpu.max) unless cpu_quota is given.
+  const bool pin_cpus_;
+  const bool cpu_controller_;
   const SandboxDefaults defaults_;
   const uint32_t max_sandboxes_;
   ManagerHooks hooks_;

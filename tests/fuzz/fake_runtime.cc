@@ -158,8 +158,17 @@ Result<std::unique_ptr<RuntimeSandbox>> FakeRuntime::Start(const LaunchSpec& spe
 int FakeRuntime::live() { return g_live_sandboxes.load(); }
 
 Result<std::unique_ptr<Cgroup>> FakeCgroupManager::CreateCgroup(const std::string& name,
-                                                                const CgroupLimits&) {
+                                                                const CgroupLimits& limits) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_ = limits;
+  }
   return std::unique_ptr<Cgroup>(new FakeCgroup(name));
+}
+
+CgroupLimits FakeCgroupManager::last_limits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_;
 }
 
 int FakeCgroupManager::live() { return g_live_cgroups.load(); }

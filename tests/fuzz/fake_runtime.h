@@ -9,7 +9,10 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "pbox/cgroup/cgroup.h"
 #include "pbox/runtime/runtime.h"
@@ -27,16 +30,26 @@ class FakeRuntime : public Runtime {
 
 class FakeCgroupManager : public CgroupManager {
  public:
+  FakeCgroupManager() = default;
+  explicit FakeCgroupManager(std::vector<std::string> controllers)
+      : controllers_(std::move(controllers)) {}
   std::string version() const override { return "fake"; }
   Result<std::unique_ptr<Cgroup>> CreateCgroup(const std::string& name,
                                                const CgroupLimits& limits) override;
   Result<std::vector<std::string>> ReapAll() override { return std::vector<std::string>{}; }
   Status RemoveParent() override { return absl::OkStatus(); }
   std::string parent_path() const override { return "/fake"; }
-  std::vector<std::string> controllers() const override { return {"memory", "pids"}; }
+  std::vector<std::string> controllers() const override { return controllers_; }
+  // The limits of the last cgroup created.
+  CgroupLimits last_limits() const;
 
   // Cgroups created and not yet destroyed.
   static int live();
+
+ private:
+  const std::vector<std::string> controllers_ = {"cpu", "cpuset", "memory", "pids"};
+  mutable std::mutex mu_;
+  CgroupLimits last_;
 };
 
 }  // namespace bragg::pbox::fuzz

@@ -799,6 +799,10 @@ TEST(AgentLifecycleTest, SigtermDestroysEverything) {
     EXPECT_EQ(CountCgroupDirs(id), 0) << id;
   }
   EXPECT_EQ(CountCgroupDirs((*agent)->cgroup_parent()), 0) << "the agent's own cgroup stayed";
+  // Nothing for an ExecStopPost's reap either: no sandbox, cgroup or directory.
+  auto reaped = (*agent)->Reap();
+  ASSERT_TRUE(reaped.ok()) << reaped.status();
+  EXPECT_EQ(reaped->rfind("nothing to reap", 0), 0u) << *reaped;
 }
 
 // `pboxd --reap` (what an epilog runs when the agent is not restarted on its state dir):

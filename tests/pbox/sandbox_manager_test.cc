@@ -89,6 +89,53 @@ class SandboxManagerTest : public ::testing::Test {
   std::unique_ptr<SandboxManager> manager_;
 };
 
+// Where the sandboxes' cgroups have no cpuset controller (a user's systemd delegates cpu, memory
+// and pids), a sandbox runs on the agent's CPUs and its `cpus` is enforced as that many CPUs'
+// worth of time; a session's CPU set is refused. With cpuset, CPUs are placed and no quota is
+// added.
+TEST_F(SandboxManagerTest, WithoutCpusetCpusBecomeCpuTime) {
+  SandboxSettings two;
+  two.cpus = 2;
+  auto sb = manager_->Create(OpenSession(), two);
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  EXPECT_EQ(cgroups_.last_limits().cpus, "0-1");
+  EXPECT_EQ(cgroups_.last_limits().cpu_quota, 0);
+  ASSERT_TRUE(manager_->Destroy((*sb)->id()).ok());
+
+  fuzz::FakeCgroupManager no_cpuset({"cpu", "memory", "pids"});
+  CpuAllocator cpus{CpuSet({0, 1})};
+  {
+    SandboxManager m({{"native", &rt_}}, "native", images_.get(), &no_cpuset, &cpus,
+                     SandboxDefaults{}, 8);
+    m.set_layers_dir(dir_.path() + "/frozen");
+    auto session = m.OpenSession("test");
+    ASSERT_TRUE(session.ok()) << session.status();
+    auto a = m.Create(*session, two);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(no_cpuset.last_limits().cpus, "");
+    EXPECT_EQ(no_cpuset.last_limits().cpu_quota, 2.0);
+    EXPECT_EQ(cpus.Load(), (std::vector<uint32_t>{0, 0})) << "no CPU was placed";
+    SandboxSettings quota;
+    quota.cpu_quota = 0.25;
+    auto b = m.Create(*session, quota);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(no_cpuset.last_limits().cpu_quota, 0.25);
+    auto held = m.OpenSession("job", "7", CpuSet({1}));
+    EXPECT_EQ(held.status().code(), absl::StatusCode::kFailedPrecondition) << held.status();
+    EXPECT_NE(held.status().message().find("no cpuset"), std::string::npos) << held.status();
+  }
+  // Without the cpu controller either, nothing bounds its CPU: no quota is asked for.
+  fuzz::FakeCgroupManager bare({"memory", "pids"});
+  {
+    SandboxManager m({{"native", &rt_}}, "native", images_.get(), &bare, &cpus, SandboxDefaults{},
+                     8);
+    m.set_layers_dir(dir_.path() + "/frozen");
+    auto a = m.Create(*m.OpenSession("test"), two);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(bare.last_limits().cpu_quota, 0);
+  }
+}
+
 TEST_F(SandboxManagerTest, SessionEndingMidCreateTakesTheNewSandbox) {
   std::string session = OpenSession();
   rt_.on_start = [&] { manager_->CloseSession(session); };

@@ -510,6 +510,16 @@ Status GvisorRuntime::RemoveStale(const std::string& dir) {
   return RemoveTree(dir);
 }
 
+GvisorRuntime::~GvisorRuntime() {
+  if (dir_.empty()) {
+    return;
+  }
+  Status removed = RemoveStale(dir_);
+  if (!removed.ok()) {
+    spdlog::warn("removing {}: {}", dir_, std::string(removed.message()));
+  }
+}
+
 Result<std::unique_ptr<GvisorRuntime>> GvisorRuntime::Create(const GvisorRuntimeOptions& options) {
   if (options.platform != "ptrace" && options.platform != "systrap" && options.platform != "kvm") {
     return absl::InvalidArgumentError(

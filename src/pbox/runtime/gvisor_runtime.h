@@ -75,6 +75,10 @@ class GvisorRuntime : public Runtime {
   // left under <state_dir>/gvisor. FailedPrecondition when runsc is missing.
   static Result<std::unique_ptr<GvisorRuntime>> Create(const GvisorRuntimeOptions& options);
 
+  // Removes <state_dir>/gvisor (its seccomp.bpf, the runsc copy, any bundle left) once every
+  // sandbox is gone: a clean stop leaves nothing for `pboxd --reap`.
+  ~GvisorRuntime() override;
+
   std::string name() const override { return "gvisor"; }
   // The copy of runsc on huge pages that sandboxes are started from (a read-only fd), or -1
   // when they run runsc_path().

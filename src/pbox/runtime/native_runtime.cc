@@ -463,6 +463,12 @@ class NativeSandbox : public RuntimeSandbox {
 
 }  // namespace
 
+NativeRuntime::~NativeRuntime() {
+  if (!mount_point_.empty()) {
+    ::rmdir(mount_point_.c_str());  // ENOTEMPTY: a sandbox is left, for the next start to reap
+  }
+}
+
 Result<std::unique_ptr<NativeRuntime>> NativeRuntime::Create(const NativeRuntimeOptions& options) {
   int fd = ::open(options.init_path.c_str(), O_PATH | O_CLOEXEC);
   if (fd < 0) {

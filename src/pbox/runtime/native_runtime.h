@@ -43,6 +43,10 @@ class NativeRuntime : public Runtime {
   // get the limit the agent started with.
   static Result<std::unique_ptr<NativeRuntime>> Create(const NativeRuntimeOptions& options);
 
+  // Removes the sandboxes' mount point directory if it is empty (every sandbox gone): a clean
+  // stop leaves nothing for `pboxd --reap`.
+  ~NativeRuntime() override;
+
   std::string name() const override { return "native"; }
   bool rootless() const { return options_.rootless; }
   Result<std::unique_ptr<RuntimeSandbox>> Start(const LaunchSpec& spec) override;
