@@ -16,6 +16,7 @@ Needs root (pboxd). Binaries from BRAGG_BUILD (default: build/).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -476,19 +477,32 @@ def test_the_sandbox_agent_restarted_mid_run(agent, tmp_path):
     assert sum(s["sandbox_recoveries"] for s in m[-1:]) >= 1
 
 
+@contextlib.contextmanager
+def second_agent(tmp_path: Path):
+    (tmp_path / "pbox2").mkdir()
+    second = Agent(tmp_path / "pbox2")
+    try:
+        yield second
+    finally:
+        second.stop()
+
+
+def start_on_two_agents(agent: Agent, second: Agent, tmp_path: Path, steps: int):
+    """bragg-rl with fleet.pbox naming both agents, past its second step."""
+    config = write_config(tmp_path, steps=steps, calm=True,
+                          extra=f'pbox = "unix://{agent.sock},unix://{second.sock}"\n')
+    run = tmp_path / "run"
+    p = start(config, agent)
+    wait_for_step(run, 2, p, config)
+    return config, run, p
+
+
 def test_sandboxes_on_two_agents_one_restarted(agent, tmp_path):
     """fleet.pbox naming two agents (a comma-separated list, as $PBOX_ENDPOINTS or pbox-slurm's
     endpoints file give them): groups are spread over both; one agent killed and restarted
     mid-run is prepared again while the other keeps serving, and the run finishes."""
-    (tmp_path / "pbox2").mkdir()
-    second = Agent(tmp_path / "pbox2")
-    try:
-        config = write_config(
-            tmp_path, steps=6, calm=True,
-            extra=f'pbox = "unix://{agent.sock},unix://{second.sock}"\n')
-        run = tmp_path / "run"
-        p = start(config, agent)
-        wait_for_step(run, 2, p, config)
+    with second_agent(tmp_path) as second:
+        config, run, p = start_on_two_agents(agent, second, tmp_path, 6)
         seen = steps_of(run)[-1]["sandboxes_by_agent"]
         assert len(seen) == 2 and all(v > 0 for v in seen.values()), seen
         second.kill()
@@ -499,8 +513,6 @@ def test_sandboxes_on_two_agents_one_restarted(agent, tmp_path):
         assert m[-1]["sandbox_recoveries"] >= 1, m[-1]
         after = m[-1]["sandboxes_by_agent"]
         assert all(after[k] > seen[k] for k in seen), (seen, after)
-    finally:
-        second.stop()
 
 
 def test_an_agent_down_for_a_while_is_recovered_in_the_background(agent, tmp_path):
@@ -508,15 +520,8 @@ def test_an_agent_down_for_a_while_is_recovered_in_the_background(agent, tmp_pat
     to a recovery that retries in the background, so the dead agent costs one failed start (not
     one every few seconds) while the other serves every group; started again, it is prepared
     again by that same recovery and serves too."""
-    (tmp_path / "pbox2").mkdir()
-    second = Agent(tmp_path / "pbox2")
-    try:
-        config = write_config(
-            tmp_path, steps=80, calm=True,
-            extra=f'pbox = "unix://{agent.sock},unix://{second.sock}"\n')
-        run = tmp_path / "run"
-        p = start(config, agent)
-        wait_for_step(run, 2, p, config)
+    with second_agent(tmp_path) as second:
+        config, run, p = start_on_two_agents(agent, second, tmp_path, 80)
         second.kill()
         at_kill = steps_of(run)[-1]
         down = time.time()
@@ -542,8 +547,6 @@ def test_an_agent_down_for_a_while_is_recovered_in_the_background(agent, tmp_pat
         finish(p, config)
         m = check_common(run, 1, 80)
         assert m[-1]["sandbox_recoveries"] == 1, m[-1]
-    finally:
-        second.stop()
 
 
 def refused(config: Path, agent: Agent, needle: str) -> None:
