@@ -178,6 +178,20 @@ class Client(_shared.asynchronous(_shared.ClientMethods, __name__, "Client")):
         await self.close()
 
 
+class _EndedCall(grpc.RpcError):
+    """A call's final status, for error_from_rpc."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session")):
     """An asyncio session (lease); see :class:`pbox.Session`."""
 
@@ -208,6 +222,19 @@ class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session"))
     def closed(self) -> bool:
         return self._done is not None and self._done.is_set()
 
+    async def _open_error(self, err: grpc.RpcError) -> PboxError:
+        """Why opening failed: the call's final status. The agent may end the call (a wrong
+        token: UNAUTHENTICATED) before the open message is written, and the write then fails
+        with gRPC's own INTERNAL "Internal error from Core", which says nothing of why."""
+        try:
+            code = await asyncio.wait_for(self._call.code(), 5)
+            details = await self._call.details()
+        except Exception:  # no final status to be had: the error as raised
+            return self._client._error(err, "Session")
+        if code is None or code == grpc.StatusCode.OK:
+            return self._client._error(err, "Session")
+        return self._client._error(_EndedCall(code, details), "Session")
+
     async def open(self) -> "Session":
         """Opens the stream and waits for the session id."""
         if self._call is not None:
@@ -227,7 +254,7 @@ class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session"))
                               f"{self._open_timeout:.0f} s", method="Session") from None
         except grpc.RpcError as e:
             self._done.set()
-            raise self._client._error(e, "Session") from None
+            raise await self._open_error(e) from None
         if ev is grpc.aio.EOF or not ev.HasField("opened"):
             self._done.set()
             raise SessionClosed("the agent ended the session before opening it", method="Session")
