@@ -195,8 +195,13 @@ Status ReapLeftovers(CgroupManager& cgroups, const std::string& state_dir, ReapR
 
 }  // namespace
 
-Result<ReapReport> ReapAgentState(const AgentConfig& config) {
+Result<ReapReport> ReapAgentState(const AgentConfig& config, bool purge) {
   UniqueFd lock;
+  if (purge && Exists(config.state_dir) && !Exists(config.state_dir + "/agent.lock")) {
+    return absl::InvalidArgumentError(
+        fmt::format("--purge: {} holds no agent.lock, so no agent has used it: not removing it",
+                    config.state_dir));
+  }
   if (Exists(config.state_dir)) {
     BRAGG_ASSIGN_OR_RETURN(lock, LockStateDir(config.state_dir));
   }
@@ -211,6 +216,12 @@ Result<ReapReport> ReapAgentState(const AgentConfig& config) {
     }
   }
   BRAGG_RETURN_IF_ERROR(Annotate(cgroups->RemoveParent(), "removing the agent's parent cgroups"));
+  if (purge && Exists(config.state_dir)) {
+    // Still holding the lock: no agent can start there meanwhile. RemoveTree follows no
+    // symlink and stops at a mount point, so a mount left inside fails the purge loudly.
+    BRAGG_RETURN_IF_ERROR(Annotate(RemoveTree(config.state_dir), "--purge"));
+    report.purged = true;
+  }
   return report;
 }
 

@@ -48,6 +48,7 @@ struct ReapReport {
   std::vector<std::string> sandboxes;  // sandbox cgroups killed and removed
   std::vector<std::string> paths;      // state paths removed (mounts, frozen layers, bundles)
   std::vector<std::string> parents;    // parent cgroup directories removed
+  bool purged = false;                 // the state dir itself removed (`purge`)
 };
 
 // `pboxd --reap`: removes everything an agent on config.state_dir left when it was SIGKILLed
@@ -60,7 +61,11 @@ struct ReapReport {
 // state dir's agent lock first: FailedPrecondition, with nothing touched, while a live agent
 // holds it. A state dir that does not exist is fine (only the cgroup parent is reaped).
 // Idempotent: a second call finds nothing.
-Result<ReapReport> ReapAgentState(const AgentConfig& config);
+// `purge`: then removes the state dir itself (images, lock and all; `pboxd --reap --purge`),
+// for a per-job state dir whose owner cannot (an agent run as root for an ordinary user's job:
+// pbox-slurm --as-root). Refused, removing nothing, for a directory no agent has used (no
+// agent.lock in it): the flag must not empty a mistyped --state-dir.
+Result<ReapReport> ReapAgentState(const AgentConfig& config, bool purge = false);
 
 // Runs the agent until a termination signal. Returns the error that stopped it from starting
 // or from shutting down cleanly.

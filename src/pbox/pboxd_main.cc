@@ -16,8 +16,9 @@ namespace {
 using bragg::Status;
 
 // `pboxd --reap`: reaps what an agent on config.state_dir left and prints what it removed.
-Status Reap(const bragg::pbox::AgentConfig& config) {
-  BRAGG_ASSIGN_OR_RETURN(bragg::pbox::ReapReport report, bragg::pbox::ReapAgentState(config));
+Status Reap(const bragg::pbox::AgentConfig& config, bool purge) {
+  BRAGG_ASSIGN_OR_RETURN(bragg::pbox::ReapReport report,
+                         bragg::pbox::ReapAgentState(config, purge));
   for (const std::string& name : report.sandboxes) {
     std::cout << "reaped sandbox " << name << "\n";
   }
@@ -29,6 +30,9 @@ Status Reap(const bragg::pbox::AgentConfig& config) {
   }
   if (report.sandboxes.empty() && report.paths.empty() && report.parents.empty()) {
     std::cout << "nothing to reap for state dir " << config.state_dir << "\n";
+  }
+  if (report.purged) {
+    std::cout << "removed state dir " << config.state_dir << "\n";
   }
   return absl::OkStatus();
 }
@@ -132,10 +136,16 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   bool reap = false;
-  app.add_flag("--reap", reap,
-               "do not serve: kill and remove what a SIGKILLed agent on --state-dir left "
-               "(sandboxes, mounts, frozen layers, its cgroup parent), print it and exit; "
-               "refused while an agent runs there. For epilogs and ExecStopPost");
+  CLI::Option* reap_flag =
+      app.add_flag("--reap", reap,
+                   "do not serve: kill and remove what a SIGKILLed agent on --state-dir left "
+                   "(sandboxes, mounts, frozen layers, its cgroup parent), print it and exit; "
+                   "refused while an agent runs there. For epilogs and ExecStopPost");
+  bool purge = false;
+  app.add_flag("--purge", purge,
+               "with --reap: then remove the state dir itself (images and all), which must be "
+               "an agent's; for per-job state dirs, as pbox-slurm --as-root does")
+      ->needs(reap_flag);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -150,7 +160,7 @@ int main(int argc, char** argv) {
     std::cerr << "pboxd: " << s.message() << "\n";
     return 2;
   }
-  Status s = reap ? Reap(*built) : bragg::pbox::RunAgent(*built);
+  Status s = reap ? Reap(*built, purge) : bragg::pbox::RunAgent(*built);
   if (!s.ok()) {
     // RunAgent logs its error; Reap's is the command's answer.
     if (reap) {

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -24,6 +25,8 @@ from typing import Dict, List, Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "pbox" / "python"))
+import rootless_user  # noqa: E402  (the test user and its delegated cgroup)
 LAUNCHER = REPO / "deploy" / "slurm" / "pbox-slurm"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "srun", "scontrol")
 
@@ -67,8 +70,14 @@ class SlurmCluster:
     """munged + slurmctld + slurmd on this host, everything under `root` (owned; stop() ends
     the daemons it started, by pid, and removes nothing else)."""
 
-    def __init__(self, root: Path, two_nodes: bool = False) -> None:
+    def __init__(self, root: Path, two_nodes: bool = False, job_user=None) -> None:
         self.root = root
+        # Jobs of an ordinary user (sbatch --uid): what the user's processes must reach (the
+        # munge socket, the job's spool dir) is traversable by others, as in a packaged
+        # install; slurmd runs in a cgroup delegated to that user (rootless_user), which is
+        # where its job steps stay under proctrack/linuxproc.
+        self.job_user = job_user
+        self.delegated = None
         self.node = socket.gethostname().split(".")[0]
         self.procs: Dict[str, subprocess.Popen] = {}
         # Two nodes: this host's slurmd on one end of a veth pair, a second slurmd (node
@@ -92,6 +101,10 @@ class SlurmCluster:
             (r / d).mkdir(mode=0o700)
         for n in (self.node, self.node2):
             (r / "spool" / n).mkdir(mode=0o700)
+        if self.job_user is not None:
+            for d in ("spool", f"spool/{self.node}", "munge"):
+                os.chmod(r / d, 0o755)
+            os.chmod(r / "tmp", 0o1777)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
@@ -144,10 +157,11 @@ class SlurmCluster:
                     "OverSubscribe=NO\n")
         (r / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
 
-    def _spawn(self, name: str, argv: List[str]) -> None:
+    def _spawn(self, name: str, argv: List[str], preexec=None) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env)
+                                            stdin=subprocess.DEVNULL, env=self.env,
+                                            preexec_fn=preexec)
         log.close()
 
     def start(self) -> None:
@@ -164,7 +178,10 @@ class SlurmCluster:
         if self.two_nodes:
             self.make_net()
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")])
-        self._spawn("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(r / "slurm.conf")])
+        if self.job_user is not None:
+            self.delegated = rootless_user.DelegatedCgroup(self.job_user)
+        self._spawn("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(r / "slurm.conf")],
+                    preexec=self.delegated.enter if self.delegated else None)
         daemons = ["slurmctld", "slurmd"]
         if self.two_nodes:
             # nsenter --net only: `ip netns exec` would remount /sys and hide the cgroups.
@@ -239,9 +256,12 @@ class SlurmCluster:
                 p.kill()
                 p.wait()
         self.remove_net()
+        if self.delegated is not None:
+            left = self.delegated.remove()
+            assert not left, f"cgroups left in the job user's delegated cgroup: {left}"
 
 
-def _make_cluster(two_nodes: bool):
+def _make_cluster(two_nodes: bool, rootless: bool = False):
     if os.geteuid() != 0:
         pytest.skip("needs root (slurmd, pboxd)")
     missing = [d for d in DAEMONS if shutil.which(d) is None]
@@ -257,7 +277,7 @@ def _make_cluster(two_nodes: bool):
     os.chmod(root, 0o755)
     if two_nodes and (shutil.which("ip") is None or shutil.which("nsenter") is None):
         pytest.skip("iproute2/util-linux (ip, nsenter) missing")
-    c = SlurmCluster(root, two_nodes)
+    c = SlurmCluster(root, two_nodes, job_user=rootless_user.ensure_user() if rootless else None)
     c.pboxd = pboxd
     c.pythonpath = _pythonpath(pboxd)
     try:
@@ -279,6 +299,11 @@ def cluster():
 @pytest.fixture(scope="module")
 def cluster2():
     yield from _make_cluster(two_nodes=True)
+
+
+@pytest.fixture(scope="module")
+def cluster_rootless():
+    yield from _make_cluster(two_nodes=False, rootless=True)
 
 
 JOB_PY = r'''
@@ -407,6 +432,24 @@ def _pbox_leftovers(pboxd: str, scratch: Path, job: str) -> List[str]:
     return left
 
 
+def _scancel_leaves_nothing(cluster, job: str, scratch: Path, within: float, log) -> float:
+    """scancel `job`, then waits until nothing of its pbox is left (fails after `within`
+    seconds naming what is, with `log()`); returns the seconds it took."""
+    t0 = time.monotonic()
+    cluster.run(["scancel", job])
+    left: List[str] = []
+
+    def clean() -> bool:
+        left[:] = _pbox_leftovers(cluster.pboxd, scratch, job)
+        return not left
+
+    try:
+        _wait(clean, within, "pbox to be gone after scancel", interval=0.05)
+    except AssertionError:
+        raise AssertionError(f"left after {within:g} s: {left}\n{log()}") from None
+    return time.monotonic() - t0
+
+
 def test_job_split_and_scancel_cleanup(cluster) -> None:
     r = cluster.root
     scratch = r / "scratch"
@@ -468,19 +511,7 @@ def test_job_split_and_scancel_cleanup(cluster) -> None:
     twenty = json.loads(Path(str(result) + ".20").read_text())
     assert twenty["live"] == 20
     assert _pbox_leftovers(cluster.pboxd, scratch, job)  # things of pbox exist now
-    t0 = time.monotonic()
-    cluster.run(["scancel", job])
-    left: List[str] = []
-
-    def clean() -> bool:
-        left[:] = _pbox_leftovers(cluster.pboxd, scratch, job)
-        return not left
-
-    try:
-        _wait(clean, 5.0, "pbox to be gone after scancel", interval=0.05)
-    except AssertionError:
-        raise AssertionError(f"left after 5 s: {left}\n{job_log()}") from None
-    elapsed = time.monotonic() - t0
+    elapsed = _scancel_leaves_nothing(cluster, job, scratch, 5.0, job_log)
     print(f"scancel -> nothing of pbox left after {elapsed:.2f} s")
     for pid in twenty["procs"]:
         assert not os.path.exists(f"/proc/{pid}") or \
@@ -903,3 +934,188 @@ def test_bragg_rl_job_on_two_nodes(cluster2) -> None:
             assert s["logprob_agreement_max"] <= 1e-5, s
     _wait(lambda: not _pbox_leftovers(str(prefix / "bin" / "pboxd"), scratch, job), 20,
           f"nothing of pbox after the bragg-rl job {job}")
+
+
+ROOTLESS_JOB_PY = r'''
+import json, os, sys, time
+import pbox
+
+out = sys.argv[1]
+doc = json.load(open(os.environ["PBOX_ENDPOINTS"]))
+node = doc["nodes"][0]
+res = {"node": node, "job_uid": os.getuid()}
+for line in open(f"/proc/{node['pid']}/status"):
+    if line.startswith(("Uid:", "Cpus_allowed_list:")):
+        res[line.split(":")[0]] = line.split(":", 1)[1].split()
+with open(node["token_file"]) as f:
+    token = f.read().strip()
+with pbox.Client(node["endpoint"], token=token) as c:
+    info = c.info()
+    res["info"] = {"mode": info.mode, "uid": info.uid, "limits": list(info.limits),
+                   "runtimes": list(info.runtimes)}
+with pbox.ClusterClient() as cl:
+    s = cl.session(client_name="slurm-rootless")
+    held = [s.create(memory="128M", disk="16M", pids=64) for _ in range(4)]
+    r = held[0].run(["sh", "-c", "cat /proc/self/uid_map; id -u"], timeout=30)
+    res["inside"] = r.stdout.decode().split()
+    # The memory limit holds: a 200 MiB allocation in a 128 MiB sandbox is killed.
+    bomb = held[1].run(["python3", "-c", "b = bytearray(200 << 20); print(len(b))"], timeout=60)
+    res["bomb"] = {"ok": bomb.ok, "oom": bomb.oom_killed,
+                   "stdout": bomb.stdout.decode()}
+    execs = [sb.exec(["sleep", "1000"]) for sb in held]
+    time.sleep(0.3)
+    res["live"] = sum(len(v) for v in s.list().values())
+    with open(out + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.rename(out + ".tmp", out)
+    time.sleep(1000)
+'''
+
+ROOTLESS_JOB_SH = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --exclusive
+#SBATCH --time=5
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+export PBOX_ENDPOINTS=$({launcher} start --sandbox-cpus 1 --scratch {scratch} \\
+    --run-dir {run_dir} --timeout 60)
+/usr/bin/python3 {job_py} {result}
+"""
+
+
+def test_a_job_users_agents_run_rootless(cluster_rootless) -> None:
+    """A job of an ordinary user (sbatch --uid) on a node whose slurmd runs in a cgroup
+    delegated to that user: pbox-slurm starts pboxd as the job's user, rootless, with no flag
+    for it (docs/cluster.md); sandboxes get user namespaces and their limits hold; scancel
+    leaves nothing of pbox, the agents' --reap having run as that user."""
+    cluster = cluster_rootless
+    user = cluster.job_user
+    r = rootless_user.owned_tempdir(user)
+    try:
+        scratch = r / "scratch"
+        scratch.mkdir()
+        os.chown(scratch, user.pw_uid, user.pw_gid)
+        result = r / "result.json"
+        (r / "job.py").write_text(ROOTLESS_JOB_PY)
+        (r / "job.sh").write_text(ROOTLESS_JOB_SH.format(
+            pboxd=cluster.pboxd, pythonpath=cluster.pythonpath, launcher=LAUNCHER,
+            scratch=scratch, run_dir=r / "run", job_py=r / "job.py", result=result))
+        for f in ("job.py", "job.sh"):
+            os.chmod(r / f, 0o755)
+        sub = cluster.run(["sbatch", "--parsable", f"--uid={user.pw_uid}",
+                           f"--gid={user.pw_gid}", f"--output={r}/job.out", f"--chdir={r}",
+                           str(r / "job.sh")])
+        job = sub.stdout.strip().split(";")[0]
+
+        def job_log() -> str:
+            out = []
+            for f in (r / "job.out", r / "run" / "agents.log"):
+                try:
+                    out.append(f.read_text(errors="replace")[-4000:])
+                except OSError:
+                    pass
+            return "\n".join(out)
+
+        def done() -> bool:
+            if result.exists():
+                return True
+            state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"],
+                                check=False).stdout.strip()
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+                raise AssertionError(f"job {job} ended ({state!r}) early:\n{job_log()}\n"
+                                     f"{cluster.logs('slurmd')}")
+            return False
+
+        _wait(done, 90, "the rootless job's sandboxes")
+        res = json.loads(result.read_text())
+        uid = user.pw_uid
+        assert res["job_uid"] == uid, res
+        # pboxd is the job user's (real, effective, saved, fs), and says it runs rootless.
+        assert res["Uid"] == [str(uid)] * 4, res
+        assert res["info"]["mode"] == "rootless" and res["info"]["uid"] == uid, res["info"]
+        assert res["info"]["runtimes"] == ["native"], res["info"]
+        assert {"memory", "pids", "cpuset"} <= set(res["info"]["limits"]), res["info"]
+        # Inside: root of a user namespace mapped to the job user alone.
+        assert res["inside"] == ["0", str(uid), "1", "0"], res["inside"]
+        assert res["bomb"]["oom"] and not res["bomb"]["stdout"], res["bomb"]
+        assert res["live"] == 4, res
+        # The agent's token and endpoints are the job user's.
+        token = Path(res["node"]["token_file"])
+        st = token.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o600), oct(st.st_mode)
+        assert _pbox_leftovers(cluster.pboxd, scratch, job)  # things of pbox exist now
+        _scancel_leaves_nothing(cluster, job, scratch, 10.0, job_log)
+        log = (r / "run" / "agents.log").read_text(errors="replace")
+        assert "mode rootless" in log, log[-3000:]
+    finally:
+        shutil.rmtree(r, ignore_errors=True)
+
+
+AS_ROOT_JOB_SH = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --exclusive
+#SBATCH --time=5
+set -euo pipefail
+export PBOXD={pboxd} PYTHONPATH={pythonpath}
+L={launcher}
+ep=$($L start --as-root "sudo -n" --sandbox-cpus 1 --scratch {scratch} --run-dir {run_dir} \\
+    --timeout 60)
+PBOX_ENDPOINTS=$ep /usr/bin/python3 -c '
+import json, os, pbox
+node = json.load(open(os.environ["PBOX_ENDPOINTS"]))["nodes"][0]
+uid = [l.split()[1] for l in open("/proc/%d/status" % node["pid"]) if l.startswith("Uid:")][0]
+with pbox.Client(node["endpoint"], token=open(node["token_file"]).read().strip()) as c:
+    info = c.info()
+with pbox.ClusterClient() as cl:
+    out = cl.create(memory="128M", disk="16M").run(["id", "-u"], timeout=30).stdout.decode()
+print("agent", info.mode, info.uid, uid, "inside", out.strip(), "job", os.getuid())
+'
+$L stop --run-dir {run_dir}
+echo "scratch: $(ls -A {scratch})."
+"""
+
+
+def test_as_root_runs_a_user_jobs_agents_as_root_and_leaves_nothing(cluster_rootless) -> None:
+    """`pbox-slurm start --as-root "sudo -n"` in an ordinary user's job, with a sudoers line
+    for pboxd alone (docs/cluster.md): the agent runs as root (root mode), the job's client
+    reaches it over TCP with the token, and after `stop` its --reap --purge, run through sudo
+    too, has removed the state dir the root agent made in the user's scratch."""
+    if shutil.which("sudo") is None:
+        pytest.skip("sudo not installed (scripts/deps/slurm.txt)")
+    cluster = cluster_rootless
+    user = cluster.job_user
+    sudoers = Path(f"/etc/sudoers.d/pbox-slurm-test-{os.getpid()}")
+    r = rootless_user.owned_tempdir(user)
+    try:
+        sudoers.write_text(f"{user.pw_name} ALL=(root) NOPASSWD: {cluster.pboxd}\n")
+        os.chmod(sudoers, 0o440)
+        scratch = r / "scratch"
+        scratch.mkdir()
+        os.chown(scratch, user.pw_uid, user.pw_gid)
+        (r / "job.sh").write_text(AS_ROOT_JOB_SH.format(
+            pboxd=cluster.pboxd, pythonpath=cluster.pythonpath, launcher=LAUNCHER,
+            scratch=scratch, run_dir=r / "run"))
+        os.chmod(r / "job.sh", 0o755)
+        sub = cluster.run(["sbatch", "--parsable", f"--uid={user.pw_uid}",
+                           f"--gid={user.pw_gid}", f"--output={r}/job.out", f"--chdir={r}",
+                           str(r / "job.sh")])
+        job = sub.stdout.strip().split(";")[0]
+
+        def finished() -> bool:
+            state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"],
+                                check=False).stdout.strip()
+            return state == ""
+
+        _wait(finished, 90, f"job {job} to finish", interval=0.2)
+        out = (r / "job.out").read_text(errors="replace")
+        log = ""
+        if (r / "run" / "agents.log").exists():
+            log = (r / "run" / "agents.log").read_text(errors="replace")[-3000:]
+        assert f"agent root 0 0 inside 0 job {user.pw_uid}" in out, out + log
+        assert out.rstrip().endswith("scratch: ."), out + log
+        _wait(lambda: not _pbox_leftovers(cluster.pboxd, scratch, job), 10,
+              f"nothing of pbox after job {job}: "
+              f"{_pbox_leftovers(cluster.pboxd, scratch, job)}")
+    finally:
+        sudoers.unlink(missing_ok=True)
+        shutil.rmtree(r, ignore_errors=True)

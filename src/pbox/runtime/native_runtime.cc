@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -229,6 +230,100 @@ bool WriteOnce(const char* path, const std::string& data) {
   UniqueFd fd(::open(path, O_WRONLY | O_CLOEXEC));
   return fd.valid() &&
          ::write(fd.get(), data.data(), data.size()) == static_cast<ssize_t>(data.size());
+}
+
+// Rootless: what a sandbox's setup needs of the kernel, tried once when the agent starts (a
+// user namespace owning a mount namespace, a tmpfs and an OverlayFS with `userxattr` in it), so
+// that a host without them stops the agent with the reason instead of failing every create.
+struct RootlessProbe {
+  int err_write = -1;
+  std::string uid_map, gid_map, mount_point, lower, upper, work, root, overlay_opts;
+};
+
+[[noreturn]] void ProbeFail(const RootlessProbe& p, int step) {
+  ChildError e{step, errno};
+  ssize_t unused = ::write(p.err_write, &e, sizeof(e));
+  (void)unused;
+  ::_exit(127);
+}
+
+// The same steps as ChildMain's, in a child that exits once the overlay is mounted: its
+// namespaces, and the mounts in them, go with it. System calls only.
+[[noreturn]] void ProbeMain(RootlessProbe& p) {
+  if (!WriteOnce("/proc/self/uid_map", p.uid_map) || !WriteOnce("/proc/self/setgroups", "deny") ||
+      !WriteOnce("/proc/self/gid_map", p.gid_map)) {
+    ProbeFail(p, kStepIdMap);
+  }
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    ProbeFail(p, kStepPrivate);
+  }
+  if (::mount("pbox-probe", p.mount_point.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+              "size=1m,mode=0755") != 0) {
+    ProbeFail(p, kStepTmpfs);
+  }
+  for (const std::string* d : {&p.lower, &p.upper, &p.work, &p.root}) {
+    if (::mkdir(d->c_str(), 0755) != 0) {
+      ProbeFail(p, kStepLayerDirs);
+    }
+  }
+  if (::mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlay_opts.c_str()) !=
+      0) {
+    ProbeFail(p, kStepOverlay);
+  }
+  ::_exit(0);
+}
+
+Status ProbeRootlessSetup(const std::string& mount_point) {
+  RootlessProbe p;
+  p.uid_map = fmt::format("0 {} 1\n", ::geteuid());
+  p.gid_map = fmt::format("0 {} 1\n", ::getegid());
+  p.mount_point = mount_point;
+  p.lower = mount_point + "/lower";
+  p.upper = mount_point + "/upper";
+  p.work = mount_point + "/work";
+  p.root = mount_point + "/root";
+  p.overlay_opts =
+      fmt::format("lowerdir={},upperdir={},workdir={},userxattr", p.lower, p.upper, p.work);
+  BRAGG_ASSIGN_OR_RETURN(Pipe err, MakePipe());
+  p.err_write = err.write.get();
+  Result<ChildProcess> spawned =
+      SpawnSharingMemory([](void* arg) -> int { ProbeMain(*static_cast<RootlessProbe*>(arg)); }, &p,
+                         CLONE_NEWUSER | CLONE_NEWNS, 64 << 10, "the rootless setup probe");
+  if (!spawned.ok()) {
+    return Annotate(spawned.status(),
+                    "a rootless pboxd puts each sandbox in a user namespace, and this host "
+                    "refuses one to uid " +
+                        std::to_string(::geteuid()) +
+                        ": unprivileged user namespaces are off (sysctl "
+                        "user.max_user_namespaces, kernel.unprivileged_userns_clone on Debian "
+                        "before 11, kernel.apparmor_restrict_unprivileged_userns on Ubuntu), or "
+                        "a seccomp profile (a container's) refuses CLONE_NEWUSER; run pboxd as "
+                        "root, or allow them");
+  }
+  err.write.Reset();
+  ChildError e{0, 0};
+  ssize_t n;
+  do {
+    n = ::read(err.read.get(), &e, sizeof(e));
+  } while (n < 0 && errno == EINTR);
+  Result<ExitInfo> exit = spawned->Wait(std::chrono::milliseconds(10000));
+  if (n == 0 && exit.ok() && exit->signal == 0 && exit->exit_code == 0) {
+    return absl::OkStatus();
+  }
+  struct utsname uts = {};
+  ::uname(&uts);
+  const std::string why = n == sizeof(e) ? fmt::format("{}: {}", StepName(e.step), strerror(e.err))
+                                         : "the probe died without a report";
+  if (n == sizeof(e) && e.step == kStepOverlay) {
+    return absl::FailedPreconditionError(fmt::format(
+        "a rootless pboxd mounts each sandbox's root as an OverlayFS in the sandbox's user "
+        "namespace, with its metadata in user.* xattrs (`userxattr`, Linux 5.11), and this "
+        "kernel ({}) refuses it ({}); run pboxd as root on this host, or on Linux 5.11 or later "
+        "(fuse-overlayfs is no way round: docs/security.md, \"Rootless mode\")",
+        uts.release, why));
+  }
+  return absl::FailedPreconditionError(fmt::format(
+      "a rootless sandbox's setup fails on this host (kernel {}) at {}", uts.release, why));
 }
 
 // Runs on its own stack in the agent's address space (CLONE_VM | CLONE_VFORK) while the
@@ -480,6 +575,9 @@ Result<std::unique_ptr<NativeRuntime>> NativeRuntime::Create(const NativeRuntime
   std::unique_ptr<NativeRuntime> rt(new NativeRuntime(options, std::move(exe), std::move(seccomp)));
   rt->mount_point_ = options.state_dir + "/mnt";
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->mount_point_, 0700));
+  if (options.rootless) {
+    BRAGG_RETURN_IF_ERROR(ProbeRootlessSetup(rt->mount_point_));
+  }
   if (::getrlimit(RLIMIT_NOFILE, &rt->sandbox_nofile_) != 0) {
     return ErrnoError("getrlimit", "RLIMIT_NOFILE");
   }

@@ -40,7 +40,9 @@ class NativeRuntime : public Runtime {
   // Opens pbox-init, builds the seccomp program. Errors say what is missing. Raises the
   // agent's soft limit on open files to the hard limit (each sandbox holds about three fds in
   // the agent: at the usual soft limit of 1024 the agent stopped at 335 sandboxes); sandboxes
-  // get the limit the agent started with.
+  // get the limit the agent started with. Rootless: tries a sandbox's namespaces and mounts
+  // once, in a child that then exits; FailedPrecondition naming the cause (user namespaces
+  // refused, a kernel before 5.11) if the host refuses them.
   static Result<std::unique_ptr<NativeRuntime>> Create(const NativeRuntimeOptions& options);
 
   // Removes the sandboxes' mount point directory if it is empty (every sandbox gone): a clean

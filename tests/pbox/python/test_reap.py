@@ -167,3 +167,35 @@ def test_reap_rejects_hostile_parent_names(pboxd_binary: str, tmp_path) -> None:
         assert "cgroup parent name" in r.stderr, r.stderr
         assert r.stdout == ""
     assert not (tmp_path / "state").exists()
+
+
+def test_reap_purge_removes_the_state_dir_and_refuses_one_no_agent_used(make_agent,
+                                                                         tmp_path) -> None:
+    """`--reap --purge` (pbox-slurm's, so that an agent run as root for a user's job leaves
+    nothing the user cannot remove): after the reap, the state dir goes whole, images and lock
+    included; a directory that holds no agent.lock is refused and left as it was."""
+    agent = make_agent()
+    with agent.client() as c:
+        sb = c.create(memory="64M", disk="16M")
+        sb.exec(MARKER)
+        assert _wait_for(lambda: len(host_processes_with_argv(MARKER)) == 1)
+        agent.kill()
+    assert (agent.state_dir / "agent.lock").exists()
+    r = agent.run_like_agent(agent.reap_args() + ["--purge"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"reaped sandbox {sb.id}" in r.stdout, r.stdout
+    assert f"removed state dir {agent.state_dir}" in r.stdout, r.stdout
+    assert not agent.state_dir.exists()
+    assert host_processes_with_argv(MARKER) == []
+    assert agent.cgroup_parents() == []
+
+    other = tmp_path / "not-a-state-dir"
+    other.mkdir()
+    (other / "keep").write_text("x")
+    r = subprocess.run([agent.binary, "--reap", "--purge", "--state-dir", str(other)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no agent.lock" in r.stderr, r
+    assert (other / "keep").read_text() == "x" and sorted(os.listdir(other)) == ["keep"]
+    r = subprocess.run([agent.binary, "--purge", "--state-dir", str(other)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--reap" in r.stderr, r

@@ -223,3 +223,27 @@ def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
         rc = _wait_exit(proc, 30)
         shutil.rmtree(root, ignore_errors=True)
     assert rc == 0, proc.stdout.read().decode()
+
+
+def test_a_host_refusing_user_namespaces_stops_a_rootless_agent_at_start(
+        pboxd_binary: str) -> None:
+    """A rootless agent tries a sandbox's setup (a user namespace, its mounts, the overlay)
+    once when it starts: where the host refuses user namespaces (here: root of a user namespace
+    whose own limit on nested ones is 0, as `user.max_user_namespaces = 0` makes a host), it
+    stops at once saying so, before it listens, instead of failing every create."""
+    root = Path(tempfile.mkdtemp(prefix="pbn-", dir="/tmp"))
+    sock = root / "p.sock"
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "sh", "-c",
+         'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh", pboxd_binary,
+         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        rc = _wait_exit(proc, 30)
+        out = proc.stdout.read().decode()
+        assert rc == 1, out
+        assert "user namespace" in out and "user.max_user_namespaces" in out, out
+        assert "run pboxd as root" in out, out
+        assert not sock.exists(), out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
