@@ -186,8 +186,12 @@ def run_rl(build: Path, endpoint: str, root: Path, quick: bool = False) -> bool:
     # than async's gain in steps per second (docs/rl.md, "Asynchronous against synchronous");
     # make bench judges it over pairs of runs sharing a seed.
     ta, ts = a["time_to_target"], report["sync"]["time_to_target"]
-    sooner = ta is not None and (ts is None or ta < ts)
-    print(f"async reached reward 0.75 {'sooner' if sooner else 'later'} than sync in this pair "
+    if ta is None:
+        how = "did not reach reward 0.75 in this pair"
+    else:
+        how = (f"reached reward 0.75 {'sooner' if ts is None or ta < ts else 'later'} than sync "
+               "in this pair")
+    print(f"async {how} "
           f"(one pair shows the spread of the steps a run needs more than the asynchrony; "
           f"the paired runs of bench/rl/async_sync.py judge it: docs/benchmarks.md)")
     print(f"plots: {plots}/reward.png, staleness.png, time_split.png; runs in {work}")

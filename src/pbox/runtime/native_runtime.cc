@@ -232,6 +232,13 @@ bool WriteOnce(const char* path, const std::string& data) {
          ::write(fd.get(), data.data(), data.size()) == static_cast<ssize_t>(data.size());
 }
 
+// Rootless: maps this process's new user namespace (one id each, once setgroups is denied, as
+// an unprivileged process may); false on any failure (errno set). System calls only.
+bool WriteIdMaps(const std::string& uid_map, const std::string& gid_map) {
+  return WriteOnce("/proc/self/uid_map", uid_map) && WriteOnce("/proc/self/setgroups", "deny") &&
+         WriteOnce("/proc/self/gid_map", gid_map);
+}
+
 // Rootless: what a sandbox's setup needs of the kernel, tried once when the agent starts (a
 // user namespace owning a mount namespace, a tmpfs and an OverlayFS with `userxattr` in it), so
 // that a host without them stops the agent with the reason instead of failing every create.
@@ -250,8 +257,7 @@ struct RootlessProbe {
 // The same steps as ChildMain's, in a child that exits once the overlay is mounted: its
 // namespaces, and the mounts in them, go with it. System calls only.
 [[noreturn]] void ProbeMain(RootlessProbe& p) {
-  if (!WriteOnce("/proc/self/uid_map", p.uid_map) || !WriteOnce("/proc/self/setgroups", "deny") ||
-      !WriteOnce("/proc/self/gid_map", p.gid_map)) {
+  if (!WriteIdMaps(p.uid_map, p.gid_map)) {
     ProbeFail(p, kStepIdMap);
   }
   if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
@@ -342,9 +348,7 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
   // Rootless: the clone made a user namespace, in which the child holds every capability but
   // whose ids map to nothing yet (files it created would fail with EOVERFLOW). An unprivileged
   // process may map its own ids, one each, once setgroups is denied.
-  if (plan.rootless && (!WriteOnce("/proc/self/uid_map", plan.uid_map) ||
-                        !WriteOnce("/proc/self/setgroups", "deny") ||
-                        !WriteOnce("/proc/self/gid_map", plan.gid_map))) {
+  if (plan.rootless && !WriteIdMaps(plan.uid_map, plan.gid_map)) {
     Fail(plan, kStepIdMap);
   }
   if (::unshare(CLONE_NEWCGROUP) != 0) {
