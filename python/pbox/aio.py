@@ -222,18 +222,26 @@ class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session"))
     def closed(self) -> bool:
         return self._done is not None and self._done.is_set()
 
-    async def _open_error(self, err: grpc.RpcError) -> PboxError:
-        """Why opening failed: the call's final status. The agent may end the call (a wrong
-        token: UNAUTHENTICATED) before the open message is written, and the write then fails
-        with gRPC's own INTERNAL "Internal error from Core", which says nothing of why."""
-        try:
-            code = await asyncio.wait_for(self._call.code(), 5)
-            details = await self._call.details()
-        except Exception:  # no final status to be had: the error as raised
-            return self._client._error(err, "Session")
-        if code is None or code == grpc.StatusCode.OK:
-            return self._client._error(err, "Session")
-        return self._client._error(_EndedCall(code, details), "Session")
+    async def _refusal(self) -> PboxError:
+        """Why the agent ended the call without taking it: the call's final status."""
+        code = await self._call.code()
+        if code == grpc.StatusCode.OK:
+            return SessionClosed("the agent ended the session before opening it",
+                                 method="Session")
+        return self._client._error(_EndedCall(code, await self._call.details()), "Session")
+
+    async def _handshake(self) -> Any:
+        # The agent sends "pbox-session: ready" before it reads SessionOpen, and ends a call it
+        # refuses (a wrong token) at once (pbox.proto). Writing only after the former keeps the
+        # refusal's status: a write into a call that has just ended fails locally, and gRPC
+        # then reports its own INTERNAL "Internal error from Core" as the call's status.
+        md = await self._call.initial_metadata()
+        if md is None or "pbox-session" not in md:
+            raise await self._refusal()
+        await self._call.write(pb.SessionRequest(
+            open=pb.SessionOpen(client_name=self._client_name, job_id=self._job_id,
+                                cpuset=self._cpuset)))
+        return await self._call.read()
 
     async def open(self) -> "Session":
         """Opens the stream and waits for the session id."""
@@ -243,10 +251,7 @@ class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session"))
         self._write_lock = asyncio.Lock()
         self._call = self._client._stub.Session(metadata=self._client._md)
         try:
-            await self._call.write(pb.SessionRequest(
-                open=pb.SessionOpen(client_name=self._client_name, job_id=self._job_id,
-                                    cpuset=self._cpuset)))
-            ev = await asyncio.wait_for(self._call.read(), self._open_timeout)
+            ev = await asyncio.wait_for(self._handshake(), self._open_timeout)
         except asyncio.TimeoutError:
             self._call.cancel()
             self._done.set()
@@ -254,7 +259,10 @@ class Session(_shared.asynchronous(_shared.SessionMethods, __name__, "Session"))
                               f"{self._open_timeout:.0f} s", method="Session") from None
         except grpc.RpcError as e:
             self._done.set()
-            raise await self._open_error(e) from None
+            raise self._client._error(e, "Session") from None
+        except PboxError:
+            self._done.set()
+            raise
         if ev is grpc.aio.EOF or not ev.HasField("opened"):
             self._done.set()
             raise SessionClosed("the agent ended the session before opening it", method="Session")

@@ -134,6 +134,20 @@ int Pool::RecordHealthCheck(int worker, bool ok) {
   return w.health_failures;
 }
 
+void Pool::RecordAnswer(int worker, int status) {
+  if (status >= 500) {
+    return;
+  }
+  auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  Record(worker).last_answer = now;
+}
+
+bool Pool::AnsweredSince(int worker, std::chrono::steady_clock::time_point t) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Record(worker).last_answer >= t;
+}
+
 bool Pool::quarantined(int worker) const {
   std::lock_guard<std::mutex> lock(mu_);
   return Record(worker).quarantined;

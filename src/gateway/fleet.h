@@ -6,9 +6,9 @@
 // One record per worker (Worker), owned by its pool's Router, in two parts with one lock each:
 // - the routing part (url, healthy, stats, tree) under the Router's mutex, used by router.cc
 //   alone (url is never changed once the worker is added, so anyone may read it);
-// - the fleet's part (client, version, health_failures, quarantined, needs_continue) under its
-//   Pool's mutex, used through Pool's methods alone, held only while a field is read or
-//   written, never across I/O.
+// - the fleet's part (client, version, health_failures, last_answer, quarantined, needs_continue)
+//   under its Pool's mutex, used through Pool's methods alone, held only while a field is read
+//   or written, never across I/O.
 // Lock order: a Pool's mutex may be held while the Router's is taken (Pool::AddWorker, so that
 // a worker's index and its record's fleet part are set up together), never the reverse. A
 // worker is in the Router a moment before its fleet part is set up, so code walking the
@@ -17,6 +17,7 @@
 // held with another.
 
 #include <array>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,6 +47,9 @@ struct Worker {
   std::unique_ptr<ClientPool> client;  // keep-alive connections for blocking control calls
   std::string version;                 // last known weight version, "" when unknown
   int health_failures = 0;             // consecutive failed health checks
+  // When it last answered a request the gateway proxied (a whole response, status < 500):
+  // evidence of life that a health probe timing out on a busy worker does not outweigh.
+  std::chrono::steady_clock::time_point last_answer{};
   // Taken out by a weight update or a version check: the health loop admits it only after a
   // version check (and a continue_generation when it may be paused).
   bool quarantined = false;
@@ -91,6 +95,10 @@ class Pool {
   void Quarantine(int worker, std::string_view why, bool needs_continue);
   // Counts a health check; returns the consecutive failures (0 after a good one).
   int RecordHealthCheck(int worker, bool ok);
+  // `worker` answered a proxied request with `status` (< 500 counts as an answer).
+  void RecordAnswer(int worker, int status);
+  // Whether `worker` answered a proxied request at or after `t`.
+  bool AnsweredSince(int worker, std::chrono::steady_clock::time_point t) const;
   bool quarantined(int worker) const;
   bool needs_continue(int worker) const;
   void SetNeedsContinue(int worker, bool needs_continue);

@@ -68,8 +68,24 @@ void HealthChecker::CheckAll() {
       auto c = pool->Client(worker)->NewClient();
       c->set_connection_timeout(0, 500000);
       c->set_read_timeout(2, 0);
+      Probe& probe = probes_[{pool, worker}];
+      const auto started = std::chrono::steady_clock::now();
+      const auto previous =
+          probe.started == std::chrono::steady_clock::time_point{} ? started : probe.started;
+      probe.started = started;
       auto r = c->Get("/health");
       bool ok = r && r->status == 200;
+      if (!r && pool->AnsweredSince(worker, previous)) {
+        if (!probe.excused) {
+          spdlog::info(
+              "worker {} did not answer its health check ({}) but answers proxied "
+              "requests: busy, kept as it is",
+              snap[i].url, httplib::to_string(r.error()));
+        }
+        probe.excused = true;
+        continue;
+      }
+      probe.excused = false;
       int failures = pool->RecordHealthCheck(worker, ok);
       if (!ok && snap[i].healthy && failures < options_.failures) {
         spdlog::info("worker {} failed health check {} of {}: {}", snap[i].url, failures,

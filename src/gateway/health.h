@@ -3,10 +3,18 @@
 // The health loop: every interval, GET /health on every worker of the fleet; a worker leaves
 // rotation after enough failed checks in a row and comes back after a good one followed by the
 // version check (WeightUpdater::Admit), never while a weight update runs.
+//
+// A probe that gets no answer in time from a worker that answered a proxied request since its
+// previous probe began is excused, not counted: the worker is busy, not dead (a saturated
+// worker queues /health behind its generations). A worker that answers /health with an error,
+// or one that answers nothing at all, is counted as before.
 
+#include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "gateway/fleet.h"
 #include "gateway/weights.h"
@@ -37,13 +45,19 @@ class HealthChecker {
   // One round over every worker of every pool.
   void CheckAll();
 
+  struct Probe {
+    std::chrono::steady_clock::time_point started{};  // when the last probe began
+    bool excused = false;                             // it got no answer and was excused
+  };
+
   const HealthOptions options_;
   Fleet* const fleet_;
   WeightUpdater* const weights_;
   std::thread thread_;
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
-  bool stopping_ = false;  // guarded by stop_mu_
+  bool stopping_ = false;                          // guarded by stop_mu_
+  std::map<std::pair<Pool*, int>, Probe> probes_;  // the loop's thread alone
 };
 
 }  // namespace bragg::gateway

@@ -183,6 +183,7 @@ Action Proxy::StartPd(std::shared_ptr<Generate> g) {
         uint64_t cached = 0;
         if (r.ok) {
           ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
+          fleet_->prefill().RecordAnswer(pre.worker, r.status);
         }
         fleet_->prefill().router().Finish(pre.worker, prompt, cached);
         HttpResponse error;
@@ -311,6 +312,7 @@ Action Proxy::ForwardTo(std::shared_ptr<Generate> g, const RouteDecision& d) {
         // usage.prompt_tokens_details.cached_tokens (in the last event when streaming with
         // stream_options.include_usage).
         ReadUsage(g->stream ? LastSseJson(r.body) : r.body, &prompt, &cached);
+        pool.RecordAnswer(worker, r.status);
         pool.router().Finish(worker, prompt, cached);
         if (!g->prefill) {
           return Action::None();

@@ -321,6 +321,10 @@ grpc::Status PboxService::Session(
   if (auto s = Authorize(ctx); !s.ok()) {
     return s;
   }
+  // Taken: say so before reading, so that a client can tell this call from a refused one
+  // without first writing into a call that may already have ended (pbox.proto).
+  ctx->AddInitialMetadata("pbox-session", "ready");
+  stream->SendInitialMetadata();
   v1::SessionRequest req;
   if (!stream->Read(&req)) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "session stream closed before it opened");

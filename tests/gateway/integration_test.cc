@@ -261,6 +261,43 @@ TEST_F(GatewayIntegrationTest, HealthChecksTakeOutAndBringBackAWorker) {
   EXPECT_NE(exit->exit_code, 0);
 }
 
+// A saturated worker answers /health late: it queues the probe behind its generations. While it
+// answers proxied requests, probes that time out must not take it out of rotation (the gateway
+// would then refuse every request with "no healthy worker"); once it answers nothing, they count.
+TEST_F(GatewayIntegrationTest, ABusyWorkerWhoseProbesTimeOutStaysInRotation) {
+  Proc w = Worker();
+  ASSERT_TRUE(Http(w)->Post("/sim/config", R"({"health_delay_ms": 2500})", "application/json"));
+  Proc gw = Gateway({&w}, "sticky", {"--health-failures", "2"});
+  const std::string log = fmt::format("{}/out-{}", dir_.path(), counter_ - 1);
+  auto c = Http(gw);
+  // About three probes, each waiting out its 2 s read timeout: two counted would take it out.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(7);
+  int served = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    int status = 0;
+    json res = PostJson(*c, "/generate", {{"input_ids", {1, 2, 3}}}, &status);
+    ASSERT_EQ(status, 200) << "a busy worker was taken out after " << served << " answers: " << res
+                           << "\n"
+                           << ReadFileToString(log).value_or("");
+    served++;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  auto text = ReadFileToString(log);
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->find("answers proxied requests: busy"), std::string::npos) << *text;
+  // Idle now, with probes still timing out: nothing shows it alive, and it leaves rotation.
+  bool out = false;
+  for (int i = 0; i < 400 && !out; ++i) {
+    json listed = WorkerList(*c);
+    out = !listed.empty() && !listed[0]["healthy"].get<bool>();
+    if (!out) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  EXPECT_TRUE(out) << "a worker that answers nothing stayed in rotation\n"
+                   << ReadFileToString(log).value_or("");
+}
+
 TEST_F(GatewayIntegrationTest, HostileInputsAreRejected) {
   Proc w0 = Worker();
   Proc gw = Gateway({&w0}, "sticky");

@@ -383,6 +383,13 @@ void SimWorker::Register() {
     HandleGenerate(req, res);
   });
   auto health = [this](const httplib::Request&, httplib::Response& res) {
+    int delay_ms;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      delay_ms = health_delay_ms_;
+    }
+    // A saturated SGLang worker answers /health late: it queues behind the generations.
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     std::lock_guard<std::mutex> lock(mu_);
     res.status = healthy_ ? 200 : 503;
   };
@@ -518,7 +525,8 @@ void SimWorker::Register() {
                    {"root", model_path_}}}}});
   });
   // Test knobs: {"error_rate": p, "fail_update": bool, "fail_update_after": n, "fail_continue":
-  // bool, "update_delay_ms": ms, "drop_update_replies": n, "healthy": bool}.
+  // bool, "update_delay_ms": ms, "drop_update_replies": n, "healthy": bool, "health_delay_ms":
+  // ms}.
   server_.Post("/sim/config", [this](const httplib::Request& req, httplib::Response& res) {
     json body;
     if (!ParseBody(req, res, &body)) {
@@ -532,6 +540,7 @@ void SimWorker::Register() {
     update_delay_ms_ = body.value("update_delay_ms", update_delay_ms_);
     drop_update_replies_ = body.value("drop_update_replies", drop_update_replies_);
     healthy_ = body.value("healthy", healthy_);
+    health_delay_ms_ = body.value("health_delay_ms", health_delay_ms_);
     Reply(res, {{"success", true}});
   });
   server_.Get("/sim/stats", [this](const httplib::Request&, httplib::Response& res) {

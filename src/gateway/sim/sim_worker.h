@@ -94,6 +94,7 @@ class SimWorker {
   int update_delay_ms_ = 0;      // update_weights_from_disk takes this long
   int drop_update_replies_ = 0;  // loads that apply but whose answer is cut off
   bool healthy_ = true;
+  int health_delay_ms_ = 0;  // /health answers after this long
   uint64_t requests_ = 0;
   uint64_t aborts_ = 0;
   uint64_t updates_ = 0;
