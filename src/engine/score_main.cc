@@ -31,6 +31,7 @@ int Fail(const Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"Score token ids with bragg-engine's model (logits or greedy tokens)"};
   std::string model_dir, ids_path, logits_path, dtype = "auto";
   int64_t greedy = -1;
