@@ -20,8 +20,8 @@
 #include <random>
 #include <sstream>
 
+#include "common/blas_core.h"
 #include "engine/engine.h"
-#include "engine/model/model.h"
 #include "engine/testing/tiny_model.h"
 
 namespace {
@@ -45,7 +45,7 @@ std::vector<int32_t> Random(int n, uint32_t seed, int64_t vocab) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
+  bragg::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"bragg-engine benchmark (in process)"};
   std::string model, write_model, batches = "1,8,32,64";
   int threads = 2, prompt = 128, fresh = 128, prefill = 4096;

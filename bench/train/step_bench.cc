@@ -32,7 +32,7 @@
 #include <random>
 #include <sstream>
 
-#include "engine/model/model.h"
+#include "common/blas_core.h"
 #include "engine/testing/tiny_model.h"
 #include "train/optim/offload_adamw.h"
 #include "train/trainer.h"
@@ -153,7 +153,7 @@ int WriteTrajectories(const std::string& model, const std::string& out, const Ge
 }  // namespace
 
 int main(int argc, char** argv) {
-  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
+  bragg::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"bragg-train training-step benchmark (in process)"};
   std::string model, write_model, trajectories, write_trajectories, layouts = "thd,padded";
   int threads = 2, steps = 3, warmup = 1;

@@ -57,7 +57,51 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from ._wire import pack, unpack
 
-__all__ = ["Trainer", "group_advantages", "options_defaults", "read_trajectories"]
+__all__ = ["Trainer", "group_advantages", "options_defaults", "read_trajectories",
+           "use_known_blas_core"]
+
+
+def _child_env() -> Dict[str, str]:
+    """The environment of a child that imports this very package, wherever it came from."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+_blas_checked = False
+
+
+def use_known_blas_core() -> None:
+    """For a program that will hold the trainer in its own process (``in_process=True``): call
+    it first, before numpy or anything else loads OpenBLAS. On a CPU newer than the system's
+    OpenBLAS it sets OPENBLAS_CORETYPE as bragg-train and bragg-engine set it for themselves
+    (docs/engine.md, "CPUs newer than OpenBLAS"), so that the trainer here computes with their
+    kernels, bit for bit, and not OpenBLAS's slow fallback. OpenBLAS reads the variable once,
+    when a process first loads it: a trainer in its own process (the default) needs none of
+    this."""
+    _use_known_blas_core(os.environ.get("BRAGG_TRAIN_PYTHON") or sys.executable)
+
+
+def _use_known_blas_core(python: str) -> None:
+    """Sets OPENBLAS_CORETYPE in this process's environment, before any process here loads the
+    trainer, where the C++ programs would set it (common/blas_core.h): the extension's OpenBLAS
+    picks its kernels when it is loaded, falls back to slow Prescott ones on CPUs newer than it,
+    and the trainer here must compute with the kernels bragg-train and bragg-engine use, or
+    their results differ in the last bits. Asked once, in a process of its own."""
+    global _blas_checked
+    if _blas_checked or "OPENBLAS_CORETYPE" in os.environ:
+        return
+    probe = subprocess.run(
+        [python, "-c", "import bragg_train._core as c; print(c.known_blas_core())"],
+        env=_child_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        raise RuntimeError(f"bragg_train's extension did not load in {python}: "
+                           f"{probe.stderr.strip()[-2000:]}")
+    core = probe.stdout.strip()
+    if core:
+        os.environ["OPENBLAS_CORETYPE"] = core
+    _blas_checked = True
 
 
 class _Worker:
@@ -65,11 +109,14 @@ class _Worker:
 
     def __init__(self):
         parent, child = socket.socketpair()
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        # The child imports this very package, wherever it was imported from.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         python = os.environ.get("BRAGG_TRAIN_PYTHON") or sys.executable
+        try:
+            _use_known_blas_core(python)
+        except BaseException:
+            parent.close()
+            child.close()
+            raise
+        env = _child_env()
         try:
             self._proc = subprocess.Popen(
                 [python, "-m", "bragg_train._worker", str(child.fileno())],
@@ -176,6 +223,7 @@ def _load_core():
                     f"torch {getattr(torch, '__version__', '?')} is already loaded in this "
                     "process; bragg_train's trainer carries its own libtorch and cannot be "
                     "loaded beside it: use bragg_train.Trainer without in_process=True")
+            _use_known_blas_core(sys.executable)
             sys.meta_path.insert(0, _RefuseTorch())
         from . import _core
         return _core

@@ -9,16 +9,16 @@
 #include <optional>
 #include <thread>
 
+#include "common/blas_core.h"
 #include "common/logging.h"
 #include "common/serve.h"
 #include "engine/engine.h"
-#include "engine/model/model.h"
 #include "engine/server/server.h"
 #include "engine/tokenizer.h"
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
-  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
+  bragg::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"bragg-engine: an SGLang-API inference server for Qwen3 models on libtorch"};
   bragg::engine::EngineOptions o;
   std::string listen = "127.0.0.1:30000", device = "cpu", dtype = "auto", log_level = "info";

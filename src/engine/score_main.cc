@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/blas_core.h"
 #include "engine/engine.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/model.h"
@@ -31,7 +32,7 @@ int Fail(const Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
+  bragg::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"Score token ids with bragg-engine's model (logits or greedy tokens)"};
   std::string model_dir, ids_path, logits_path, dtype = "auto";
   int64_t greedy = -1;

@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "common/blas_core.h"
 #include "common/logging.h"
-#include "engine/model/model.h"
 #include "rl/config.h"
 #include "rl/controller.h"
 
@@ -34,7 +34,7 @@ int Fail(const bragg::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
+  bragg::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"bragg-rl: asynchronous RL of language models on tool-using tasks"};
   app.require_subcommand(1);
   std::string config_path, log_level = "info";

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/blas_core.h"
 #include "common/str_cat.h"
 #include "train/run.h"
 #include "train/trainer.h"
@@ -286,6 +287,10 @@ void EnumOption(py::class_<TrainOptions>& c, const char* name, E TrainOptions::*
 }  // namespace bragg::train
 
 PYBIND11_MODULE(_core, m) {
+  // bragg_train/__init__.py asks, in a process of its own, before any process that computes
+  // loads this module (common/blas_core.h).
+  m.def("known_blas_core", &bragg::KnownBlasCore,
+        "the OPENBLAS_CORETYPE a process should start with on this CPU, or \"\"");
   using namespace bragg::train;
   m.doc() = "bragg-train's trainer (src/train/trainer.h); use the bragg_train package";
 

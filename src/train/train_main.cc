@@ -6,7 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
-#include "engine/model/model.h"
+#include "common/blas_core.h"
 #include "train/run.h"
 
 namespace {
@@ -25,7 +25,7 @@ void AddModelOptions(CLI::App* app, bragg::train::TrainOptions* o, bool required
 }  // namespace
 
 int main(int argc, char** argv) {
-  bragg::engine::ReexecForKnownBlasCore(argv);  // before anything else runs
+  bragg::ReexecForKnownBlasCore(argv);  // before anything else runs
   CLI::App app{"bragg-train: GRPO/PPO and supervised training on packed trajectories"};
   bragg::train::RunConfig c;
   bragg::train::TrainOptions& o = c.train;

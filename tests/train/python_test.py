@@ -19,10 +19,14 @@ import sys
 import threading
 import time
 
-import numpy as np
-import pytest
-
 import bragg_train
+
+# The trainer in this process must compute with the kernels bragg-train picks for itself: OpenBLAS
+# reads OPENBLAS_CORETYPE when first loaded, here by numpy, so it is set before that.
+bragg_train.use_known_blas_core()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 TRAIN = os.environ.get("BRAGG_TRAIN", "bragg-train")
 WRITE = os.environ.get("BRAGG_WRITE_TINY_MODEL", "write_tiny_model")

@@ -260,8 +260,6 @@ Model::~Model() = default;
 
 std::string DescribeCpuRuntime() { return qwen3::DescribeCpuRuntime(); }
 
-void ReexecForKnownBlasCore(char** argv) { qwen3::ReexecForKnownBlasCore(argv); }
-
 Result<std::unique_ptr<Model>> Model::Load(const Checkpoint& ck, const ModelOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->config = ck.config();

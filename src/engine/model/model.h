@@ -48,16 +48,6 @@ struct ForwardOutput {
 // file, and how it is threaded). For logs and benchmarks.
 std::string DescribeCpuRuntime();
 
-// For the first thing a program's main does. OpenBLAS picks its kernels for the CPU when it is
-// loaded, and Debian 12's (0.3.21) does not know CPUs newer than it (Sapphire and Emerald
-// Rapids): it falls back to its Prescott (SSE3) kernels, and torch's fp32 GEMMs run 1.6-3x
-// slower (measured: a decode step of 32 requests 1,040 against 1,708-1,725 tok/s). When that
-// happened, the CPU has what a known core needs (AVX-512: Cooperlake or SkylakeX; AVX2 and FMA:
-// Haswell) and OPENBLAS_CORETYPE is not set, this sets it and executes the program again
-// (/proc/self/exe, same argv); otherwise, or if that fails, it returns. A set
-// OPENBLAS_CORETYPE (the user's choice) is left alone.
-void ReexecForKnownBlasCore(char** argv);
-
 class Model {
  public:
   static Result<std::unique_ptr<Model>> Load(const Checkpoint& checkpoint,

@@ -3,17 +3,13 @@
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
 #include <malloc.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <cctype>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <limits>
 
+#include "common/blas_core.h"
 #include "common/str_cat.h"
 #include "engine/model/linear.h"
 #include "engine/model/moe_cpu.h"
@@ -161,49 +157,7 @@ int OpenBlasParallel() {
   return get != nullptr ? get() : -1;
 }
 
-// The OpenBLAS core whose kernels this CPU can run, when OpenBLAS fell back to Prescott for
-// want of knowing the CPU; "" otherwise.
-std::string KnownBlasCoreForThisCpu() {
-  auto corename = OpenBlasFunction<char* (*)()>("openblas_get_corename");
-  if (corename == nullptr || corename() == nullptr) {
-    return "";
-  }
-  std::string core = corename();
-  std::transform(core.begin(), core.end(), core.begin(),
-                 [](unsigned char ch) { return std::tolower(ch); });
-  if (core != "prescott") {
-    return "";
-  }
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512cd")) {
-    return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return "Haswell";
-  }
-  return "";
-}
-
 }  // namespace
-
-void ReexecForKnownBlasCore(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) {
-    return;
-  }
-  const std::string core = KnownBlasCoreForThisCpu();
-  if (core.empty()) {
-    return;
-  }
-  ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-  ::execv("/proc/self/exe", argv);
-  // Runs on with the kernels it has; the variable stays for any child.
-  std::fprintf(stderr,
-               "OpenBLAS runs its Prescott kernels on this CPU; restarting with "
-               "OPENBLAS_CORETYPE=%s failed: %s\n",
-               core.c_str(), std::strerror(errno));
-}
 
 void ConfigureCpuRuntime(int threads) {
   if (threads > 0) {
@@ -212,8 +166,7 @@ void ConfigureCpuRuntime(int threads) {
   // A process that could not start again with the right kernels (a Python interpreter with the
   // trainer's module, say) says how to get them.
   static const bool warned = [] {
-    const std::string core =
-        std::getenv("OPENBLAS_CORETYPE") == nullptr ? KnownBlasCoreForThisCpu() : std::string();
+    const std::string core = KnownBlasCore();
     if (!core.empty()) {
       std::fprintf(stderr,
                    "warning: OpenBLAS does not know this CPU and runs its Prescott kernels; "

@@ -71,9 +71,6 @@ torch::Tensor Borrow(const TensorView& v);
 // busy with other work).
 void ConfigureCpuRuntime(int threads);
 
-// engine::ReexecForKnownBlasCore (model.h).
-void ReexecForKnownBlasCore(char** argv);
-
 // What ConfigureCpuRuntime left in effect, for logs and benchmarks: torch's thread count and the
 // BLAS library (its build string and file, and how it is threaded).
 std::string DescribeCpuRuntime();
