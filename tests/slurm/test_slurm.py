@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -50,7 +51,24 @@ def _pythonpath(pboxd: str) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: slurmctld and slurmd bind it a moment
+    later, and a port from that range may meanwhile become the local end of any connection the
+    tests running beside this one open (seen in CI: slurmctld's "Address already in use")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range below: any free port, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
