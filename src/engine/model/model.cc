@@ -8,7 +8,9 @@
 #include <map>
 
 #include "common/str_cat.h"
+#include "engine/model/attention_cpu.h"
 #include "engine/model/linear.h"
+#include "engine/model/packed_linear_cpu.h"
 #include "engine/model/qwen3.h"
 
 namespace bragg::engine {
@@ -33,6 +35,10 @@ struct Model::Impl {
   torch::Device device = torch::kCPU;
   torch::Dtype dtype = torch::kFloat32;
   qwen3::Weights w;
+  // w.lm_head packed for qwen3::PackedLinear (fp32 on the CPU outside deterministic mode, where
+  // the CPU has the kernel; else undefined): one more copy of the lm_head's memory, which a
+  // decode step's logits come from instead of a BLAS call that would pack it every step.
+  torch::Tensor lm_head_packed;
   std::vector<LayerCache> cache;
 
   torch::TensorOptions opts() const { return torch::TensorOptions().dtype(dtype).device(device); }
@@ -41,6 +47,9 @@ struct Model::Impl {
     BRAGG_RETURN_IF_ERROR(w.Load(ck, device, dtype));
     if (!options.deterministic && device.is_cpu()) {  // measured with OpenBLAS only
       qwen3::TransposeLinearWeights(&w);
+      if (dtype == torch::kFloat32 && qwen3::PackedLinearAvailable()) {
+        lm_head_packed = qwen3::PackLinearWeight(w.lm_head);
+      }
     }
     const ModelConfig& c = config;
     int64_t slots = options.kv_blocks * options.block_size;
@@ -190,8 +199,10 @@ struct Model::Impl {
 
     auto [cos, sin] = qwen3::RopeTables(pos, w.inv_freq, dtype);
 
+    // A decode step's attention: the CPU kernel (attention_cpu.h) reads the cache in place where
+    // it can; else torch's batched path, over the slots padded to the longest sequence.
     torch::Tensor decode_slots, decode_lens;
-    if (all_decode) {
+    auto pad_decode_slots = [&] {
       int64_t B = static_cast<int64_t>(chunks.size());
       decode_slots = torch::zeros({B, maxlen}, i64);
       decode_lens = torch::empty({B}, i64);
@@ -202,7 +213,7 @@ struct Model::Impl {
       }
       decode_slots = decode_slots.to(device);
       decode_lens = decode_lens.to(device);
-    }
+    };
 
     const int64_t nh = c.num_attention_heads, kvh = c.num_key_value_heads, hd = c.head_dim;
     torch::Tensor h = w.embed.index_select(0, ids);
@@ -221,7 +232,12 @@ struct Model::Impl {
       torch::Tensor attn;
       if (options.deterministic) {
         attn = qwen3::AttendExact(c, lc.k, lc.v, q, row_chunk, row_pos, seq_slots);
+      } else if (all_decode && qwen3::DecodeAttentionFits(lc.k, lc.v, q, seq_slots)) {
+        attn = qwen3::DecodeAttention(lc.k, lc.v, q, seq_slots);
       } else if (all_decode) {
+        if (!decode_slots.defined()) {
+          pad_decode_slots();
+        }
         attn = AttendDecode(lc, q, decode_slots, decode_lens);
       } else {
         std::vector<torch::Tensor> parts;
@@ -244,7 +260,10 @@ struct Model::Impl {
     }
     torch::Tensor rows = torch::tensor(logit_rows, i64).to(device);
     torch::Tensor hs = RmsNorm(h.index_select(0, rows), w.final_norm);
-    torch::Tensor logits = Linear(hs, w.lm_head).to(torch::kFloat32).contiguous().cpu();
+    torch::Tensor logits =
+        qwen3::PackedLinearFits(hs, lm_head_packed)
+            ? qwen3::PackedLinear(hs, lm_head_packed, w.lm_head.size(0))
+            : Linear(hs, w.lm_head).to(torch::kFloat32).contiguous().cpu();
     out->logits.assign(logits.data_ptr<float>(), logits.data_ptr<float>() + logits.numel());
     out->experts.clear();
     if (!experts.empty()) {
@@ -350,6 +369,9 @@ void Model::ApplyUpdate(const Checkpoint& ck) {
   for (auto& [name, param] : impl_->w.params) {
     const TensorView* v = *ck.Find(name);
     param->copy_(Borrow(*v));
+  }
+  if (impl_->lm_head_packed.defined()) {
+    qwen3::RepackLinearWeight(impl_->w.lm_head, impl_->lm_head_packed);
   }
 }
 

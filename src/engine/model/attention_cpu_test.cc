@@ -1,0 +1,135 @@
+// DecodeAttention against softmax(q k^T / sqrt(hd)) v computed with torch's operators, on keys and
+// values scattered over a block cache as the engine's are, and the calls it must refuse.
+
+#include "engine/model/attention_cpu.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+namespace bragg::engine::qwen3 {
+namespace {
+
+struct Case {
+  int64_t kvh, g, hd;
+  std::vector<int64_t> lens;
+};
+
+struct Inputs {
+  torch::Tensor keys, values, q;  // [slots, kvh, hd] x2, [B, nh, hd]
+  std::vector<torch::Tensor> slots;
+};
+
+// A cache of `slots` positions with every sequence's positions at random distinct slots.
+Inputs Make(const Case& c, int64_t slots, double q_scale = 1.0) {
+  Inputs in;
+  in.keys = torch::randn({slots, c.kvh, c.hd});
+  in.values = torch::randn({slots, c.kvh, c.hd});
+  in.q = torch::randn({static_cast<int64_t>(c.lens.size()), c.kvh * c.g, c.hd}).mul(q_scale);
+  for (int64_t len : c.lens) {
+    in.slots.push_back(torch::randperm(slots, torch::kInt64).narrow(0, 0, len).contiguous());
+  }
+  return in;
+}
+
+torch::Tensor Reference(const Inputs& in, int64_t g) {
+  std::vector<torch::Tensor> rows;
+  const int64_t hd = in.q.size(2);
+  for (size_t b = 0; b < in.slots.size(); ++b) {
+    torch::Tensor k = in.keys.index_select(0, in.slots[b]).repeat_interleave(g, 1);  // [len, nh, hd]
+    torch::Tensor v = in.values.index_select(0, in.slots[b]).repeat_interleave(g, 1);
+    torch::Tensor qb = in.q[b].to(torch::kFloat64);                                  // [nh, hd]
+    torch::Tensor s = torch::einsum("hd,lhd->hl", {qb, k.to(torch::kFloat64)}) / std::sqrt(hd);
+    torch::Tensor o = torch::einsum("hl,lhd->hd", {torch::softmax(s, -1), v.to(torch::kFloat64)});
+    rows.push_back(o.reshape({-1}).to(torch::kFloat32));
+  }
+  return torch::stack(rows);
+}
+
+bool Available() { return __builtin_cpu_supports("avx512f"); }
+
+TEST(DecodeAttention, EqualsTorchOverScatteredSlots) {
+  if (!Available()) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: the engine keeps torch's batched path";
+  }
+  c10::InferenceMode guard;
+  torch::manual_seed(21);
+  // GQA ratios 1-8, every head size it takes, lengths around the vector of 16 and long ones.
+  for (const Case& c : {Case{2, 4, 32, {1, 15, 16, 17, 200, 129}}, Case{1, 1, 16, {3}},
+                        Case{4, 2, 64, {33, 1, 64}}, Case{2, 8, 128, {250, 7}},
+                        Case{1, 2, 256, {31, 2}}, Case{8, 1, 32, std::vector<int64_t>(40, 48)}}) {
+    SCOPED_TRACE(::testing::Message() << "kvh " << c.kvh << " g " << c.g << " hd " << c.hd);
+    Inputs in = Make(c, 512);
+    ASSERT_TRUE(DecodeAttentionFits(in.keys, in.values, in.q, in.slots));
+    torch::Tensor got = DecodeAttention(in.keys, in.values, in.q, in.slots);
+    torch::Tensor want = Reference(in, c.g);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LE((got - want).abs().max().item<double>(), 2e-6);
+  }
+}
+
+TEST(DecodeAttention, PeakedAndFlatScoresStayFinite) {
+  if (!Available()) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: the engine keeps torch's batched path";
+  }
+  c10::InferenceMode guard;
+  torch::manual_seed(22);
+  // Scores in the hundreds: most weights underflow, the softmax must not overflow; and all-zero
+  // queries: every position weighs the same.
+  Case c{2, 4, 32, {100, 300, 5}};
+  Inputs peaked = Make(c, 512, 60.0);
+  torch::Tensor got = DecodeAttention(peaked.keys, peaked.values, peaked.q, peaked.slots);
+  EXPECT_TRUE(torch::isfinite(got).all().item<bool>());
+  EXPECT_LE((got - Reference(peaked, c.g)).abs().max().item<double>(), 1e-5);
+  Inputs flat = Make(c, 512);
+  flat.q.zero_();
+  got = DecodeAttention(flat.keys, flat.values, flat.q, flat.slots);
+  EXPECT_LE((got - Reference(flat, c.g)).abs().max().item<double>(), 2e-6);
+}
+
+TEST(DecodeAttention, AQuerysResultDoesNotDependOnItsBatch) {
+  if (!Available()) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: the engine keeps torch's batched path";
+  }
+  c10::InferenceMode guard;
+  torch::manual_seed(23);
+  Case c{2, 4, 32, {10, 200, 77, 1, 64}};
+  Inputs in = Make(c, 256);
+  torch::Tensor all = DecodeAttention(in.keys, in.values, in.q, in.slots);
+  for (int64_t b = 0; b < 5; ++b) {
+    torch::Tensor one = DecodeAttention(in.keys, in.values, in.q.narrow(0, b, 1), {in.slots[b]});
+    EXPECT_TRUE(torch::equal(one, all.narrow(0, b, 1))) << "query " << b;
+  }
+}
+
+TEST(DecodeAttention, RefusesWhatItCannotTake) {
+  torch::manual_seed(24);
+  Case c{2, 4, 32, {10, 20}};
+  Inputs in = Make(c, 64);
+  if (!Available()) {
+    EXPECT_FALSE(DecodeAttentionFits(in.keys, in.values, in.q, in.slots));
+    return;
+  }
+  EXPECT_TRUE(DecodeAttentionFits(in.keys, in.values, in.q, in.slots));
+  auto refuses = [&](const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q,
+                     const std::vector<torch::Tensor>& s) {
+    return !DecodeAttentionFits(k, v, q, s);
+  };
+  EXPECT_TRUE(refuses(in.keys.to(torch::kBFloat16), in.values.to(torch::kBFloat16), in.q, in.slots));
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.to(torch::kFloat64), in.slots));
+  EXPECT_TRUE(refuses(in.keys.transpose(0, 1), in.values, in.q, in.slots));  // not contiguous
+  EXPECT_TRUE(refuses(in.keys, in.values.narrow(0, 0, 32), in.q, in.slots));  // other shapes
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.narrow(1, 0, 7), in.slots));   // 7 heads over 2
+  EXPECT_TRUE(refuses(torch::randn({64, 2, 48}), torch::randn({64, 2, 48}), torch::randn({2, 8, 48}),
+                      in.slots));  // head size 48
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0]}));  // a query without slots
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0], torch::empty({0}, torch::kInt64)}));
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0], in.slots[1].to(torch::kInt32)}));
+  EXPECT_TRUE(
+      refuses(in.keys, in.values, in.q.detach().requires_grad_(), in.slots));
+  EXPECT_THROW(DecodeAttention(in.keys, in.values, in.q, {in.slots[0]}), c10::Error);
+}
+
+}  // namespace
+}  // namespace bragg::engine::qwen3
