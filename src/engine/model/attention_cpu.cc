@@ -1,33 +1,15 @@
 #include "engine/model/attention_cpu.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "engine/model/avx512_kernels.h"
+
 namespace bragg::engine::qwen3 {
 namespace {
-
-// exp(x) for x <= 0 (scores less their maximum), Cephes' expf: x = n ln2 + r with |r| <= ln2/2,
-// exp(r) by a degree-7 polynomial, times 2^n (relative error about 2e-7). Below -87 it gives
-// exp(-87) ~ 1.6e-38, nothing beside the maximum's 1. NaN stays NaN.
-__attribute__((target("avx512f"))) inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // a NaN x is returned as it is
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One (sequence, KV head): the g query heads at q (g x NV*16 floats) over the len keys and
 // values at slots; writes g x NV*16 floats at out. scores: g * len floats of scratch.
@@ -70,7 +52,7 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
     __m512 sv = _mm512_setzero_ps();
     for (p = 0; p < len; p += 16) {
       const __mmask16 mask = len - p >= 16 ? __mmask16{0xffff} : __mmask16((1u << (len - p)) - 1);
-      const __m512 e = Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + p), mb));
+      const __m512 e = avx512::Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + p), mb));
       _mm512_mask_storeu_ps(s + p, mask, e);
       sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(mask, e));
     }
@@ -93,8 +75,8 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
   }
 }
 
-using ItemFn = void (*)(const float*, int64_t, const float*, const float*, int64_t,
-                        const int64_t*, int64_t, float, float*, float*);
+using ItemFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*,
+                        int64_t, float, float*, float*);
 
 ItemFn ItemFor(int64_t hd) {
   switch (hd) {
@@ -133,8 +115,8 @@ bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
     return false;
   }
   for (const torch::Tensor& s : seq_slots) {
-    if (!s.defined() || s.scalar_type() != torch::kInt64 || !s.device().is_cpu() ||
-        s.dim() != 1 || s.size(0) < 1 || !s.is_contiguous()) {
+    if (!s.defined() || s.scalar_type() != torch::kInt64 || !s.device().is_cpu() || s.dim() != 1 ||
+        s.size(0) < 1 || !s.is_contiguous()) {
       return false;
     }
   }

@@ -37,9 +37,10 @@ torch::Tensor Reference(const Inputs& in, int64_t g) {
   std::vector<torch::Tensor> rows;
   const int64_t hd = in.q.size(2);
   for (size_t b = 0; b < in.slots.size(); ++b) {
-    torch::Tensor k = in.keys.index_select(0, in.slots[b]).repeat_interleave(g, 1);  // [len, nh, hd]
+    torch::Tensor k =
+        in.keys.index_select(0, in.slots[b]).repeat_interleave(g, 1);  // [len, nh, hd]
     torch::Tensor v = in.values.index_select(0, in.slots[b]).repeat_interleave(g, 1);
-    torch::Tensor qb = in.q[b].to(torch::kFloat64);                                  // [nh, hd]
+    torch::Tensor qb = in.q[b].to(torch::kFloat64);  // [nh, hd]
     torch::Tensor s = torch::einsum("hd,lhd->hl", {qb, k.to(torch::kFloat64)}) / std::sqrt(hd);
     torch::Tensor o = torch::einsum("hl,lhd->hd", {torch::softmax(s, -1), v.to(torch::kFloat64)});
     rows.push_back(o.reshape({-1}).to(torch::kFloat32));
@@ -116,18 +117,19 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
                      const std::vector<torch::Tensor>& s) {
     return !DecodeAttentionFits(k, v, q, s);
   };
-  EXPECT_TRUE(refuses(in.keys.to(torch::kBFloat16), in.values.to(torch::kBFloat16), in.q, in.slots));
+  EXPECT_TRUE(
+      refuses(in.keys.to(torch::kBFloat16), in.values.to(torch::kBFloat16), in.q, in.slots));
   EXPECT_TRUE(refuses(in.keys, in.values, in.q.to(torch::kFloat64), in.slots));
-  EXPECT_TRUE(refuses(in.keys.transpose(0, 1), in.values, in.q, in.slots));  // not contiguous
+  EXPECT_TRUE(refuses(in.keys.transpose(0, 1), in.values, in.q, in.slots));   // not contiguous
   EXPECT_TRUE(refuses(in.keys, in.values.narrow(0, 0, 32), in.q, in.slots));  // other shapes
   EXPECT_TRUE(refuses(in.keys, in.values, in.q.narrow(1, 0, 7), in.slots));   // 7 heads over 2
-  EXPECT_TRUE(refuses(torch::randn({64, 2, 48}), torch::randn({64, 2, 48}), torch::randn({2, 8, 48}),
-                      in.slots));  // head size 48
+  EXPECT_TRUE(refuses(torch::randn({64, 2, 48}), torch::randn({64, 2, 48}),
+                      torch::randn({2, 8, 48}),
+                      in.slots));                                 // head size 48
   EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0]}));  // a query without slots
   EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0], torch::empty({0}, torch::kInt64)}));
   EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0], in.slots[1].to(torch::kInt32)}));
-  EXPECT_TRUE(
-      refuses(in.keys, in.values, in.q.detach().requires_grad_(), in.slots));
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.detach().requires_grad_(), in.slots));
   EXPECT_THROW(DecodeAttention(in.keys, in.values, in.q, {in.slots[0]}), c10::Error);
 }
 

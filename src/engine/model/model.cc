@@ -260,10 +260,9 @@ struct Model::Impl {
     }
     torch::Tensor rows = torch::tensor(logit_rows, i64).to(device);
     torch::Tensor hs = RmsNorm(h.index_select(0, rows), w.final_norm);
-    torch::Tensor logits =
-        qwen3::PackedLinearFits(hs, lm_head_packed)
-            ? qwen3::PackedLinear(hs, lm_head_packed, w.lm_head.size(0))
-            : Linear(hs, w.lm_head).to(torch::kFloat32).contiguous().cpu();
+    torch::Tensor logits = qwen3::PackedLinearFits(hs, lm_head_packed)
+                               ? qwen3::PackedLinear(hs, lm_head_packed, w.lm_head.size(0))
+                               : Linear(hs, w.lm_head).to(torch::kFloat32).contiguous().cpu();
     out->logits.assign(logits.data_ptr<float>(), logits.data_ptr<float>() + logits.numel());
     out->experts.clear();
     if (!experts.empty()) {
