@@ -10,18 +10,22 @@ Runs with the torch the interpreter has: Debian's python3-torch under /usr/bin/p
 engine's torch 1.13 and the system's BLAS), else the Python peer environment's (MKL;
 machine.peer_python: $BRAGG_PEER_PYTHON, the build's cache entry, or install-deps' default; it
 re-executes itself there), pinned to the first --threads CPUs. Debian's GEMM was the faster
-here (lm_head at 32 rows: 4.5 ms against MKL's 7.4 ms), so it gives the lower floor. A step
-must at least:
+here, so it gives the lower floor. OpenBLAS 0.3.21 does not know CPUs newer than it and falls
+back to its slowest kernels there; the script names the core (OPENBLAS_CORETYPE, from the CPU's
+flags) as bragg-engine does (src/common/blas_core.h). A step must at least:
 
 - multiply the batch's hidden states by the output embedding (lm_head, [32000, 256] fp32): the
-  one GEMM that does not shrink with the batch; the median of 50 at each batch;
+  one product that does not shrink with the batch, at this machine's best GEMM rate (a
+  2048 x 2048 x 2048 product, the best of 5; a small-batch GEMM from a library is slower than
+  that: it packs the weight on every call, which the engine's packed lm_head does not);
 - read every weight the step uses once: the attention and router weights of the 4 layers, and
   the weights of every expert some row is routed to (2 of each layer's 16 for one request,
-  nearly all 16 from 32 requests on), at this machine's read bandwidth (torch.sum over 1 GiB,
-  the best of 5). lm_head's own read is inside its GEMM time.
+  nearly all 16 from 32 requests on), and the lm_head, at this machine's read bandwidth
+  (torch.sum over 1 GiB, the best of 5).
 
-Floor = lm_head + weights / bandwidth. Attention over the KV cache, norms, sampling and the
-scheduler come on top, so the floor is optimistic; the ratio it allows is an upper bound.
+Floor = lm_head arithmetic + weights / bandwidth (as if the two did not overlap). Attention over
+the KV cache, norms, sampling and the scheduler come on top; the ratio it allows is an upper
+bound only as far as arithmetic and reads cannot overlap.
 """
 
 import argparse
@@ -51,6 +55,22 @@ def expert_bytes(batch):
     return LAYERS * distinct * per_expert
 
 
+def lm_head_bytes():
+    return VOCAB * HIDDEN * 4
+
+
+def known_blas_core():
+    """The OpenBLAS core for this CPU, from its flags (src/common/blas_core.cc's rule)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return None
+    if "avx512f" in flags:
+        return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
+    return "Haswell" if "avx2" in flags else None
+
+
 def dense_bytes():
     attn = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2
     router = EXPERTS * HIDDEN
@@ -64,6 +84,8 @@ def main():
     ap.add_argument("--build", default="build", help="for the peer environment's path")
     ap.add_argument("--data", default=os.path.join(ROOT, "docs/data/engine.json"))
     args = ap.parse_args()
+    if "OPENBLAS_CORETYPE" not in os.environ and known_blas_core():
+        os.environ["OPENBLAS_CORETYPE"] = known_blas_core()  # before torch loads OpenBLAS
     try:
         import torch
     except ImportError:
@@ -91,32 +113,39 @@ def main():
     bandwidth = big.numel() * 4 / best
     del big
 
-    w = torch.randn(VOCAB, HIDDEN) * 0.02
+    a = torch.randn(2048, 2048)
+    b = torch.randn(2048, 2048)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    rate = 2048 ** 3 / best  # multiply-adds per second
+    del a, b
+
     rows = []
     for batch in data["batches"]:
-        x = torch.randn(batch, HIDDEN)
-        times = []
-        for i in range(60):
-            t = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            if i >= 10:
-                times.append(time.perf_counter() - t)
-        lm_head = statistics.median(times)
-        weights = expert_bytes(batch) + dense_bytes()
+        lm_head = batch * HIDDEN * VOCAB / rate
+        weights = expert_bytes(batch) + dense_bytes() + lm_head_bytes()
         floor = lm_head + weights / bandwidth
         hf_step = batch / statistics.median(hf[str(batch)])
-        rows.append((batch, lm_head, weights, floor, hf_step))
+        ours = batch / statistics.median(data["summary"]["decode"]["engine"][str(batch)])
+        rows.append((batch, lm_head, weights, floor, hf_step, ours))
 
     blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
     print(f"torch {torch.__version__} ({sys.executable}, BLAS {blas.group(1) if blas else '?'}),"
           f" {args.threads} threads; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5)")
-    print("| concurrent requests | lm_head GEMM ms | weights read MB | floor ms per step | "
-          "transformers ms per step (engine.json) | largest engine / transformers ratio |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for batch, lm_head, weights, floor, hf_step in rows:
+          f"{bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); GEMM "
+          f"{rate * 2 / 1e9:.0f} GFLOP/s (2048^3, best of 5); OPENBLAS_CORETYPE="
+          f"{os.environ.get('OPENBLAS_CORETYPE', '')}")
+    print("| concurrent requests | lm_head arithmetic ms | weights read MB | floor ms per step | "
+          "bragg-engine ms per step | transformers ms per step | largest engine / "
+          "transformers ratio | engine / transformers now |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, lm_head, weights, floor, hf_step, ours in rows:
         print(f"| {batch} | {lm_head * 1e3:.2f} | {weights / 1e6:.1f} | {floor * 1e3:.2f} | "
-              f"{hf_step * 1e3:.2f} | {hf_step / floor:.2f}x |")
+              f"{ours * 1e3:.2f} | {hf_step * 1e3:.2f} | {hf_step / floor:.2f}x | "
+              f"{hf_step / ours:.2f}x |")
 
 
 if __name__ == "__main__":
