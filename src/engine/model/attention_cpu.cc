@@ -12,28 +12,41 @@ namespace bragg::engine::qwen3 {
 namespace {
 
 // One (sequence, KV head): the g query heads at q (g x NV*16 floats) over the len keys and
-// values at slots; writes g x NV*16 floats at out. scores: g * len floats of scratch.
+// values at slots (float offsets slots[p] * stride, under 2^31); writes g x NV*16 floats at out.
+// scratch: g * len + 16 * NV * 16 floats. The sums go in the order of torch's matmul and
+// softmax (as the trainer's attention runs them), so the engine's log-probs stay as close to the
+// trainer's as they were with torch's path: each score one chain of FMAs over the head
+// dimension in order, the weights exp(s - max) times 1 / their sum, the values summed in
+// position order.
 template <int NV>
 __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t g,
                                              const float* __restrict keys,
                                              const float* __restrict values, int64_t stride,
                                              const int64_t* slots, int64_t len, float scale,
-                                             float* __restrict scores, float* __restrict out) {
+                                             float* __restrict scratch, float* __restrict out) {
   constexpr int64_t hd = NV * 16;
-  // Scores: each key read once for the g heads that share it.
-  for (int64_t p = 0; p < len; ++p) {
-    const float* k = keys + slots[p] * stride;
-    __m512 kv[NV];
-    for (int v = 0; v < NV; ++v) {
-      kv[v] = _mm512_loadu_ps(k + v * 16);
+  float* scores = scratch;
+  float* kt = scratch + g * len;  // 16 positions' keys, transposed: [hd][16]
+  // Scores, 16 positions at a time: their keys gathered once, transposed, for the g heads.
+  for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    const int64_t n = len - p0 < 16 ? len - p0 : 16;
+    const __mmask16 mask = n == 16 ? __mmask16{0xffff} : __mmask16((1u << n) - 1);
+    alignas(64) int32_t off[16] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      off[i] = static_cast<int32_t>(slots[p0 + i] * stride);
+    }
+    const __m512i vidx = _mm512_load_si512(off);
+    for (int64_t d = 0; d < hd; ++d) {
+      _mm512_storeu_ps(kt + d * 16,
+                       _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, vidx, keys + d, 4));
     }
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = q + j * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
-      for (int v = 1; v < NV; ++v) {
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + v * 16), kv[v], acc);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < hd; ++d) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qj[d]), _mm512_loadu_ps(kt + d * 16), acc);
       }
-      scores[j * len + p] = _mm512_reduce_add_ps(acc) * scale;
+      _mm512_mask_storeu_ps(scores + j * len + p0, mask, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
     }
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -56,7 +69,7 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
       _mm512_mask_storeu_ps(s + p, mask, e);
       sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(mask, e));
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
+    const float inv = 1.0f / _mm512_reduce_add_ps(sv);
     // The weighted sum of the values.
     __m512 acc[NV];
     for (int v = 0; v < NV; ++v) {
@@ -64,13 +77,13 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
     }
     for (p = 0; p < len; ++p) {
       const float* val = values + slots[p] * stride;
-      const __m512 w = _mm512_set1_ps(s[p]);
+      const __m512 w = _mm512_set1_ps(s[p] * inv);
       for (int v = 0; v < NV; ++v) {
         acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + v * 16), acc[v]);
       }
     }
     for (int v = 0; v < NV; ++v) {
-      _mm512_storeu_ps(out + j * hd + v * 16, _mm512_mul_ps(acc[v], inv));
+      _mm512_storeu_ps(out + j * hd + v * 16, acc[v]);
     }
   }
 }
@@ -106,8 +119,8 @@ bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   if (!avx512 || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) || keys.dim() != 3 ||
       q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
-      keys.sizes() != values.sizes()) {
-    return false;
+      keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
+    return false;  // (keys are gathered at 32-bit offsets)
   }
   const int64_t kvh = keys.size(1), hd = keys.size(2);
   if (ItemFor(hd) == nullptr || q.size(2) != hd || kvh < 1 || q.size(1) % kvh != 0 ||
@@ -142,13 +155,13 @@ torch::Tensor DecodeAttention(const torch::Tensor& keys, const torch::Tensor& va
   const float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kvh, kh = i % kvh;
       const int64_t len = seq_slots[b].size(0);
-      scores.resize(static_cast<size_t>(g * len));
+      scratch.resize(static_cast<size_t>(g * len + 16 * hd));
       item(qp + (b * nh + kh * g) * hd, g, kp + kh * hd, vp + kh * hd, stride,
-           seq_slots[b].data_ptr<int64_t>(), len, scale, scores.data(),
+           seq_slots[b].data_ptr<int64_t>(), len, scale, scratch.data(),
            op + (b * nh + kh * g) * hd);
     }
   });

@@ -13,19 +13,22 @@
 namespace bragg::engine::qwen3 {
 
 // Whether DecodeAttention can take this step: AVX-512F on this CPU, fp32 keys, values and
-// queries on the CPU, keys and values [slots, kvh, hd] contiguous, q [B, nh, hd] with nh a
-// multiple of kvh, hd one of 16, 32, 64, 128, 256, one slot list per query (int64, CPU,
-// contiguous, at least one slot), nothing needing a gradient.
+// queries on the CPU, keys and values [slots, kvh, hd] contiguous and under 2^31 floats each, q [B,
+// nh, hd] with nh a multiple of kvh, hd one of 16, 32, 64, 128, 256, one slot list per query
+// (int64, CPU, contiguous, at least one slot), nothing needing a gradient.
 bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
                          const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots);
 
 // Query b (q[b]: [nh, hd]) attends to the keys and values at seq_slots[b] (int64 [len], CPU:
 // the slots of its positions 0 .. len - 1, its own last); query head j reads KV head j / (nh /
 // kvh). softmax(q k^T / sqrt(hd)) v in float32, each (sequence, KV head) one work item over
-// torch's threads, which reads each key and value once for the query heads that share it.
-// Returns [B, nh * hd]. A query's result does not depend on the queries beside it, but it is not
-// AttendExact's to the bit (its sums go in another order; the engine's deterministic mode keeps
-// to AttendExact). Slots are not checked against the cache: the caller's block tables are.
+// torch's threads, which reads each key and value once for the query heads that share it. Its
+// sums go in the order of torch's matmul and softmax, as the trainer's own attention runs them
+// (the engine's log-probs and the trainer's differed 3x more with a faster order: p99 3.3e-6
+// against 0.95e-6, bench/train/parity.py). Returns [B, nh * hd]. A query's result does not
+// depend on the queries beside it, but it is not AttendExact's to the bit (the engine's
+// deterministic mode keeps to that). Slots are not checked against the cache: the caller's block
+// tables are.
 torch::Tensor DecodeAttention(const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots);
 

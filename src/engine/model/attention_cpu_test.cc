@@ -33,16 +33,18 @@ Inputs Make(const Case& c, int64_t slots, double q_scale = 1.0) {
   return in;
 }
 
-torch::Tensor Reference(const Inputs& in, int64_t g) {
+// softmax(q k^T / sqrt(hd)) v per sequence in `dtype`: float64 for the exact value, float32
+// for what torch's own operators make of it.
+torch::Tensor Reference(const Inputs& in, int64_t g, torch::Dtype dtype = torch::kFloat64) {
   std::vector<torch::Tensor> rows;
   const int64_t hd = in.q.size(2);
   for (size_t b = 0; b < in.slots.size(); ++b) {
     torch::Tensor k =
         in.keys.index_select(0, in.slots[b]).repeat_interleave(g, 1);  // [len, nh, hd]
     torch::Tensor v = in.values.index_select(0, in.slots[b]).repeat_interleave(g, 1);
-    torch::Tensor qb = in.q[b].to(torch::kFloat64);  // [nh, hd]
-    torch::Tensor s = torch::einsum("hd,lhd->hl", {qb, k.to(torch::kFloat64)}) / std::sqrt(hd);
-    torch::Tensor o = torch::einsum("hl,lhd->hd", {torch::softmax(s, -1), v.to(torch::kFloat64)});
+    torch::Tensor qb = in.q[b].to(dtype);  // [nh, hd]
+    torch::Tensor s = torch::einsum("hd,lhd->hl", {qb, k.to(dtype)}) / std::sqrt(hd);
+    torch::Tensor o = torch::einsum("hl,lhd->hd", {torch::softmax(s, -1), v.to(dtype)});
     rows.push_back(o.reshape({-1}).to(torch::kFloat32));
   }
   return torch::stack(rows);
@@ -82,7 +84,13 @@ TEST(DecodeAttention, PeakedAndFlatScoresStayFinite) {
   Inputs peaked = Make(c, 512, 60.0);
   torch::Tensor got = DecodeAttention(peaked.keys, peaked.values, peaked.q, peaked.slots);
   EXPECT_TRUE(torch::isfinite(got).all().item<bool>());
-  EXPECT_LE((got - Reference(peaked, c.g)).abs().max().item<double>(), 1e-5);
+  // Scores of ~300 carry float32 rounding of ~3e-5 into the weights: judged against what torch's
+  // own float32 operators make of the same inputs.
+  torch::Tensor exact = Reference(peaked, c.g);
+  const double torch_err =
+      (Reference(peaked, c.g, torch::kFloat32) - exact).abs().max().item<double>();
+  EXPECT_LE((got - exact).abs().max().item<double>(), 2 * torch_err + 1e-6)
+      << "torch's float32 error " << torch_err;
   Inputs flat = Make(c, 512);
   flat.q.zero_();
   got = DecodeAttention(flat.keys, flat.values, flat.q, flat.slots);
