@@ -4,9 +4,9 @@
 // side: include only from torch translation units). A BLAS GEMM packs its weight operand again
 // on every call; for the lm_head of a decode step ([32000, 256] fp32 against 1-64 rows) that
 // packing, a read and a write of the whole matrix, costs as much as the product. Packing once,
-// at load and after each weight update, leaves the product alone: measured on this machine's
-// 2 threads against OpenBLAS 0.3.21 (Cooperlake kernels), 32 rows 2.1 against 3.3-4.2 ms, one
-// row 0.64 against 1.5 ms (docs/engine.md, "Where a decode step goes").
+// at load and after each weight update, leaves the product alone: measured in the engine's
+// process on 2 threads against OpenBLAS 0.3.21 (Cooperlake kernels), 32 rows 1.99 against 3.30
+// ms, one row 0.59 against 1.48 ms (docs/engine.md, "Where a decode step goes").
 
 #include <torch/torch.h>
 
