@@ -11,8 +11,8 @@ engine's torch 1.13 and the system's BLAS), else the Python peer environment's (
 machine.peer_python: $BRAGG_PEER_PYTHON, the build's cache entry, or install-deps' default; it
 re-executes itself there), pinned to the first --threads CPUs. Debian's GEMM was the faster
 here, so it gives the lower floor. OpenBLAS 0.3.21 does not know CPUs newer than it and falls
-back to its slowest kernels there; the script names the core (OPENBLAS_CORETYPE, from the CPU's
-flags) as bragg-engine does (src/common/blas_core.h). A step must at least:
+back to its slowest kernels there; the script names the core as bragg-engine does, through the
+build's bragg_train (`use_known_blas_core`, common/blas_core.h). A step must at least:
 
 - multiply the batch's hidden states by the output embedding (lm_head, [32000, 256] fp32): the
   one product that does not shrink with the batch, at this machine's best GEMM rate (a
@@ -59,16 +59,19 @@ def lm_head_bytes():
     return VOCAB * HIDDEN * 4
 
 
-def known_blas_core():
-    """The OpenBLAS core for this CPU, from its flags (src/common/blas_core.cc's rule)."""
+def use_known_blas_core(build):
+    """Names OpenBLAS's core as bragg-engine does (common/blas_core.h), through the build's
+    bragg_train (bragg_train.use_known_blas_core); without that build, leaves OpenBLAS's own
+    choice and says so."""
+    sys.path.insert(0, os.path.join(os.path.abspath(build), "python"))
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return None
-    if "avx512f" in flags:
-        return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
-    return "Haswell" if "avx2" in flags else None
+        import bragg_train
+        bragg_train.use_known_blas_core()
+    except (ImportError, RuntimeError) as e:
+        print(f"decode_floor: OpenBLAS's own choice of kernels ({build}'s bragg_train: {e})",
+              file=sys.stderr)
+    finally:
+        sys.path.pop(0)
 
 
 def dense_bytes():
@@ -84,8 +87,7 @@ def main():
     ap.add_argument("--build", default="build", help="for the peer environment's path")
     ap.add_argument("--data", default=os.path.join(ROOT, "docs/data/engine.json"))
     args = ap.parse_args()
-    if "OPENBLAS_CORETYPE" not in os.environ and known_blas_core():
-        os.environ["OPENBLAS_CORETYPE"] = known_blas_core()  # before torch loads OpenBLAS
+    use_known_blas_core(args.build)  # before torch loads OpenBLAS
     try:
         import torch
     except ImportError:

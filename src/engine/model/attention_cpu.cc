@@ -116,9 +116,8 @@ bool CpuFloat(const torch::Tensor& t) {
 
 bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
                          const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (!avx512 || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) || keys.dim() != 3 ||
-      q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
+  if (!avx512::Available() || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) ||
+      keys.dim() != 3 || q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
       keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
     return false;  // (keys are gathered at 32-bit offsets)
   }

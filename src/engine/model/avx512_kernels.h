@@ -1,14 +1,19 @@
 #pragma once
 
-// AVX-512 building blocks of the engine's CPU kernels (packed_linear_cpu, attention_cpu). Internal:
-// include only from those sources, and call only where
-// __builtin_cpu_supports("avx512f") holds.
+// AVX-512 building blocks of the engine's CPU kernels (packed_linear_cpu, attention_cpu).
+// Internal: include only from those sources, and call the kernels only where Available().
 
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace bragg::engine::qwen3::avx512 {
+
+// Whether this CPU runs the kernels below (AVX-512F), asked once.
+inline bool Available() {
+  static const bool available = __builtin_cpu_supports("avx512f");
+  return available;
+}
 
 // Output columns per tile: three 16-float vectors.
 inline constexpr int64_t kTileCols = 48;

@@ -15,10 +15,7 @@ using avx512::kTileRows;
 
 }  // namespace
 
-bool PackedLinearAvailable() {
-  static const bool available = __builtin_cpu_supports("avx512f");
-  return available;
-}
+bool PackedLinearAvailable() { return avx512::Available(); }
 
 torch::Tensor PackLinearWeight(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
