@@ -16,6 +16,10 @@ std::string KnownBlasCore() {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) {
     return "";
   }
+  return BlasFallbackCore();
+}
+
+std::string BlasFallbackCore() {
   // The OpenBLAS this process loaded (torch's, through its own dependencies' scope).
   auto corename = reinterpret_cast<char* (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));
   if (corename == nullptr || corename() == nullptr) {

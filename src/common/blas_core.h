@@ -16,6 +16,12 @@ namespace bragg {
 // name; otherwise (no OpenBLAS, a core it knows, a CPU without them, the variable set) "".
 std::string KnownBlasCore();
 
+// The same without looking at OPENBLAS_CORETYPE: the core the loaded OpenBLAS should run, where
+// it runs its Prescott fallback on a CPU that runs a known core's kernels; else "". Where the
+// variable is set and this still names a core, the variable came too late: OpenBLAS reads it
+// once, when a process first loads it.
+std::string BlasFallbackCore();
+
 // For the first thing a torch program's main does: when KnownBlasCore() names a core, sets
 // OPENBLAS_CORETYPE to it and executes the program again (/proc/self/exe, same argv, same
 // process); otherwise, or if that fails, returns. A user's own OPENBLAS_CORETYPE is kept.

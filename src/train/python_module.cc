@@ -291,6 +291,9 @@ PYBIND11_MODULE(_core, m) {
   // loads this module (common/blas_core.h).
   m.def("known_blas_core", &bragg::KnownBlasCore,
         "the OPENBLAS_CORETYPE a process should start with on this CPU, or \"\"");
+  m.def("blas_fallback_core", &bragg::BlasFallbackCore,
+        "the core the loaded OpenBLAS should run where it fell back to Prescott, whatever "
+        "OPENBLAS_CORETYPE says, or \"\"");
   using namespace bragg::train;
   m.doc() = "bragg-train's trainer (src/train/trainer.h); use the bragg_train package";
 

@@ -396,6 +396,35 @@ if order == "torch first":
         assert "already loaded" in str(e), e
 print(version, m["version"])
 """
+LATE_CORETYPE = """
+import os, sys
+import bragg_train._core as c  # loads the trainer's OpenBLAS before the variable below is set
+os.environ["OPENBLAS_CORETYPE"] = sys.argv[2]
+import bragg_train
+t = bragg_train.Trainer(sys.argv[1], deterministic=True, threads=1, in_process=True)
+print(repr(c.known_blas_core()), repr(c.blas_fallback_core()))
+"""
+
+
+def test_an_openblas_core_type_set_too_late_is_named(data):
+    """OpenBLAS reads OPENBLAS_CORETYPE once, when a process loads it: a program that loaded the
+    trainer's OpenBLAS before setting it still runs the fallback kernels, and the trainer says
+    so. On a CPU
+    this OpenBLAS knows there is no fallback and nothing to say."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    clean = subprocess.run(
+        [sys.executable, "-c", "import bragg_train._core as c; print(c.known_blas_core())"],
+        env=env, capture_output=True, text=True, timeout=300, check=True).stdout.strip()
+    wanted = clean or "Haswell"
+    out = subprocess.run([sys.executable, "-c", LATE_CORETYPE, data["model"], wanted], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The variable is set, so nothing would restart; the fallback is still found.
+    assert out.stdout.split() == ["''", repr(clean)], out.stdout
+    late = f"although OPENBLAS_CORETYPE={wanted}: the variable was set after"
+    assert (late in out.stderr) == bool(clean), out.stderr[-3000:]
+
+
 IN_PROCESS_THEN_TORCH = """
 import sys, bragg_train
 t = bragg_train.Trainer(sys.argv[1], deterministic=True, threads=1, in_process=True)

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
 #include <malloc.h>
+#include <strings.h>
 
 #include <cmath>
 #include <cstdio>
@@ -166,12 +167,24 @@ void ConfigureCpuRuntime(int threads) {
   // A process that could not start again with the right kernels (a Python interpreter with the
   // trainer's module, say) says how to get them.
   static const bool warned = [] {
-    const std::string core = KnownBlasCore();
-    if (!core.empty()) {
+    const std::string core = BlasFallbackCore();
+    const char* forced = std::getenv("OPENBLAS_CORETYPE");
+    if (core.empty()) {
+      return true;
+    }
+    if (forced == nullptr) {
       std::fprintf(stderr,
                    "warning: OpenBLAS does not know this CPU and runs its Prescott kernels; "
                    "start with OPENBLAS_CORETYPE=%s for 1.6-3x faster fp32 (docs/engine.md)\n",
                    core.c_str());
+    } else if (::strcasecmp(forced, "prescott") != 0) {
+      // Set after OpenBLAS was loaded (by an import before the variable was set): no effect.
+      std::fprintf(stderr,
+                   "warning: OpenBLAS runs its Prescott kernels although OPENBLAS_CORETYPE=%s: "
+                   "the variable was set after this process loaded OpenBLAS, which reads it "
+                   "once (from Python, call bragg_train.use_known_blas_core() before anything "
+                   "loads it; docs/engine.md)\n",
+                   forced);
     }
     return true;
   }();
