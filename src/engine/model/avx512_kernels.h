@@ -1,7 +1,8 @@
 #pragma once
 
-// AVX-512 building blocks of the engine's CPU kernels (packed_linear_cpu, attention_cpu).
-// Internal: include only from those sources, and call the kernels only where Available().
+// AVX-512 building blocks of the engine's CPU kernels (packed_linear_cpu, attention_cpu,
+// moe_cpu). Internal: include only from those sources, and call the kernels only where
+// Available().
 
 #include <immintrin.h>
 
@@ -36,6 +37,7 @@ __attribute__((target("avx512f"))) inline void Tile(const float* __restrict x, i
   };
   const __mmask16 m0 = mask(ncols), m1 = mask(ncols - 16), m2 = mask(ncols - 32);
   __m512 acc[R][3];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     acc[r][0] = _mm512_setzero_ps();
     acc[r][1] = _mm512_setzero_ps();
@@ -60,6 +62,7 @@ __attribute__((target("avx512f"))) inline void Tile(const float* __restrict x, i
       acc[r][2] = _mm512_fmadd_ps(a, w2, acc[r][2]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);
     _mm512_mask_storeu_ps(out + r * ldo + 16, m1, acc[r][1]);

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/model/avx512_kernels.h"
+
 namespace bragg::engine::qwen3 {
 namespace {
 
@@ -49,6 +51,50 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
         yr[h] += a * wi[h];
       }
     }
+  }
+}
+
+// ExpertRows with the AVX-512 tiles of avx512_kernels.h: the rows of x are gathered, g is a
+// tiled product over 48-column blocks of gu (each weight row read once per 8 rows, from
+// registers' worth of accumulators rather than a pass over g per input), and the down
+// projection writes each row's y once. scratch: n * (2I + 2H) floats. Call only where
+// avx512::Available().
+void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const float* __restrict gu,
+                     const float* __restrict down, const int64_t* slots, int64_t k, int64_t n,
+                     float* __restrict scratch, float* __restrict y) {
+  using avx512::kTileCols;
+  using avx512::kTileRows;
+  const int64_t I2 = 2 * I;
+  float* xs = scratch;     // [n][H]: the rows of x
+  float* g = xs + n * H;   // [n][2I]: gate and up, then the activation in g[:, :I]
+  float* ys = g + n * I2;  // [n][H]
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy_n(x + slots[r] / k * H, H, xs + r * H);
+  }
+  // out[:, c0, c0 + 48) for each block of columns and tile of rows: a = [n][in] at stride lda,
+  // w = [in][cols] at stride cols.
+  auto product = [&](const float* a, int64_t lda, int64_t in, const float* w, int64_t cols,
+                     float* out) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
+      const int64_t nc = std::min(kTileCols, cols - c0);
+      for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
+        const int64_t m = std::min(kTileRows, n - r0);
+        avx512::kTiles[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols, nc,
+                              nullptr);
+      }
+    }
+  };
+  product(xs, H, H, gu, I2, g);
+  for (int64_t r = 0; r < n; ++r) {
+    float* __restrict gr = g + r * I2;
+    for (int64_t i = 0; i < I; ++i) {
+      const float v = gr[i];
+      gr[i] = v / (1.0f + std::exp(-v)) * gr[I + i];
+    }
+  }
+  product(g, I2, I, down, H, ys);
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy_n(ys + r * H, H, y + slots[r] * H);
   }
 }
 
@@ -109,14 +155,21 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
   torch::Tensor y = torch::empty({T * k, H}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool tiled = avx512::Available();
   at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = b; i < end; ++i) {
       const int64_t e = active[i];
       const int64_t n = static_cast<int64_t>(slots[e].size());
-      scratch.resize(static_cast<size_t>(n * 2 * I));
-      ExpertRows(xp, H, I, gate_up[e].data_ptr<float>(), down[e].data_ptr<float>(), slots[e].data(),
-                 k, n, scratch.data(), yp);
+      const float* gu = gate_up[e].data_ptr<float>();
+      const float* dn = down[e].data_ptr<float>();
+      if (tiled) {
+        scratch.resize(static_cast<size_t>(n * (2 * I + 2 * H)));
+        ExpertRowsTiled(xp, H, I, gu, dn, slots[e].data(), k, n, scratch.data(), yp);
+      } else {
+        scratch.resize(static_cast<size_t>(n * 2 * I));
+        ExpertRows(xp, H, I, gu, dn, slots[e].data(), k, n, scratch.data(), yp);
+      }
     }
   });
   // out[t] = sum_j w[t, j] y[t * k + j], in slot order.
