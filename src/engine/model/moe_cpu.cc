@@ -80,7 +80,7 @@ void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const floa
       for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
         const int64_t m = std::min(kTileRows, n - r0);
         avx512::kTiles[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols, nc,
-                              nullptr);
+                              nullptr, 0);
       }
     }
   };

@@ -74,10 +74,16 @@ torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, 
       const int64_t ncols = std::min(kCols, out - b * kCols);
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
         const int64_t n = std::min(kTileRows, rows - r0);
-        // The first tile of rows fetches the next block while it computes.
-        const float* next = r0 == 0 && b + 1 < end ? wp + (b + 1) * in * kCols : nullptr;
+        // Each tile of rows fetches its share of the block after next while it computes (a
+        // cold lm_head streams from memory: measured 3.4 -> 2.7-3.1 ms at 32 rows against one
+        // block ahead, fetched by the first tile alone).
+        const int64_t lines = in * kCols / 16, tiles = (rows + kTileRows - 1) / kTileRows;
+        const int64_t share = (lines + tiles - 1) / tiles, first = (r0 / kTileRows) * share;
+        const int64_t count =
+            b + 2 < end ? std::max<int64_t>(0, std::min(share, lines - first)) : 0;
+        const float* next = count > 0 ? wp + (b + 2) * in * kCols + first * 16 : wp;
         avx512::kTiles[n - 1](xp + r0 * in, in, in, wp + b * in * kCols, kCols,
-                              yp + r0 * out + b * kCols, out, ncols, next);
+                              yp + r0 * out + b * kCols, out, ncols, next, count);
       }
     }
   });
