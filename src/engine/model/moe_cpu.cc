@@ -61,7 +61,8 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
 // avx512::Available().
 void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const float* __restrict gu,
                      const float* __restrict down, const int64_t* slots, int64_t k, int64_t n,
-                     float* __restrict scratch, float* __restrict y) {
+                     float* __restrict scratch, float* __restrict y, const float* next_gu,
+                     const float* next_down) {
   using avx512::kTileCols;
   using avx512::kTileRows;
   const int64_t I2 = 2 * I;
@@ -72,19 +73,26 @@ void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const floa
     std::copy_n(x + slots[r] / k * H, H, xs + r * H);
   }
   // out[:, c0, c0 + 48) for each block of columns and tile of rows: a = [n][in] at stride lda,
-  // w = [in][cols] at stride cols.
+  // w = [in][cols] at stride cols. The tiles share out the prefetch of `next` (the next
+  // expert's matrix of the same shape, or null) into L2.
   auto product = [&](const float* a, int64_t lda, int64_t in, const float* w, int64_t cols,
-                     float* out) {
+                     float* out, const float* next) {
+    const int64_t calls = (cols + kTileCols - 1) / kTileCols * ((n + kTileRows - 1) / kTileRows);
+    const int64_t lines = next != nullptr ? in * cols / 16 : 0;
+    const int64_t share = (lines + calls - 1) / calls;
+    int64_t call = 0;
     for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
       const int64_t nc = std::min(kTileCols, cols - c0);
-      for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
+      for (int64_t r0 = 0; r0 < n; r0 += kTileRows, ++call) {
         const int64_t m = std::min(kTileRows, n - r0);
-        avx512::kTiles[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols, nc,
-                              nullptr, 0);
+        const int64_t first = call * share;
+        const int64_t count = std::max<int64_t>(0, std::min(share, lines - first));
+        avx512::kTilesL2[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols, nc,
+                                count > 0 ? next + first * 16 : w, count);
       }
     }
   };
-  product(xs, H, H, gu, I2, g);
+  product(xs, H, H, gu, I2, g, next_gu);
   for (int64_t r = 0; r < n; ++r) {
     float* __restrict gr = g + r * I2;
     for (int64_t i = 0; i < I; ++i) {
@@ -92,7 +100,7 @@ void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const floa
       gr[i] = v / (1.0f + std::exp(-v)) * gr[I + i];
     }
   }
-  product(g, I2, I, down, H, ys);
+  product(g, I2, I, down, H, ys, next_down);
   for (int64_t r = 0; r < n; ++r) {
     std::copy_n(ys + r * H, H, y + slots[r] * H);
   }
@@ -165,7 +173,11 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
       const float* dn = down[e].data_ptr<float>();
       if (tiled) {
         scratch.resize(static_cast<size_t>(n * (2 * I + 2 * H)));
-        ExpertRowsTiled(xp, H, I, gu, dn, slots[e].data(), k, n, scratch.data(), yp);
+        // This thread's next expert, fetched while this one computes.
+        const bool more = i + 1 < end;
+        ExpertRowsTiled(xp, H, I, gu, dn, slots[e].data(), k, n, scratch.data(), yp,
+                        more ? gate_up[active[i + 1]].data_ptr<float>() : nullptr,
+                        more ? down[active[i + 1]].data_ptr<float>() : nullptr);
       } else {
         scratch.resize(static_cast<size_t>(n * 2 * I));
         ExpertRows(xp, H, I, gu, dn, slots[e].data(), k, n, scratch.data(), yp);
