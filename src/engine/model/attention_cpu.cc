@@ -35,6 +35,20 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
     for (int64_t i = 0; i < n; ++i) {
       off[i] = static_cast<int32_t>(slots[p0 + i] * stride);
     }
+    // The cache's blocks lie anywhere: fetch the next 16 positions' keys, and these positions'
+    // values for the weighted sum below, while these scores compute.
+    for (int64_t i = 0; i < n; ++i) {
+      const char* val = reinterpret_cast<const char*>(values + slots[p0 + i] * stride);
+      for (int v = 0; v < NV; ++v) {
+        _mm_prefetch(val + v * 64, _MM_HINT_T0);
+      }
+    }
+    for (int64_t i = p0 + 16; i < p0 + 32 && i < len; ++i) {
+      const char* key = reinterpret_cast<const char*>(keys + slots[i] * stride);
+      for (int v = 0; v < NV; ++v) {
+        _mm_prefetch(key + v * 64, _MM_HINT_T0);
+      }
+    }
     const __m512i vidx = _mm512_load_si512(off);
     for (int64_t d = 0; d < hd; ++d) {
       _mm512_storeu_ps(kt + d * 16,
