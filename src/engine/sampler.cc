@@ -16,8 +16,10 @@ double Uniform(uint64_t seed, int64_t step) {
   return static_cast<double>(r >> 11) * 0x1.0p-53;
 }
 
-// max and log-sum-exp of logits / t, in index order.
-double LogSumExp(std::span<const float> logits, double t, double* max_out) {
+// max and log-sum-exp of logits / t, in index order; *sum_out (if not null): the sum of
+// exp(logits / t - max).
+double LogSumExp(std::span<const float> logits, double t, double* max_out,
+                 double* sum_out = nullptr) {
   double m = -INFINITY;
   for (float x : logits) {
     m = std::max(m, static_cast<double>(x) / t);
@@ -27,6 +29,9 @@ double LogSumExp(std::span<const float> logits, double t, double* max_out) {
     s += std::exp(static_cast<double>(x) / t - m);
   }
   *max_out = m;
+  if (sum_out != nullptr) {
+    *sum_out = s;
+  }
   return m + std::log(s);
 }
 
@@ -57,62 +62,93 @@ Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
     return out;
   }
   double t = p.temperature;
-  double m = 0;
-  double lse = LogSumExp(logits, t, &m);
+  double m = 0, sum = 0;
+  double lse = LogSumExp(logits, t, &m, &sum);
   // Candidates by probability, highest first (ties: lower id first), then cut by top_k, top_p
-  // and min_p (SGLang's order), and drawn from in that order.
+  // and min_p (SGLang's order), and drawn from in that order. The cuts and the draw walk the
+  // list from the top, so it is sorted only as far as they need: the first `sorted` candidates,
+  // from 256 and 8 times more while undecided (a full sort of a 32,000-entry vocabulary took
+  // 4 ms a row; the first 256 usually decide).
   std::vector<int32_t> order(n);
   std::iota(order.begin(), order.end(), 0);
-  int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, n) : n;
+  const int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, n) : n;
   auto by_prob = [&](int32_t a, int32_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
-  if (k < n) {
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), by_prob);
-    order.resize(k);
-  } else {
-    std::sort(order.begin(), order.end(), by_prob);
-  }
-  std::vector<double> prob(order.size());
-  for (size_t i = 0; i < order.size(); ++i) {
-    prob[i] = std::exp(static_cast<double>(logits[order[i]]) / t - lse);
-  }
-  size_t keep = order.size();
-  if (p.top_p < 1.0f) {
-    double total = std::accumulate(prob.begin(), prob.end(), 0.0);
+  auto prob_of = [&](int32_t i) { return std::exp(static_cast<double>(logits[i]) / t - lse); };
+  // The k candidates' total: needed by top_p, and by the draw when nothing is cut. For the whole
+  // vocabulary it is 1 up to rounding: the sum the log-sum-exp made, scaled as prob_of scales.
+  double total_k = k == n ? sum * std::exp(m - lse) : 0;
+  std::vector<double> prob;
+  int64_t sorted = k < n ? k : std::min<int64_t>(n, 256);
+  for (;;) {
+    if (sorted < n) {
+      std::nth_element(order.begin(), order.begin() + sorted, order.end(), by_prob);
+    }
+    std::sort(order.begin(), order.begin() + sorted, by_prob);
+    prob.resize(static_cast<size_t>(sorted));
+    for (int64_t i = 0; i < sorted; ++i) {
+      prob[i] = prob_of(order[i]);
+    }
+    if (k < n) {
+      total_k = std::accumulate(prob.begin(), prob.end(), 0.0);
+    }
+    const bool all = sorted == k;
+    // keep: candidates left after the cuts; -1 while a cut lies past the sorted ones.
+    int64_t keep = k;
+    if (p.top_p < 1.0f) {
+      keep = all ? k : -1;
+      double cum = 0;
+      for (int64_t i = 0; i < sorted; ++i) {
+        if (cum > static_cast<double>(p.top_p) * total_k) {
+          keep = i;
+          break;
+        }
+        cum += prob[i];
+      }
+      if (keep >= 0) {
+        keep = std::max<int64_t>(keep, 1);
+      }
+    }
+    if (p.min_p > 0 && keep != -1) {
+      const double floor = prob[0] * static_cast<double>(p.min_p);
+      int64_t i = 1;
+      while (i < keep && i < sorted && prob[i] >= floor) {
+        ++i;
+      }
+      keep = i < keep && i == sorted ? -1 : i;  // ran off the sorted ones before the end
+    }
+    if (keep == -1) {
+      sorted = std::min(k, sorted * 8);
+      continue;
+    }
+    double total = total_k;
+    if (keep < k) {
+      total = 0;
+      for (int64_t i = 0; i < keep; ++i) {
+        total += prob[i];
+      }
+    }
+    const double u = Uniform(seed, step) * total;
+    int64_t pick = -1;
     double cum = 0;
-    for (size_t i = 0; i < keep; ++i) {
-      if (cum > static_cast<double>(p.top_p) * total) {
-        keep = i;
+    for (int64_t i = 0; i < std::min(keep, sorted); ++i) {
+      cum += prob[i];
+      if (u < cum) {
+        pick = i;
         break;
       }
-      cum += prob[i];
     }
-    keep = std::max<size_t>(keep, 1);
-  }
-  if (p.min_p > 0) {
-    double floor = prob[0] * static_cast<double>(p.min_p);
-    size_t i = 1;
-    while (i < keep && prob[i] >= floor) {
-      ++i;
+    if (pick == -1 && keep > sorted) {  // the draw falls past the sorted candidates
+      sorted = std::min(k, sorted * 8);
+      continue;
     }
-    keep = i;
-  }
-  double total = 0;
-  for (size_t i = 0; i < keep; ++i) {
-    total += prob[i];
-  }
-  double u = Uniform(seed, step) * total;
-  size_t pick = keep - 1;
-  double cum = 0;
-  for (size_t i = 0; i < keep; ++i) {
-    cum += prob[i];
-    if (u < cum) {
-      pick = i;
-      break;
+    if (pick == -1) {
+      pick = keep - 1;
     }
+    out.token = order[pick];
+    break;
   }
-  out.token = order[pick];
   out.logprob = static_cast<float>(static_cast<double>(logits[out.token]) / t - lse);
   return out;
 }
