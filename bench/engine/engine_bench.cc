@@ -4,12 +4,14 @@
 //
 //   engine_bench --model DIR [--threads N] [--batches 1,8,32,64] [--prompt-tokens 128]
 //                [--new-tokens 128] [--prefill-tokens 4096] [--deterministic]
+//                [--temperature T --logprobs]  (an RL rollout's sampling: T 1, with log-probs)
 //   engine_bench --write-model DIR [--seed S] [--scale X]
 //                (the benchmark's ~30M-parameter Qwen3-MoE, random weights; another seed or scale
 //                writes a second checkpoint of the same shapes, for weight updates)
 //
-// decode: B requests of random prompts submitted at once, greedy, never stopped early; decode
-// tokens/s is B x (new tokens - 1) over the time from the last request's first token to the end.
+// decode: B requests of random prompts submitted at once, greedy (or at --temperature), never
+// stopped early; decode tokens/s is B x (new tokens - 1) over the time from the last request's
+// first token to the end.
 // prefill: one prompt of --prefill-tokens, max_new_tokens 1: time to first token and tokens/s.
 // Prints one JSON object.
 
@@ -49,7 +51,8 @@ int main(int argc, char** argv) {
   CLI::App app{"bragg-engine benchmark (in process)"};
   std::string model, write_model, batches = "1,8,32,64";
   int threads = 2, prompt = 128, fresh = 128, prefill = 4096;
-  bool deterministic = false;
+  bool deterministic = false, logprobs = false;
+  float temperature = 0;
   uint64_t seed = 1;
   float scale = 1.0f;
   app.add_option("--model", model, "model directory");
@@ -60,6 +63,8 @@ int main(int argc, char** argv) {
   app.add_option("--new-tokens", fresh, "new tokens per decode request");
   app.add_option("--prefill-tokens", prefill, "prompt of the time-to-first-token run (0: skip)");
   app.add_flag("--deterministic", deterministic, "batch-invariant kernels");
+  app.add_option("--temperature", temperature, "decode requests' temperature (0: greedy)");
+  app.add_flag("--logprobs", logprobs, "decode requests return their tokens' log-probs");
   app.add_option("--seed", seed, "--write-model: the weights' seed");
   app.add_option("--scale", scale, "--write-model: multiply every weight");
   CLI11_PARSE(app, argc, argv);
@@ -101,6 +106,8 @@ int main(int argc, char** argv) {
   int64_t vocab = e.model_info().vocab_size;
   nlohmann::json result = {{"threads", threads},
                            {"deterministic", deterministic},
+                           {"temperature", temperature},
+                           {"logprobs", logprobs},
                            {"cpu_runtime", Engine::CpuRuntime()}};
   nlohmann::json decode = nlohmann::json::array();
   std::stringstream list(batches);
@@ -114,7 +121,9 @@ int main(int argc, char** argv) {
     for (int i = 0; i < b; ++i) {
       GenerateRequest r;
       r.input_ids = Random(prompt, prompt_seed++, vocab);
-      r.sampling.temperature = 0;
+      r.sampling.temperature = temperature;
+      r.sampling.sampling_seed = i + 1;
+      r.return_logprob = logprobs;
       r.sampling.max_new_tokens = fresh;
       r.sampling.ignore_eos = true;
       streams.push_back(*e.Submit(r));

@@ -630,6 +630,36 @@ class EngineImpl final : public Engine {
     ForwardOutput fwd;
     Status st = model_->Forward(chunks, &fwd);
     double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    // Each sampling request's next token, drawn on the model's threads before the lock is taken
+    // again: a draw at temperature 1 reads the whole row (a log-sum-exp in double, the
+    // candidates sorted as far as needed), and 32 of them one after another took as long as the
+    // step. Only this thread changes a running request, so they read without the lock.
+    const int64_t V = config_.vocab_size;
+    std::vector<Sampled> sampled(plan.size());
+    std::vector<int64_t> sample_rows(plan.size(), -1);
+    if (st.ok()) {
+      int64_t row = 0;
+      for (size_t i = 0; i < plan.size(); ++i) {
+        const Planned& p = plan[i];
+        const int64_t n_new = p.all_logits ? p.end - p.begin : 1;
+        if (p.sample &&
+            static_cast<int64_t>(p.r->out.output_ids.size()) < p.r->req.sampling.max_new_tokens) {
+          sample_rows[i] = row + n_new - 1;
+        }
+        row += n_new;
+      }
+      const int64_t count = static_cast<int64_t>(plan.size());
+      const int threads = model_->threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (count > 1)
+      for (int64_t i = 0; i < count; ++i) {
+        if (sample_rows[i] >= 0) {
+          const Request& r = *plan[i].r;
+          sampled[i] = Sample(std::span<const float>(fwd.logits.data() + sample_rows[i] * V, V),
+                              r.req.sampling, r.seed, static_cast<int64_t>(r.out.output_ids.size()),
+                              r.req.return_logprob);
+        }
+      }
+    }
     lock.lock();
     stats_.step_seconds_total += seconds;
     if (!st.ok()) {
@@ -640,10 +670,10 @@ class EngineImpl final : public Engine {
       ApplyAbortsLocked(st.ToString());
       return;
     }
-    const int64_t V = config_.vocab_size;
     size_t row = 0, tok = 0;
     std::vector<Request*> finished;
-    for (const Planned& p : plan) {
+    for (size_t pi = 0; pi < plan.size(); ++pi) {
+      const Planned& p = plan[pi];
       Request& r = *p.r;
       int64_t n_new = p.end - p.begin;
       r.computed = p.end;
@@ -653,7 +683,6 @@ class EngineImpl final : public Engine {
                          fwd.experts.begin() + (tok + n_new) * experts_per_token_);
       }
       tok += n_new;
-      const float* last_row;
       if (p.all_logits) {
         // Input log-probs: the logits at position i score token i + 1.
         int64_t start = r.req.logprob_start_len;
@@ -671,10 +700,8 @@ class EngineImpl final : public Engine {
         if (p.end >= r.prompt_len) {
           r.input_logprobs_done = true;
         }
-        last_row = fwd.logits.data() + (row + n_new - 1) * V;
         row += n_new;
       } else {
-        last_row = fwd.logits.data() + row * V;
         row += 1;
       }
       CommitFullBlocks(r);
@@ -686,8 +713,7 @@ class EngineImpl final : public Engine {
         finished.push_back(&r);  // max_new_tokens 0: the prompt was scored
         continue;
       }
-      Sampled s = Sample(std::span<const float>(last_row, V), r.req.sampling, r.seed, produced,
-                         r.req.return_logprob);
+      const Sampled& s = sampled[pi];  // drawn above, at row sample_rows[pi]
       r.tokens.push_back(s.token);
       r.out.output_ids.push_back(s.token);
       r.out_versions.push_back(version);

@@ -62,13 +62,42 @@ Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
     return out;
   }
   double t = p.temperature;
+  if ((p.top_k <= 0 || p.top_k >= n) && p.top_p >= 1.0f && p.min_p <= 0) {
+    // Nothing cut: the draw walks the vocabulary in index order (as torch.multinomial does),
+    // over the exps the log-sum-exp made (the same ones, in the same order, as LogSumExp's), so
+    // a row costs one pass of exp and sorts nothing.
+    double m = -INFINITY;
+    for (float x : logits) {
+      m = std::max(m, static_cast<double>(x) / t);
+    }
+    std::vector<double> e(static_cast<size_t>(n));
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      e[i] = std::exp(static_cast<double>(logits[i]) / t - m);
+      s += e[i];
+    }
+    const double lse = m + std::log(s);
+    const double u = Uniform(seed, step) * s;
+    int64_t pick = n - 1;
+    double cum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      cum += e[i];
+      if (u < cum) {
+        pick = i;
+        break;
+      }
+    }
+    out.token = static_cast<int32_t>(pick);
+    out.logprob = static_cast<float>(static_cast<double>(logits[pick]) / t - lse);
+    return out;
+  }
   double m = 0, sum = 0;
   double lse = LogSumExp(logits, t, &m, &sum);
-  // Candidates by probability, highest first (ties: lower id first), then cut by top_k, top_p
-  // and min_p (SGLang's order), and drawn from in that order. The cuts and the draw walk the
-  // list from the top, so it is sorted only as far as they need: the first `sorted` candidates,
-  // from 256 and 8 times more while undecided (a full sort of a 32,000-entry vocabulary took
-  // 4 ms a row; the first 256 usually decide).
+  // With a cut: candidates by probability, highest first (ties: lower id first), then cut by
+  // top_k, top_p and min_p (SGLang's order), and drawn from in that order. The cuts and the draw
+  // walk the list from the top, so it is sorted only as far as they need: the first `sorted`
+  // candidates, from 256 and 8 times more while undecided (a full sort of a 32,000-entry vocabulary
+  // took 4 ms a row; the first 256 usually decide).
   std::vector<int32_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   const int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, n) : n;

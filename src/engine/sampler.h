@@ -17,7 +17,9 @@ struct Sampled {
   float logprob = 0;  // log-softmax of logits / temperature (raw logits when greedy) at token
 };
 
-// temperature 0 (or top_k 1): argmax, lowest id on ties.
+// temperature 0 (or top_k 1): argmax, lowest id on ties. Otherwise a draw from softmax(logits /
+// temperature): with top_k, top_p or min_p, over the candidates left by the cuts in order of
+// probability; with none, over the vocabulary in index order.
 // The log-prob is computed only when `want_logprob` (it costs an exp per vocabulary entry).
 Sampled Sample(std::span<const float> logits, const SamplingParams& params, uint64_t seed,
                int64_t step, bool want_logprob = true);

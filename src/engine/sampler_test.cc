@@ -56,7 +56,7 @@ TEST(Sampler, TopKTopPAndMinPCutTheTail) {
 }
 
 // The sampler's rule written the plain way: every candidate sorted by probability, cut, drawn
-// from in that order, with the same (seed, step) stream.
+// from in that order, with the same (seed, step) stream; with no cut, drawn in index order.
 int32_t FullSortSample(const std::vector<float>& logits, const SamplingParams& p, uint64_t seed,
                        int64_t step) {
   const int64_t n = static_cast<int64_t>(logits.size());
@@ -68,9 +68,11 @@ int32_t FullSortSample(const std::vector<float>& logits, const SamplingParams& p
   const double lse = m + std::log(s);
   std::vector<int32_t> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  });
+  if ((p.top_k > 0 && p.top_k < n) || p.top_p < 1 || p.min_p > 0) {
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+  }
   order.resize(p.top_k > 0 ? std::min<int64_t>(p.top_k, n) : n);
   std::vector<double> prob;
   for (int32_t i : order) prob.push_back(std::exp(static_cast<double>(logits[i]) / t - lse));

@@ -301,6 +301,8 @@ Result<std::unique_ptr<Model>> Model::Load(const Checkpoint& ck, const ModelOpti
 
 const ModelConfig& Model::config() const { return impl_->config; }
 
+int Model::threads() const { return at::get_num_threads(); }
+
 std::string Model::dtype_name() const {
   return impl_->dtype == torch::kBFloat16 ? "bfloat16" : "float32";
 }

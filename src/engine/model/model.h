@@ -58,6 +58,8 @@ class Model {
 
   const ModelConfig& config() const;
   std::string dtype_name() const;  // "float32" | "bfloat16"
+  // The threads torch computes on (--threads, else its default), for work beside the forward.
+  int threads() const;
 
   // Runs the new tokens of `chunks` through the model, writing their K and V into the cache
   // slots their block tables name and reading every earlier position's from there.
