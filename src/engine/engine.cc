@@ -631,9 +631,9 @@ class EngineImpl final : public Engine {
     Status st = model_->Forward(chunks, &fwd);
     double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     // Each sampling request's next token, drawn on the model's threads before the lock is taken
-    // again: a draw at temperature 1 reads the whole row (a log-sum-exp in double, the
-    // candidates sorted as far as needed), and 32 of them one after another took as long as the
-    // step. Only this thread changes a running request, so they read without the lock.
+    // again: a draw at temperature > 0 passes over its whole row in double (and sorts candidates
+    // where a cut needs them), and 32 of them one after another took as long as the forward.
+    // Only this thread changes a running request, so they read without the lock.
     const int64_t V = config_.vocab_size;
     std::vector<Sampled> sampled(plan.size());
     std::vector<int64_t> sample_rows(plan.size(), -1);
