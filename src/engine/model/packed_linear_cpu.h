@@ -4,9 +4,10 @@
 // side: include only from torch translation units). A BLAS GEMM packs its weight operand again
 // on every call; for the lm_head of a decode step ([32000, 256] fp32 against 1-64 rows) that
 // packing, a read and a write of the whole matrix, costs as much as the product. Packing once,
-// at load and after each weight update, leaves the product alone: measured in the engine's
-// process on 2 threads against OpenBLAS 0.3.21 (Cooperlake kernels), 32 rows 1.99 against 3.30
-// ms, one row 0.59 against 1.48 ms (docs/engine.md, "Where a decode step goes").
+// at load and after each weight update, leaves the product alone: measured on 2 threads against
+// OpenBLAS 0.3.21 (Cooperlake kernels) in the same run, caches flushed before each call, 32 rows
+// 2.6-2.7 against 4.5-4.8 ms, one row 1.5-2.0 against 3.0 ms (docs/engine.md, "Where a decode
+// step goes").
 
 #include <torch/torch.h>
 
