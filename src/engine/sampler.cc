@@ -17,16 +17,20 @@ double Uniform(uint64_t seed, int64_t step) {
 }
 
 // max and log-sum-exp of logits / t, in index order; *sum_out (if not null): the sum of
-// exp(logits / t - max).
+// exp(logits / t - max); exps (if not null, logits.size() long): each of those exps.
 double LogSumExp(std::span<const float> logits, double t, double* max_out,
-                 double* sum_out = nullptr) {
+                 double* sum_out = nullptr, double* exps = nullptr) {
   double m = -INFINITY;
   for (float x : logits) {
     m = std::max(m, static_cast<double>(x) / t);
   }
   double s = 0;
-  for (float x : logits) {
-    s += std::exp(static_cast<double>(x) / t - m);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const double e = std::exp(static_cast<double>(logits[i]) / t - m);
+    if (exps != nullptr) {
+      exps[i] = e;
+    }
+    s += e;
   }
   *max_out = m;
   if (sum_out != nullptr) {
@@ -64,19 +68,10 @@ Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
   double t = p.temperature;
   if ((p.top_k <= 0 || p.top_k >= n) && p.top_p >= 1.0f && p.min_p <= 0) {
     // Nothing cut: the draw walks the vocabulary in index order (as torch.multinomial does),
-    // over the exps the log-sum-exp made (the same ones, in the same order, as LogSumExp's), so
-    // a row costs one pass of exp and sorts nothing.
-    double m = -INFINITY;
-    for (float x : logits) {
-      m = std::max(m, static_cast<double>(x) / t);
-    }
+    // over the exps the log-sum-exp made, so a row costs one pass of exp and sorts nothing.
     std::vector<double> e(static_cast<size_t>(n));
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      e[i] = std::exp(static_cast<double>(logits[i]) / t - m);
-      s += e[i];
-    }
-    const double lse = m + std::log(s);
+    double m = 0, s = 0;
+    const double lse = LogSumExp(logits, t, &m, &s, e.data());
     const double u = Uniform(seed, step) * s;
     int64_t pick = n - 1;
     double cum = 0;

@@ -73,6 +73,16 @@ __attribute__((target("avx512f"))) inline void Tile(const float* __restrict x, i
   }
 }
 
+// Part `part` of `parts` even shares of `lines` cache lines to prefetch: its first line and how
+// many (0 past the end), for the tiles that share out a prefetch.
+struct LineShare {
+  int64_t first, count;
+};
+inline LineShare ShareLines(int64_t lines, int64_t parts, int64_t part) {
+  const int64_t share = (lines + parts - 1) / parts, first = part * share;
+  return {first, std::max<int64_t>(0, std::min(share, lines - first))};
+}
+
 // Tile for 1 to kTileRows rows.
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t,
                         int64_t, const float*, int64_t);

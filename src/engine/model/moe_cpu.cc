@@ -79,16 +79,14 @@ void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const floa
                      float* out, const float* next) {
     const int64_t calls = (cols + kTileCols - 1) / kTileCols * ((n + kTileRows - 1) / kTileRows);
     const int64_t lines = next != nullptr ? in * cols / 16 : 0;
-    const int64_t share = (lines + calls - 1) / calls;
     int64_t call = 0;
     for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
       const int64_t nc = std::min(kTileCols, cols - c0);
       for (int64_t r0 = 0; r0 < n; r0 += kTileRows, ++call) {
         const int64_t m = std::min(kTileRows, n - r0);
-        const int64_t first = call * share;
-        const int64_t count = std::max<int64_t>(0, std::min(share, lines - first));
+        const avx512::LineShare pf = avx512::ShareLines(lines, calls, call);
         avx512::kTilesL2[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols, nc,
-                                count > 0 ? next + first * 16 : w, count);
+                                pf.count > 0 ? next + pf.first * 16 : w, pf.count);
       }
     }
   };
