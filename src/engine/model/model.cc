@@ -9,6 +9,7 @@
 
 #include "common/str_cat.h"
 #include "engine/model/attention_cpu.h"
+#include "engine/model/fused_cpu.h"
 #include "engine/model/linear.h"
 #include "engine/model/packed_linear_cpu.h"
 #include "engine/model/qwen3.h"
@@ -39,6 +40,12 @@ struct Model::Impl {
   // the CPU has the kernel; else undefined): one more copy of the lm_head's memory, which a
   // decode step's logits come from instead of a BLAS call that would pack it every step.
   torch::Tensor lm_head_packed;
+  // fp32 on the CPU outside deterministic mode: the norms, rotary embedding and cache writes
+  // around the products go through fused_cpu.h, and q, k and v come from one product per layer
+  // with wqkv[layer] (its layers' wq, wk and wv are views of it, which weight updates write
+  // through).
+  bool fused = false;
+  std::vector<torch::Tensor> wqkv, bqkv;
   std::vector<LayerCache> cache;
 
   torch::TensorOptions opts() const { return torch::TensorOptions().dtype(dtype).device(device); }
@@ -50,6 +57,12 @@ struct Model::Impl {
       if (dtype == torch::kFloat32 && qwen3::PackedLinearAvailable()) {
         lm_head_packed = qwen3::PackLinearWeight(w.lm_head);
       }
+      fused = dtype == torch::kFloat32;
+    }
+    if (fused) {
+      for (Layer& L : w.layers) {
+        FuseQkv(&L);
+      }
     }
     const ModelConfig& c = config;
     int64_t slots = options.kv_blocks * options.block_size;
@@ -59,6 +72,30 @@ struct Model::Impl {
       lc.v = torch::zeros({slots, c.num_key_value_heads, c.head_dim}, opts());
     }
     return absl::OkStatus();
+  }
+
+  // wq, wk and wv into one tensor, laid out as TransposeLinearWeights lays each out, with the
+  // three as views of it (their biases likewise, where the model has them).
+  void FuseQkv(Layer* L) {
+    auto fuse = [](std::initializer_list<torch::Tensor*> parts, bool flip) {
+      std::vector<torch::Tensor> all;
+      for (torch::Tensor* t : parts) {
+        all.push_back(*t);
+      }
+      torch::Tensor f = torch::cat(all, 0);
+      if (flip) {
+        f = f.t().contiguous().t();
+      }
+      int64_t at = 0;
+      for (torch::Tensor* t : parts) {
+        int64_t n = t->size(0);
+        *t = f.narrow(0, at, n);
+        at += n;
+      }
+      return f;
+    };
+    wqkv.push_back(fuse({&L->wq, &L->wk, &L->wv}, true));
+    bqkv.push_back(L->bq.defined() ? fuse({&L->bq, &L->bk, &L->bv}, false) : torch::Tensor());
   }
 
   torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w,
@@ -218,17 +255,27 @@ struct Model::Impl {
     const int64_t nh = c.num_attention_heads, kvh = c.num_key_value_heads, hd = c.head_dim;
     torch::Tensor h = w.embed.index_select(0, ids);
     std::vector<torch::Tensor> experts;
+    const double eps = c.rms_norm_eps;
+    torch::Tensor pending;  // fused: the last MLP's output, not yet added to h
     for (size_t li = 0; li < w.layers.size(); ++li) {
       const Layer& L = w.layers[li];
       LayerCache& lc = cache[li];
-      torch::Tensor x = RmsNorm(h, L.ln1);
-      torch::Tensor q = Linear(x, L.wq, L.bq).view({T, nh, hd});
-      torch::Tensor k = Linear(x, L.wk, L.bk).view({T, kvh, hd});
-      torch::Tensor v = Linear(x, L.wv, L.bv).view({T, kvh, hd});
-      q = qwen3::Rope(RmsNorm(q, L.q_norm), cos, sin);
-      k = qwen3::Rope(RmsNorm(k, L.k_norm), cos, sin);
-      lc.k.index_copy_(0, slot, k);
-      lc.v.index_copy_(0, slot, v);
+      torch::Tensor x, q;
+      if (fused) {
+        x = pending.defined() ? qwen3::AddRmsNorm(h, pending, L.ln1, eps)
+                              : qwen3::FusedRmsNorm(h, L.ln1, eps);
+        q = qwen3::QkNormRopeCache(Linear(x, wqkv[li], bqkv[li]), L.q_norm, L.k_norm, cos, sin,
+                                   lc.k, lc.v, slot, nh, kvh, eps);
+      } else {
+        x = RmsNorm(h, L.ln1);
+        q = Linear(x, L.wq, L.bq).view({T, nh, hd});
+        torch::Tensor k = Linear(x, L.wk, L.bk).view({T, kvh, hd});
+        torch::Tensor v = Linear(x, L.wv, L.bv).view({T, kvh, hd});
+        q = qwen3::Rope(RmsNorm(q, L.q_norm), cos, sin);
+        k = qwen3::Rope(RmsNorm(k, L.k_norm), cos, sin);
+        lc.k.index_copy_(0, slot, k);
+        lc.v.index_copy_(0, slot, v);
+      }
       torch::Tensor attn;
       if (options.deterministic) {
         attn = qwen3::AttendExact(c, lc.k, lc.v, q, row_chunk, row_pos, seq_slots);
@@ -248,15 +295,28 @@ struct Model::Impl {
         }
         attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
       }
-      h = h + Linear(attn, L.wo, L.bo);
-      x = RmsNorm(h, L.ln2);
+      if (fused) {
+        x = qwen3::AddRmsNorm(h, Linear(attn, L.wo, L.bo), L.ln2, eps);
+      } else {
+        h = h + Linear(attn, L.wo, L.bo);
+        x = RmsNorm(h, L.ln2);
+      }
+      torch::Tensor mlp;
       if (L.moe) {
         torch::Tensor idx;
-        h = h + qwen3::Moe(c, L, x, options.deterministic, &idx);
+        mlp = qwen3::Moe(c, L, x, options.deterministic, &idx);
         experts.push_back(idx.to(torch::kInt32));
       } else {
-        h = h + qwen3::SwiGlu(x, L.w_gate_up, L.w_down, options.deterministic);
+        mlp = qwen3::SwiGlu(x, L.w_gate_up, L.w_down, options.deterministic);
       }
+      if (fused) {
+        pending = mlp.contiguous();
+      } else {
+        h = h + mlp;
+      }
+    }
+    if (pending.defined()) {
+      h.add_(pending);
     }
     torch::Tensor rows = torch::tensor(logit_rows, i64).to(device);
     torch::Tensor hs = RmsNorm(h.index_select(0, rows), w.final_norm);
