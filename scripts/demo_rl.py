@@ -26,10 +26,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,6 +147,17 @@ def run_rl(build: Path, endpoint: str, root: Path, quick: bool = False) -> bool:
             errors.append(f"{name}: a step without cache reuse on later turns")
         if name == "async" and spans == 0:
             errors.append("async: no rollout spans two weight versions")
+        evals = [json.loads(l) for l in (run_dir / "eval" / "after.jsonl").read_text().splitlines()]
+        heldout = (data / "heldout.jsonl").read_text().splitlines()
+        solved = sum(1 for e in evals if e["reward"] >= 1)
+        if len(evals) != len(heldout) or abs(solved / len(heldout) - (report[name]["eval_after"]
+                                                                    or 0)) > 1e-9:
+            errors.append(f"{name}: eval/after.jsonl has {len(evals)} records, {solved} solved, "
+                          f"for {len(heldout)} held-out prompts and success "
+                          f"{report[name]['eval_after']}")
+        report[name]["heldout_misses"] = [
+            f"{e['prompt'].strip()} ({e['meta'].get('structure')}): "
+            + " | ".join(t.strip() for t in e["turns"]) for e in evals if e["reward"] < 1]
     plots = root / "plots"
     subprocess.run([sys.executable, "-m", "bragg_rl.plots", str(runs["async"]), "--compare",
                     str(runs["sync"]), "--labels", "async,sync", "--target", "0.75", "--out",
@@ -182,6 +191,9 @@ def run_rl(build: Path, endpoint: str, root: Path, quick: bool = False) -> bool:
           f"{verdict(a['time_to_target'] is not None and a['time_to_target'] <= 600)}")
     print(f"target: greedy held-out success >= 0.9: "
           f"{verdict((a['eval_after'] or 0) >= 0.9)}")
+    for name in ("async", "sync"):
+        for miss in report[name]["heldout_misses"]:
+            print(f"  {name} held-out miss: {miss}")
     # One pair cannot decide this: the steps a run needs to a reward vary between runs far more
     # than async's gain in steps per second (docs/rl.md, "Asynchronous against synchronous");
     # make bench judges it over pairs of runs sharing a seed.

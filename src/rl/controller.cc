@@ -1174,6 +1174,9 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
   auto t0 = Clock::now();
   std::atomic<size_t> next{0};
   std::atomic<int64_t> success{0}, scored{0};
+  // One record per prompt, in the prompts' order: what the model said and what it scored, so a
+  // held-out miss can be read, not only counted (run.dir/eval/LABEL.jsonl).
+  std::vector<json> records(prompts.size());
   std::vector<std::thread> threads;
   int n = std::min<int>(cfg_.fleet.concurrency, static_cast<int>(prompts.size()));
   for (int w = 0; w < n; ++w) {
@@ -1195,6 +1198,7 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         }
         if (!sb.ok()) {
           spdlog::warn("eval: cloning a sandbox: {}", sb.status().message());
+          records[i] = {{"prompt", prompts[i].text}, {"dropped", "no_sandbox"}};
           continue;
         }
         std::string id = Cat(incarnation_, "-eval-", label, "-", i);
@@ -1208,11 +1212,29 @@ Result<double> Controller::Evaluate(const std::vector<Prompt>& prompts, const st
         } else {
           spdlog::warn("eval: rollout {}: {}: {}", id, r.dropped, r.detail);
         }
+        records[i] = {{"prompt", prompts[i].text},
+                      {"meta", json::parse(prompts[i].meta_json, nullptr, false)},
+                      {"turns", r.turns},
+                      {"done", r.done},
+                      {"reward", r.reward},
+                      {"dropped", r.dropped}};
       }
     });
   }
   for (std::thread& t : threads) {
     t.join();
+  }
+  std::string lines;
+  for (const json& j : records) {
+    if (!j.is_null()) {  // null: no thread reached it (every gateway client failed)
+      lines += j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+    }
+  }
+  if (Status s = MakeDirs(cfg_.run.dir + "/eval"); s.ok()) {
+    s = WriteStringToFile(Cat(cfg_.run.dir, "/eval/", label, ".jsonl"), lines);
+    if (!s.ok()) {
+      spdlog::warn("eval: {}", s.message());
+    }
   }
   double rate = static_cast<double>(success) / static_cast<double>(prompts.size());
   spdlog::info("eval ({}): greedy success {:.3f} on {} held-out prompts ({} scored, {:.1f} s)",
