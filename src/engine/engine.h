@@ -62,7 +62,8 @@ struct GenerateRequest {
   bool return_routed_experts = false;
   int64_t routed_experts_start_len = 0;  // experts of positions [this, tokens - 1) are returned
   std::string extra_key;                 // cache salt: prefixes match only under the same key
-  // Stop strings (SGLang's sampling_params.stop), matched by the caller, who has the tokenizer:
+  // Stop strings and regexes (SGLang's sampling_params.stop and stop_regex), matched by the
+  // caller, who has the tokenizer:
   // called on the engine thread after each sampled token that did not already end the request,
   // with the output so far. A returned string ends the request there (finish stop,
   // matched_stop_string). Must be quick and must not call into the engine.

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <re2/re2.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
@@ -96,7 +97,9 @@ constexpr FieldSpec kFields[] = {
     {"sampling_params", "ignore_eos", FieldUse::kServed, "", "keep going past EOS"},
     {"sampling_params", "stop", FieldUse::kServed, "",
      "a string or a list of strings that end the request (needs a tokenizer)"},
-    {"sampling_params", "stop_regex", FieldUse::kDefaultOnly, "null|[]", "needs a tokenizer"},
+    {"sampling_params", "stop_regex", FieldUse::kServed, "",
+     "a regular expression or a list of them (RE2 syntax) whose match in the output ends the "
+     "request (needs a tokenizer)"},
     {"sampling_params", "n", FieldUse::kDefaultOnly, "1", "one sample per prompt; batch instead"},
     {"sampling_params", "frequency_penalty", FieldUse::kDefaultOnly, "0", "not served"},
     {"sampling_params", "presence_penalty", FieldUse::kDefaultOnly, "0", "not served"},
@@ -469,7 +472,9 @@ struct Item {
   std::vector<int32_t> input_ids;   // kept for input_token_logprobs (the request's are moved)
   bool skip_special_tokens = true;  // for the answer's text
   std::vector<std::string> stop;    // stop strings
-  bool no_stop_trim = false;        // keep the matched stop string in the text
+  // stop_regex, compiled (shared: the engine's copy of the check holds them too)
+  std::vector<std::shared_ptr<const RE2>> stop_regex;
+  bool no_stop_trim = false;  // keep the matched stop string in the text
 };
 
 // Where the text ends for the answer: before the first stop string in it (none: npos).
@@ -515,10 +520,9 @@ std::string OutputText(const Tokenizer* tokenizer, const GenerateOutput& out, co
 constexpr size_t kMaxStopStrings = 32;
 constexpr size_t kMaxStopBytes = 1024;
 
-// `value` as stop strings (SGLang's `stop`: a string or a list of them; null, "" and [] are
-// none) into `item`, and the engine's check for them. Refused without a tokenizer.
-Status ReadStop(const json& value, std::string_view where, const Tokenizer* tokenizer, Item* item) {
-  std::vector<std::string> stop;
+// `value` as SGLang reads `stop` and `stop_regex`: a string or a list of them; null, "" and []
+// are none. Each string is UTF-8 and at most kMaxStopBytes.
+Status ReadStringList(const json& value, std::string_view where, std::vector<std::string>* out) {
   auto add = [&](const json& v) -> Status {
     if (!v.is_string()) {
       return absl::InvalidArgumentError(
@@ -530,7 +534,7 @@ Status ReadStop(const json& value, std::string_view where, const Tokenizer* toke
           "{} holds a string that is not UTF-8 or longer than {} bytes", where, kMaxStopBytes));
     }
     if (!s.empty()) {
-      stop.push_back(s);
+      out->push_back(s);
     }
     return absl::OkStatus();
   };
@@ -545,23 +549,76 @@ Status ReadStop(const json& value, std::string_view where, const Tokenizer* toke
   } else if (!value.is_null()) {
     BRAGG_RETURN_IF_ERROR(add(value));
   }
-  if (stop.empty()) {
+  return absl::OkStatus();
+}
+
+Status NeedTokenizer(const Tokenizer* tokenizer, std::string_view where, std::string_view what) {
+  if (tokenizer != nullptr) {
     return absl::OkStatus();
   }
-  if (tokenizer == nullptr) {
-    return absl::InvalidArgumentError(fmt::format(
-        "{}: stop strings need a tokenizer (this engine has none: use stop_token_ids)", where));
+  return absl::InvalidArgumentError(fmt::format(
+      "{}: {} need a tokenizer (this engine has none: use stop_token_ids)", where, what));
+}
+
+// `value` as stop strings (SGLang's `stop`) into `item`. Refused without a tokenizer.
+Status ReadStop(const json& value, std::string_view where, const Tokenizer* tokenizer, Item* item) {
+  std::vector<std::string> stop;
+  BRAGG_RETURN_IF_ERROR(ReadStringList(value, where, &stop));
+  if (!stop.empty()) {
+    BRAGG_RETURN_IF_ERROR(NeedTokenizer(tokenizer, where, "stop strings"));
+  }
+  item->stop = std::move(stop);
+  return absl::OkStatus();
+}
+
+// `value` as stop regexes (SGLang's `stop_regex`) into `item`, compiled. RE2's syntax, which is
+// Python's `re` without backreferences and lookaround, and matches in time linear in the text
+// whatever the pattern (a request's pattern runs on the engine's thread). Refused without a
+// tokenizer, or a pattern RE2 cannot compile within its memory budget.
+Status ReadStopRegex(const json& value, std::string_view where, const Tokenizer* tokenizer,
+                     Item* item) {
+  std::vector<std::string> patterns;
+  BRAGG_RETURN_IF_ERROR(ReadStringList(value, where, &patterns));
+  if (patterns.empty()) {
+    return absl::OkStatus();
+  }
+  BRAGG_RETURN_IF_ERROR(NeedTokenizer(tokenizer, where, "stop regexes"));
+  RE2::Options options;
+  options.set_log_errors(false);
+  options.set_max_mem(int64_t{8} << 20);
+  for (const std::string& p : patterns) {
+    auto re = std::make_shared<const RE2>(p, options);
+    if (!re->ok()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "{}: {} is not a regular expression RE2 takes: {}", where, json(p).dump(), re->error()));
+    }
+    item->stop_regex.push_back(std::move(re));
+  }
+  return absl::OkStatus();
+}
+
+// The engine's check for `item`'s stop strings and regexes, once both are read (none: no check).
+// A stop string counts where the last token completes it: the check decodes the last token and
+// enough of the tokens before it to hold the longest (byte-level tokens decode one by one). A
+// regex counts where a match first appears anywhere in the output: the check keeps the output's
+// bytes decoded so far and searches them whole after each token, as SGLang searches its tail.
+// The first stop string wins over a regex; among regexes, the first listed.
+void SetStopCheck(const Tokenizer* tokenizer, Item* item) {
+  if (item->stop.empty() && item->stop_regex.empty()) {
+    return;
   }
   size_t longest = 0;
-  for (const std::string& s : stop) {
+  for (const std::string& s : item->stop) {
     longest = std::max(longest, s.size());
   }
-  item->stop = stop;
+  struct Decoded {
+    std::string bytes;
+    size_t ids = 0;
+  };
   bool skip = item->skip_special_tokens;
-  // A stop string that the last token completes: the last token's bytes, and enough bytes of
-  // the tokens before it to hold the longest stop string (byte-level tokens decode one by one).
-  item->request.stop_check = [tokenizer, stop = std::move(stop), longest,
-                              skip](std::span<const int32_t> ids) -> std::optional<std::string> {
+  item->request.stop_check = [tokenizer, stop = item->stop, regexes = item->stop_regex, longest,
+                              skip, decoded = std::make_shared<Decoded>()](
+                                 std::span<const int32_t> ids) -> std::optional<std::string> {
     if (ids.empty()) {
       return std::nullopt;
     }
@@ -570,22 +627,39 @@ Status ReadStop(const json& value, std::string_view where, const Tokenizer* toke
     if (fresh == 0) {
       return std::nullopt;
     }
-    for (size_t k = 2; k <= ids.size() && tail.size() < fresh + longest - 1; ++k) {
-      tail.insert(0, tokenizer->DecodeBytes(ids.subspan(ids.size() - k, 1), skip));
-    }
-    std::optional<std::string> best;
-    size_t best_at = std::string::npos;
-    for (const std::string& s : stop) {
-      size_t from = tail.size() - fresh + 1 > s.size() ? tail.size() - fresh + 1 - s.size() : 0;
-      size_t at = tail.find(s, from);
-      if (at != std::string::npos && at < best_at) {
-        best_at = at;
-        best = s;
+    if (!stop.empty()) {
+      for (size_t k = 2; k <= ids.size() && tail.size() < fresh + longest - 1; ++k) {
+        tail.insert(0, tokenizer->DecodeBytes(ids.subspan(ids.size() - k, 1), skip));
+      }
+      std::optional<std::string> best;
+      size_t best_at = std::string::npos;
+      for (const std::string& s : stop) {
+        size_t from = tail.size() - fresh + 1 > s.size() ? tail.size() - fresh + 1 - s.size() : 0;
+        size_t at = tail.find(s, from);
+        if (at != std::string::npos && at < best_at) {
+          best_at = at;
+          best = s;
+        }
+      }
+      if (best) {
+        return best;
       }
     }
-    return best;
+    if (regexes.empty()) {
+      return std::nullopt;
+    }
+    if (decoded->ids > ids.size()) {  // not the output this check has followed: start over
+      *decoded = Decoded{};
+    }
+    decoded->bytes += tokenizer->DecodeBytes(ids.subspan(decoded->ids), skip);
+    decoded->ids = ids.size();
+    for (const auto& re : regexes) {
+      if (RE2::PartialMatch(decoded->bytes, *re)) {
+        return re->pattern();
+      }
+    }
+    return std::nullopt;
   };
-  return absl::OkStatus();
 }
 
 // Tokenizes one prompt text for `where` (a field name in errors). A text too long to fit in
@@ -726,6 +800,11 @@ Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch, const Tok
         BRAGG_RETURN_IF_ERROR(
             ReadStop(params["stop"], prefix + "sampling_params.stop", tokenizer, &item));
       }
+      if (params.contains("stop_regex")) {
+        BRAGG_RETURN_IF_ERROR(ReadStopRegex(
+            params["stop_regex"], prefix + "sampling_params.stop_regex", tokenizer, &item));
+      }
+      SetStopCheck(tokenizer, &item);
     }
     if (!rid_prefix.empty()) {
       r.rid = fmt::format("{}_{}", rid_prefix, i);
@@ -1182,6 +1261,7 @@ void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Respo
     }
     if (body.contains("stop")) {
       BRAGG_RETURN_IF_ERROR(ReadStop(body["stop"], "stop", tokenizer, &item));
+      SetStopCheck(tokenizer, &item);
     }
     if (r.input_ids.empty()) {
       return absl::InvalidArgumentError(chat ? "the messages give no tokens" : "prompt is empty");

@@ -1006,6 +1006,7 @@ TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
       {{"sampling_params", "min_p"}, 0.1},
       {{"sampling_params", "stop_token_ids"}, {3}},
       {{"sampling_params", "stop"}, {"zz", "y"}},
+      {{"sampling_params", "stop_regex"}, {"z+z"}},
       {{"sampling_params", "no_stop_trim"}, true},
       {{"completions", "stop"}, "zz"},
       {{"chat_completions", "stop"}, {"zz"}},
@@ -1329,6 +1330,96 @@ TEST_F(ServerTest, StopStrings) {
   out = PostOk(
       "/generate",
       {{"input_ids", {63}}, {"sampling_params", {{"stop", json::array()}, {"max_new_tokens", 3}}}});
+  EXPECT_EQ(out["output_ids"].size(), 3u);
+}
+
+// Stop regexes (sampling_params.stop_regex, SGLang's): the request ends at the token after which
+// the output first holds a match, anywhere in it; finish_reason names the pattern, and the text
+// is kept whole, as SGLang keeps it. Output bytes as in StopStrings: "@GNU\\cjqx..." and, from
+// the 10th token on, bytes that are not UTF-8.
+TEST_F(ServerTest, StopRegexes) {
+  tokenizer_ = ByteTokenizer();
+  ASSERT_NE(tokenizer_, nullptr);
+  ServerOptions options;
+  options.tokenizer = tokenizer_.get();
+  Start(options);
+  auto gen = [&](json sp) {
+    sp["max_new_tokens"] = 20;
+    return PostOk("/generate", {{"input_ids", {63}}, {"sampling_params", sp}});
+  };
+  json out = gen({{"stop_regex", "N.\\\\"}});
+  EXPECT_EQ(out["output_ids"], json({'@', 'G', 'N', 'U', '\\'}));
+  EXPECT_EQ(out["text"], "@GNU\\");
+  EXPECT_EQ(out["meta_info"]["finish_reason"], json({{"type", "stop"}, {"matched", "N.\\\\"}}));
+  // A list: the first pattern to match, anywhere in the output, over tokens, ends it.
+  out = gen({{"stop_regex", {"zz", "[a-z]{3}", "G[A-Z]"}}});
+  EXPECT_EQ(out["output_ids"].size(), 3u);
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["matched"], "G[A-Z]");
+  out = gen({{"stop_regex", {"c[a-z]q", "j"}}});
+  EXPECT_EQ(out["output_ids"].size(), 7u);  // "j" completes first
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["matched"], "j");
+  // Anchors are the output's: "^G" never matches, "^@G" at the second token.
+  out = gen({{"stop_regex", "^G"}});
+  EXPECT_EQ(out["output_ids"].size(), 20u);
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["type"], "length");
+  out = gen({{"stop_regex", "^@G"}});
+  EXPECT_EQ(out["output_ids"].size(), 2u);
+  // With stop strings: whichever completes first; a stop string's text is still cut.
+  out = gen({{"stop", "cj"}, {"stop_regex", "U"}});
+  EXPECT_EQ(out["output_ids"].size(), 4u);
+  EXPECT_EQ(out["text"], "@GNU");
+  out = gen({{"stop", "NU"}, {"stop_regex", "q"}});
+  EXPECT_EQ(out["text"], "@G");
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["matched"], "NU");
+  // Past the bytes that are not UTF-8 the check goes on.
+  out = gen({{"stop_regex", "\\x7f"}});
+  EXPECT_EQ(out["output_ids"].size(), 10u);
+  for (json none : {json(nullptr), json(""), json::array()}) {
+    out = gen({{"stop_regex", none}});
+    EXPECT_EQ(out["output_ids"].size(), 20u) << none.dump();
+  }
+  // A batch: each prompt its own patterns and its own decoded output.
+  out = PostOk("/generate", {{"input_ids", {{63}, {63}}},
+                             {"sampling_params",
+                              {{{"max_new_tokens", 20}, {"stop_regex", "N"}},
+                               {{"max_new_tokens", 20}, {"stop_regex", "x"}}}}});
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0]["output_ids"].size(), 3u);
+  EXPECT_EQ(out[1]["output_ids"].size(), 9u);
+
+  // Refused, naming the field: what RE2 does not take (Python's backreferences and lookaround
+  // among it), and the limits stop strings have.
+  const std::vector<std::pair<json, std::string>> bad = {
+      {json("(unclosed"), "missing )"},
+      {json("(a)\\1"), "not a regular expression RE2 takes"},
+      {json("(?=a)"), "not a regular expression RE2 takes"},
+      {json::array({"ok", "[z-a]"}), "[z-a]"},
+      {json(5), "must be a string or a list of strings"},
+      {json(std::vector<std::string>(33, "a")), "more than 32"},
+      {json(std::string(1025, 'a')), "longer than 1024 bytes"},
+      // Nested counted repetitions past RE2's limits.
+      {json("((((a{100}){100}){100}){100})"), "not a regular expression RE2 takes"},
+  };
+  for (const auto& [value, needle] : bad) {
+    auto res =
+        Post("/generate", {{"input_ids", {63}}, {"sampling_params", {{"stop_regex", value}}}});
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << value.dump();
+    EXPECT_NE(ErrorMessage(res).find("sampling_params.stop_regex"), std::string::npos) << res->body;
+    EXPECT_NE(ErrorMessage(res).find(needle), std::string::npos) << res->body;
+  }
+  // The engine still serves after them.
+  EXPECT_EQ(gen({{"stop_regex", "N"}})["output_ids"].size(), 3u);
+
+  // Without a tokenizer a stop regex is refused; none is fine.
+  Start({});
+  auto res = Post("/generate", {{"input_ids", {63}}, {"sampling_params", {{"stop_regex", "N"}}}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_NE(ErrorMessage(res).find("need a tokenizer"), std::string::npos) << res->body;
+  out = PostOk(
+      "/generate",
+      {{"input_ids", {63}}, {"sampling_params", {{"stop_regex", nullptr}, {"max_new_tokens", 3}}}});
   EXPECT_EQ(out["output_ids"].size(), 3u);
 }
 
