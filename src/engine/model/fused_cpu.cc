@@ -65,47 +65,48 @@ bool FusedCpuFits(const torch::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
 }
 
-torch::Tensor FusedRmsNorm(const torch::Tensor& h, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && FusedCpuFits(h), "FusedRmsNorm: h");
-  TORCH_CHECK(w.numel() == h.size(1) && w.is_contiguous() && FusedCpuFits(w), "FusedRmsNorm: w");
-  const int64_t n = h.size(1);
-  torch::Tensor out = torch::empty_like(h);
-  const float* hp = h.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, h.size(0), Grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      NormRow(hp + t * n, wp, n, e, op + t * n);
-    }
-  });
-  return out;
-}
+namespace {
 
-torch::Tensor AddRmsNorm(torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w,
-                         double eps) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && FusedCpuFits(h), "AddRmsNorm: h");
-  TORCH_CHECK(delta.sizes() == h.sizes() && delta.is_contiguous() && FusedCpuFits(delta),
-              "AddRmsNorm: delta");
-  TORCH_CHECK(w.numel() == h.size(1) && w.is_contiguous() && FusedCpuFits(w), "AddRmsNorm: w");
+// RmsNorm of h's rows into a new tensor; with `delta`, h += delta first, row by row in the same
+// pass. `name` names the caller in refusals.
+torch::Tensor NormRows(const torch::Tensor& h, const torch::Tensor* delta, const torch::Tensor& w,
+                       double eps, const char* name) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && FusedCpuFits(h), name, ": h");
+  TORCH_CHECK(delta == nullptr ||
+                  (delta->sizes() == h.sizes() && delta->is_contiguous() && FusedCpuFits(*delta)),
+              name, ": delta");
+  TORCH_CHECK(w.numel() == h.size(1) && w.is_contiguous() && FusedCpuFits(w), name, ": w");
   const int64_t n = h.size(1);
   torch::Tensor out = torch::empty_like(h);
   float* hp = h.data_ptr<float>();
-  const float* dp = delta.data_ptr<float>();
+  const float* dp = delta != nullptr ? delta->data_ptr<float>() : nullptr;
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, h.size(0), Grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* row = hp + t * n;
-      const float* d = dp + t * n;
-      for (int64_t i = 0; i < n; ++i) {
-        row[i] += d[i];
+      if (dp != nullptr) {
+        const float* d = dp + t * n;
+        for (int64_t i = 0; i < n; ++i) {
+          row[i] += d[i];
+        }
       }
       NormRow(row, wp, n, e, op + t * n);
     }
   });
   return out;
+}
+
+}  // namespace
+
+torch::Tensor FusedRmsNorm(const torch::Tensor& h, const torch::Tensor& w, double eps) {
+  return NormRows(h, nullptr, w, eps, "FusedRmsNorm");
+}
+
+torch::Tensor AddRmsNorm(torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w,
+                         double eps) {
+  return NormRows(h, &delta, w, eps, "AddRmsNorm");
 }
 
 torch::Tensor QkNormRopeCache(const torch::Tensor& qkv, const torch::Tensor& q_norm,

@@ -472,9 +472,7 @@ struct Item {
   std::vector<int32_t> input_ids;   // kept for input_token_logprobs (the request's are moved)
   bool skip_special_tokens = true;  // for the answer's text
   std::vector<std::string> stop;    // stop strings
-  // stop_regex, compiled (shared: the engine's copy of the check holds them too)
-  std::vector<std::shared_ptr<const RE2>> stop_regex;
-  bool no_stop_trim = false;  // keep the matched stop string in the text
+  bool no_stop_trim = false;        // keep the matched stop string in the text
 };
 
 // Where the text ends for the answer: before the first stop string in it (none: npos).
@@ -571,12 +569,14 @@ Status ReadStop(const json& value, std::string_view where, const Tokenizer* toke
   return absl::OkStatus();
 }
 
-// `value` as stop regexes (SGLang's `stop_regex`) into `item`, compiled. RE2's syntax, which is
+using StopRegexes = std::vector<std::shared_ptr<const RE2>>;
+
+// `value` as stop regexes (SGLang's `stop_regex`), compiled into `out`. RE2's syntax, which is
 // Python's `re` without backreferences and lookaround, and matches in time linear in the text
 // whatever the pattern (a request's pattern runs on the engine's thread). Refused without a
 // tokenizer, or a pattern RE2 cannot compile within its memory budget.
 Status ReadStopRegex(const json& value, std::string_view where, const Tokenizer* tokenizer,
-                     Item* item) {
+                     StopRegexes* out) {
   std::vector<std::string> patterns;
   BRAGG_RETURN_IF_ERROR(ReadStringList(value, where, &patterns));
   if (patterns.empty()) {
@@ -592,19 +592,20 @@ Status ReadStopRegex(const json& value, std::string_view where, const Tokenizer*
       return absl::InvalidArgumentError(fmt::format(
           "{}: {} is not a regular expression RE2 takes: {}", where, json(p).dump(), re->error()));
     }
-    item->stop_regex.push_back(std::move(re));
+    out->push_back(std::move(re));
   }
   return absl::OkStatus();
 }
 
-// The engine's check for `item`'s stop strings and regexes, once both are read (none: no check).
+// The engine's check for `item`'s stop strings and `regexes`, once both are read (none: no
+// check).
 // A stop string counts where the last token completes it: the check decodes the last token and
 // enough of the tokens before it to hold the longest (byte-level tokens decode one by one). A
 // regex counts where a match first appears anywhere in the output: the check keeps the output's
 // bytes decoded so far and searches them whole after each token, as SGLang searches its tail.
 // The first stop string wins over a regex; among regexes, the first listed.
-void SetStopCheck(const Tokenizer* tokenizer, Item* item) {
-  if (item->stop.empty() && item->stop_regex.empty()) {
+void SetStopCheck(const Tokenizer* tokenizer, StopRegexes regexes, Item* item) {
+  if (item->stop.empty() && regexes.empty()) {
     return;
   }
   size_t longest = 0;
@@ -616,7 +617,7 @@ void SetStopCheck(const Tokenizer* tokenizer, Item* item) {
     size_t ids = 0;
   };
   bool skip = item->skip_special_tokens;
-  item->request.stop_check = [tokenizer, stop = item->stop, regexes = item->stop_regex, longest,
+  item->request.stop_check = [tokenizer, stop = item->stop, regexes = std::move(regexes), longest,
                               skip, decoded = std::make_shared<Decoded>()](
                                  std::span<const int32_t> ids) -> std::optional<std::string> {
     if (ids.empty()) {
@@ -800,11 +801,12 @@ Result<GenerateCall> ParseGenerate(const json& body, size_t max_batch, const Tok
         BRAGG_RETURN_IF_ERROR(
             ReadStop(params["stop"], prefix + "sampling_params.stop", tokenizer, &item));
       }
+      StopRegexes regexes;
       if (params.contains("stop_regex")) {
         BRAGG_RETURN_IF_ERROR(ReadStopRegex(
-            params["stop_regex"], prefix + "sampling_params.stop_regex", tokenizer, &item));
+            params["stop_regex"], prefix + "sampling_params.stop_regex", tokenizer, &regexes));
       }
-      SetStopCheck(tokenizer, &item);
+      SetStopCheck(tokenizer, std::move(regexes), &item);
     }
     if (!rid_prefix.empty()) {
       r.rid = fmt::format("{}_{}", rid_prefix, i);
@@ -1261,7 +1263,7 @@ void Server::Impl::HandleCompletions(const httplib::Request& req, httplib::Respo
     }
     if (body.contains("stop")) {
       BRAGG_RETURN_IF_ERROR(ReadStop(body["stop"], "stop", tokenizer, &item));
-      SetStopCheck(tokenizer, &item);
+      SetStopCheck(tokenizer, {}, &item);
     }
     if (r.input_ids.empty()) {
       return absl::InvalidArgumentError(chat ? "the messages give no tokens" : "prompt is empty");

@@ -330,6 +330,13 @@ class ServerTest : public ::testing::Test {
     client_ = std::make_unique<httplib::Client>("127.0.0.1", server_->port());
     client_->set_read_timeout(30, 0);
   }
+  // Start with the byte tokenizer (ByteTokenizer) in `options`.
+  void StartWithByteTokenizer(ServerOptions options = {}) {
+    tokenizer_ = ByteTokenizer();
+    ASSERT_NE(tokenizer_, nullptr);
+    options.tokenizer = tokenizer_.get();
+    Start(options);
+  }
   httplib::Result Post(const std::string& path, const json& body) {
     return client_->Post(path.c_str(), body.dump(), "application/json");
   }
@@ -963,11 +970,7 @@ TEST_F(ServerTest, EveryEndpointAnswers) {
 
 // Every field in the table is accepted with its example value, and nothing outside the table is.
 TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
-  tokenizer_ = ByteTokenizer();  // the text fields need one
-  ASSERT_NE(tokenizer_, nullptr);
-  ServerOptions with_tokenizer;
-  with_tokenizer.tokenizer = tokenizer_.get();
-  Start(with_tokenizer);
+  ASSERT_NO_FATAL_FAILURE(StartWithByteTokenizer());  // the text fields need one
   const json hi = json::array({{{"role", "user"}, {"content", "hi"}}});
   // A value for each served field (a served field added to the table needs one here).
   const std::map<std::pair<std::string, std::string>, json> served = {
@@ -1100,12 +1103,9 @@ TEST_F(ServerTest, EveryAcceptedFieldIsInTheTable) {
 // With a tokenizer: text prompts become the tokenizer's ids, answers carry the decoded text (a
 // stream never ends a chunk inside a character), ChatML chat, /tokenize and /detokenize.
 TEST_F(ServerTest, TextEndpointsWithATokenizer) {
-  tokenizer_ = ByteTokenizer();
-  ASSERT_NE(tokenizer_, nullptr);
   ServerOptions options;
-  options.tokenizer = tokenizer_.get();
   options.tokenizer_path = "/models/x/tokenizer.json";
-  Start(options);
+  ASSERT_NO_FATAL_FAILURE(StartWithByteTokenizer(options));
   const Tokenizer& tok = *tokenizer_;
 
   json out =
@@ -1232,11 +1232,7 @@ TEST_F(ServerTest, TextEndpointsWithATokenizer) {
 // a stream never shows the start of a stop string that may yet complete. The fake's tokens for
 // the prompt [63] are the bytes "@GNU\\cjqx..." (63 + 1 + 7n).
 TEST_F(ServerTest, StopStrings) {
-  tokenizer_ = ByteTokenizer();
-  ASSERT_NE(tokenizer_, nullptr);
-  ServerOptions options;
-  options.tokenizer = tokenizer_.get();
-  Start(options);
+  ASSERT_NO_FATAL_FAILURE(StartWithByteTokenizer());
   auto gen = [&](json sp) {
     sp["max_new_tokens"] = 20;
     return PostOk("/generate", {{"input_ids", {63}}, {"sampling_params", sp}});
@@ -1338,11 +1334,7 @@ TEST_F(ServerTest, StopStrings) {
 // is kept whole, as SGLang keeps it. Output bytes as in StopStrings: "@GNU\\cjqx..." and, from
 // the 10th token on, bytes that are not UTF-8.
 TEST_F(ServerTest, StopRegexes) {
-  tokenizer_ = ByteTokenizer();
-  ASSERT_NE(tokenizer_, nullptr);
-  ServerOptions options;
-  options.tokenizer = tokenizer_.get();
-  Start(options);
+  ASSERT_NO_FATAL_FAILURE(StartWithByteTokenizer());
   auto gen = [&](json sp) {
     sp["max_new_tokens"] = 20;
     return PostOk("/generate", {{"input_ids", {63}}, {"sampling_params", sp}});
