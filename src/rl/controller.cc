@@ -335,9 +335,10 @@ class Controller {
   // After agent `node` restarted (its sessions and sandboxes are gone) or its prepared sandbox
   // vanished: a thread of its own prepares it again, retrying with backoff until it succeeds or
   // the run stops, while groups start on the other agents. Rollouts in flight there lose their
-  // sandboxes (dropped as sandbox_failed); the next groups there get new ones. Does nothing if
-  // the agent is being recovered already. Not called with mu_ held.
-  void StartRecovery(size_t node);
+  // sandboxes (dropped as sandbox_failed); the next groups there get new ones. Does nothing
+  // (false) if the agent is being recovered already or has been since `epoch`, the epoch the
+  // failed clone was made in. Not called with mu_ held.
+  bool StartRecovery(size_t node, uint64_t epoch);
   void RecoverAgent(size_t node);
   struct Clones {
     size_t node = 0;
@@ -574,11 +575,11 @@ Status Controller::StartFleet(const std::string& model_dir, int64_t version) {
   return absl::OkStatus();
 }
 
-void Controller::StartRecovery(size_t node) {
+bool Controller::StartRecovery(size_t node, uint64_t epoch) {
   std::lock_guard<std::mutex> l(pbox_mu_);
   PboxNode& n = nodes_[node];
-  if (n.recovering || stopping_) {
-    return;
+  if (n.recovering || n.epoch != epoch || stopping_) {
+    return false;
   }
   n.recovering = true;
   ++n.epoch;
@@ -588,6 +589,7 @@ void Controller::StartRecovery(size_t node) {
     n.recoverer.join();  // the last recovery's thread, which has finished (recovering was false)
   }
   n.recoverer = std::thread([this, node] { RecoverAgent(node); });
+  return true;
 }
 
 void Controller::RecoverAgent(size_t node) {
@@ -802,10 +804,17 @@ Result<Controller::Clones> Controller::CloneSandboxes(uint32_t count, bool group
     gone = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kNotFound ||
            code == absl::StatusCode::kFailedPrecondition ||
            code == absl::StatusCode::kDeadlineExceeded;
-    spdlog::warn("cloning {} sandbox(es) on pbox agent {}: {}{}", count, nodes_[out.node].name,
-                 clones.status().message(), gone ? "; preparing the agent again" : "");
-    if (gone) {
-      StartRecovery(out.node);
+    if (!gone) {
+      spdlog::warn("cloning {} sandbox(es) on pbox agent {}: {}", count, nodes_[out.node].name,
+                   clones.status().message());
+    } else if (StartRecovery(out.node, out.epoch)) {
+      spdlog::warn("cloning {} sandbox(es) on pbox agent {}: {}; preparing the agent again", count,
+                   nodes_[out.node].name, clones.status().message());
+    } else {
+      // A clone that was in flight beside the one that found the agent gone: that one has
+      // reported it and started the recovery (or the agent is prepared again already).
+      spdlog::debug("cloning {} sandbox(es) on pbox agent {}: {} (already being prepared again)",
+                    count, nodes_[out.node].name, clones.status().message());
     }
     return clones.status();
   }

@@ -143,6 +143,24 @@ def _tar(files: dict) -> bytes:
     return buf.getvalue()
 
 
+def _patch_header(tar: bytes, member: str, offset: int, field: bytes) -> bytes:
+    """`tar` with the bytes at `offset` in `member`'s header replaced by `field` and the
+    checksum recomputed."""
+    out = bytearray(tar)
+    pos = 0
+    while pos + 512 <= len(out):
+        head = out[pos:pos + 512]
+        name = bytes(head[:100]).rstrip(b"\0").decode()
+        size = int(bytes(head[124:136]).rstrip(b"\0 ") or b"0", 8)
+        if name == member:
+            out[pos + offset:pos + offset + len(field)] = field
+            out[pos + 148:pos + 156] = b" " * 8
+            out[pos + 148:pos + 156] = b"%06o\0 " % sum(out[pos:pos + 512])
+            return bytes(out)
+        pos += 512 + (size + 511) // 512 * 512
+    raise ValueError(member + " not in the archive")
+
+
 def oci_seeds() -> dict:
     """Image archives for the archive reader: a good OCI layout and hostile ones (see
     tests/pbox/python/test_images.py for the same cases end to end)."""
@@ -186,6 +204,13 @@ def oci_seeds() -> dict:
                                            blob(ld): ("../../x",)}),
         "oci_path_digest": layout([{"digest": "sha256:../../../etc/passwd", "size": 1}], {}),
         "oci_huge": layout([dict(md, size=1 << 62)], {blob(md): manifest}),
+        # regression: a GNU header's sparse "realsize" (offset 483) in base-256 with the
+        # sign bit set: libarchive reports it as the member's size, negative, and that was
+        # turned into a string length
+        "regress_oci_negative_realsize": _patch_header(
+            layout([md], {blob(md): manifest}), "index.json", 483, b"\xff" * 12),
+        "regress_oci_huge_negative_realsize": _patch_header(
+            layout([md], {blob(md): manifest}), "oci-layout", 483, b"\xc2" + b"\xff" * 11),
         "docker_two": _tar({"manifest.json": json.dumps(
             [{"RepoTags": ["a:1"], "Layers": ["l"]}, {"RepoTags": ["b:2"], "Layers": ["l"]}])
             .encode(), "l": layer}),

@@ -72,6 +72,29 @@ Status Unexpected(const std::string& path, struct archive* a, uint64_t entries) 
                                                 entries, ArchiveErrorString(a)));
 }
 
+// The data of the member the archive is positioned at, at most `limit` bytes. The header's
+// size is not trusted (a crafted header can say anything, negative included): the data is
+// read in chunks and refused past the limit.
+Result<std::string> ReadMemberData(const std::string& path, struct archive* a, uint64_t entries,
+                                   const std::string& name, size_t limit) {
+  std::string data;
+  char buf[64 << 10];
+  for (;;) {
+    la_ssize_t n = archive_read_data(a, buf, sizeof(buf));
+    if (n < 0) {
+      return Unexpected(path, a, entries);
+    }
+    if (n == 0) {
+      return data;
+    }
+    if (data.size() + static_cast<size_t>(n) > limit) {
+      return absl::InvalidArgumentError(
+          fmt::format("{}: {} is larger than {} bytes", path, name, limit));
+    }
+    data.append(buf, static_cast<size_t>(n));
+  }
+}
+
 }  // namespace
 
 Result<std::string> Sha256File(const std::string& path) {
@@ -127,15 +150,8 @@ Status ReadMembers(const std::string& path, const std::set<std::string>& names,
         archive_entry_hardlink(e) != nullptr || names.count(name) == 0 || out->count(name) != 0) {
       continue;
     }
-    if (archive_entry_size(e) > static_cast<la_int64_t>(kMaxManifestBytes)) {
-      return absl::InvalidArgumentError(
-          fmt::format("{}: {} is larger than {} bytes", path, name, kMaxManifestBytes));
-    }
-    std::string data(static_cast<size_t>(archive_entry_size(e)), '\0');
-    la_ssize_t n = archive_read_data(a.get(), data.data(), data.size());
-    if (n < 0 || static_cast<size_t>(n) != data.size()) {
-      return Unexpected(path, a.get(), entries);
-    }
+    BRAGG_ASSIGN_OR_RETURN(std::string data,
+                           ReadMemberData(path, a.get(), entries, name, kMaxManifestBytes));
     (*out)[name] = std::move(data);
   }
 }
@@ -702,11 +718,9 @@ Result<ImageLayers> SplitImageArchive(const std::string& path, const std::string
                               size <= static_cast<la_int64_t>(kMaxCachedBlobBytes) &&
                               cached + static_cast<size_t>(size) <= kMaxCachedBytes;
       if (m.regular && (top || small_blob) && contents.count(name) == 0) {
-        std::string data(static_cast<size_t>(size), '\0');
-        la_ssize_t n = archive_read_data(a.get(), data.data(), data.size());
-        if (n < 0 || static_cast<size_t>(n) != data.size()) {
-          return Unexpected(path, a.get(), entries);
-        }
+        BRAGG_ASSIGN_OR_RETURN(std::string data,
+                               ReadMemberData(path, a.get(), entries, name,
+                                              top ? kMaxManifestBytes : static_cast<size_t>(size)));
         cached += top ? 0 : data.size();
         contents[name] = std::move(data);
       }

@@ -9,7 +9,7 @@ random text, so every kind of fault turns up within a few steps):
     otherwise  the observation "ok\n"
 
 The verifier's reward is 1 for a first turn of even length, else 0, and it raises (exit 1) for
-one rollout in seven: bragg-rl must drop those trajectories with the reason counted. Set
+one rollout in five (by a hash of all its turns): bragg-rl must drop those trajectories with the reason counted. Set
 CHAOS=0 in the sandbox's environment (or run `serve calm`) for a well-behaved run.
 """
 
@@ -47,7 +47,9 @@ class ChaosEnv(Environment):
 
     def reward(self, rollout: Rollout) -> float:
         first = rollout.turns[0] if rollout.turns else ""
-        if not CALM and rollout.turns and fate(first + "verifier") % 7 == 0:
+        # Keyed on every turn, not the first alone: a small model repeats its first turns, and
+        # a run of six steps must see a crash (about 60 rollouts, nearly all distinct).
+        if not CALM and rollout.turns and fate("\0".join(rollout.turns) + "verifier") % 5 == 0:
             raise RuntimeError("the verifier crashed")
         return float(len(first) % 2 == 0)
 
