@@ -15,7 +15,6 @@ CHAOS=0 in the sandbox's environment (or run `serve calm`) for a well-behaved ru
 
 import hashlib
 import os
-import sys
 import time
 
 try:
