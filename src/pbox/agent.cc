@@ -161,7 +161,8 @@ std::string NotDelegatedHint() {
       "that user. Start it in one that is: under systemd, `systemd-run --user --scope -p "
       "Delegate=yes pboxd ...` or Delegate=yes in its unit; under Slurm, a job cgroup the "
       "administrator hands to the job user (a prolog that chowns its cgroup.procs, "
-      "cgroup.subtree_control and cgroup.threads, cgroup v2); or run pboxd as root "
+      "cgroup.subtree_control and cgroup.threads, cgroup v2); in a container, one its "
+      "runtime mounts writable for the container's user; or run pboxd as root "
       "(docs/security.md \"Rootless\")",
       ::geteuid(), ::geteuid() == 0 ? " in a user namespace" : "");
 }

@@ -240,11 +240,12 @@ bool WriteIdMaps(const std::string& uid_map, const std::string& gid_map) {
 }
 
 // Rootless: what a sandbox's setup needs of the kernel, tried once when the agent starts (a
-// user namespace owning a mount namespace, a tmpfs and an OverlayFS with `userxattr` in it), so
-// that a host without them stops the agent with the reason instead of failing every create.
+// user namespace owning a mount and a PID namespace, a tmpfs and an OverlayFS with `userxattr`
+// in it, a /proc of that PID namespace), so that a host without them stops the agent with the
+// reason instead of failing every create.
 struct RootlessProbe {
   int err_write = -1;
-  std::string uid_map, gid_map, mount_point, lower, upper, work, root, overlay_opts;
+  std::string uid_map, gid_map, mount_point, lower, upper, work, root, overlay_opts, proc;
 };
 
 [[noreturn]] void ProbeFail(const RootlessProbe& p, int step) {
@@ -267,7 +268,7 @@ struct RootlessProbe {
               "size=1m,mode=0755") != 0) {
     ProbeFail(p, kStepTmpfs);
   }
-  for (const std::string* d : {&p.lower, &p.upper, &p.work, &p.root}) {
+  for (const std::string* d : {&p.lower, &p.upper, &p.work, &p.root, &p.proc}) {
     if (::mkdir(d->c_str(), 0755) != 0) {
       ProbeFail(p, kStepLayerDirs);
     }
@@ -275,6 +276,9 @@ struct RootlessProbe {
   if (::mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlay_opts.c_str()) !=
       0) {
     ProbeFail(p, kStepOverlay);
+  }
+  if (::mount("proc", p.proc.c_str(), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
+    ProbeFail(p, kStepProc);
   }
   ::_exit(0);
 }
@@ -288,13 +292,14 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
   p.upper = mount_point + "/upper";
   p.work = mount_point + "/work";
   p.root = mount_point + "/root";
+  p.proc = mount_point + "/proc";
   p.overlay_opts =
       fmt::format("lowerdir={},upperdir={},workdir={},userxattr", p.lower, p.upper, p.work);
   BRAGG_ASSIGN_OR_RETURN(Pipe err, MakePipe());
   p.err_write = err.write.get();
-  Result<ChildProcess> spawned =
-      SpawnSharingMemory([](void* arg) -> int { ProbeMain(*static_cast<RootlessProbe*>(arg)); }, &p,
-                         CLONE_NEWUSER | CLONE_NEWNS, 64 << 10, "the rootless setup probe");
+  Result<ChildProcess> spawned = SpawnSharingMemory(
+      [](void* arg) -> int { ProbeMain(*static_cast<RootlessProbe*>(arg)); }, &p,
+      CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID, 64 << 10, "the rootless setup probe");
   if (!spawned.ok()) {
     return Annotate(spawned.status(),
                     "a rootless pboxd puts each sandbox in a user namespace, and this host "
@@ -327,6 +332,19 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
         "kernel ({}) refuses it ({}); run pboxd as root on this host, or on Linux 5.11 or later "
         "(fuse-overlayfs is no way round: docs/security.md, \"Rootless mode\")",
         uts.release, why));
+  }
+  if (n == sizeof(e) && e.step == kStepProc && e.err == EPERM) {
+    // The kernel lets a user namespace mount a new /proc only where the /proc it sees is
+    // wholly visible; a container runtime's masked paths (files mounted over /proc/kcore,
+    // /proc/keys, ...) make it refuse.
+    return absl::FailedPreconditionError(fmt::format(
+        "a rootless pboxd mounts a /proc of each sandbox's own PID namespace, and the kernel "
+        "refuses it ({}): the /proc pboxd sees has paths masked by mounts over them, as a "
+        "container runtime masks them by default, and a user namespace may not mount a /proc "
+        "that would reveal them; run pboxd with /proc unmasked (Kubernetes: securityContext "
+        "procMount: Unmasked, which needs hostUsers: false; podman: --security-opt "
+        "unmask=ALL; docker: --security-opt systempaths=unconfined), or as root",
+        why));
   }
   return absl::FailedPreconditionError(fmt::format(
       "a rootless sandbox's setup fails on this host (kernel {}) at {}", uts.release, why));

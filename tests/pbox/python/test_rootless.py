@@ -225,6 +225,50 @@ def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
     assert rc == 0, proc.stdout.read().decode()
 
 
+def test_a_masked_proc_stops_a_rootless_agent_at_start(pboxd_binary: str) -> None:
+    """Inside a container, /proc has paths masked by mounts over them (Docker's, podman's and
+    Kubernetes' default, procMount: Default), and the kernel then refuses a user namespace a new
+    /proc, which every rootless sandbox mounts. Emulated here as a container runtime does it: a
+    mount namespace with /dev/null bound over /proc/keys. The agent finds this in its start-up
+    probe and stops naming the way out, instead of failing every create at "mounting /proc"."""
+    masked = next(p for p in ("/proc/keys", "/proc/timer_list", "/proc/kcore")
+                  if os.path.exists(p))
+    root = Path(tempfile.mkdtemp(prefix="pbm-", dir="/tmp"))
+    sock = root / "p.sock"
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         f'mount --bind /dev/null {masked} && exec "$@"', "sh", pboxd_binary,
+         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        rc = _wait_exit(proc, 30)
+        out = proc.stdout.read().decode()
+        assert rc == 1, out
+        assert "mounting /proc: Operation not permitted" in out, out
+        assert "procMount: Unmasked" in out and "unmask=ALL" in out, out
+        assert not sock.exists(), out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    # The same agent with /proc as the host has it starts (the probe is not what refuses).
+    root = Path(tempfile.mkdtemp(prefix="pbm-", dir="/tmp"))
+    sock = root / "p.sock"
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", pboxd_binary,
+         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 30
+        while not sock.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert sock.exists(), proc.stdout.read().decode() if proc.poll() is not None else ""
+        proc.terminate()
+        assert _wait_exit(proc, 30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_a_host_refusing_user_namespaces_stops_a_rootless_agent_at_start(
         pboxd_binary: str) -> None:
     """A rootless agent tries a sandbox's setup (a user namespace, its mounts, the overlay)
