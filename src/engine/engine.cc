@@ -627,7 +627,7 @@ class EngineImpl final : public Engine {
     uint32_t version = version_id_;
     lock.unlock();
     auto t0 = Clock::now();
-    ForwardOutput fwd;
+    ForwardOutput& fwd = fwd_;
     Status st = model_->Forward(chunks, &fwd);
     double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     // Each sampling request's next token, drawn on the model's threads before the lock is taken
@@ -758,6 +758,7 @@ class EngineImpl final : public Engine {
 
   const EngineOptions options_;
   std::unique_ptr<Model> model_;
+  ForwardOutput fwd_;  // the step's output, its memory kept from step to step (Step only)
   const ModelConfig config_;
   const int experts_per_token_;
 

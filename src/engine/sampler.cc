@@ -1,5 +1,7 @@
 #include "engine/sampler.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -39,6 +41,60 @@ double LogSumExp(std::span<const float> logits, double t, double* max_out,
   return m + std::log(s);
 }
 
+// The first index of the largest value (NaN never counts as larger; a NaN at 0 stays): the
+// scalar scan, and the same answer 16 lanes at a time where AVX-512 runs.
+int64_t ArgMaxScalar(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (x[i] > x[best]) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+__attribute__((target("avx512f"))) int64_t ArgMaxAvx512(const float* x, int64_t n) {
+  if (n < 32 || std::isnan(x[0])) {
+    return ArgMaxScalar(x, n);
+  }
+  // The largest value, NaNs skipped (a lane keeps its value unless a larger one comes), then
+  // its first index.
+  __m512 mv = _mm512_set1_ps(x[0]);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    mv = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ), v);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, mv);
+  float m = lanes[0];
+  for (float l : lanes) {
+    m = l > m ? l : m;
+  }
+  for (; i < n; ++i) {
+    m = x[i] > m ? x[i] : m;
+  }
+  const __m512 mb = _mm512_set1_ps(m);
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), mb, _CMP_EQ_OQ);
+    if (eq != 0) {
+      return i + __builtin_ctz(eq);
+    }
+  }
+  for (; i < n; ++i) {
+    if (x[i] == m) {
+      return i;
+    }
+  }
+  return 0;  // not reached: m is one of the values
+}
+
+int64_t ArgMax(std::span<const float> x) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  const int64_t n = static_cast<int64_t>(x.size());
+  return avx512 ? ArgMaxAvx512(x.data(), n) : ArgMaxScalar(x.data(), n);
+}
+
 }  // namespace
 
 float LogProb(std::span<const float> logits, float temperature, int32_t token) {
@@ -53,13 +109,7 @@ Sampled Sample(std::span<const float> logits, const SamplingParams& p, uint64_t 
   Sampled out;
   const int64_t n = static_cast<int64_t>(logits.size());
   if (p.temperature <= 0 || p.top_k == 1) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < n; ++i) {
-      if (logits[i] > logits[best]) {
-        best = i;
-      }
-    }
-    out.token = static_cast<int32_t>(best);
+    out.token = static_cast<int32_t>(ArgMax(logits));
     if (want_logprob) {
       out.logprob = LogProb(logits, p.temperature > 0 ? p.temperature : 1.0f, out.token);
     }

@@ -23,6 +23,36 @@ TEST(Sampler, GreedyTakesTheArgmaxAndTheLowestIdOnTies) {
   EXPECT_NEAR(s.logprob, 2.0 - lse, 1e-6);
 }
 
+// Greedy takes the first index of the largest value, as a plain scan does (NaN is never larger,
+// -0 equals 0), at every length around the vector width and with values drawn to tie often.
+TEST(Sampler, GreedyIsThePlainScanAtEveryLengthWithTiesNansAndInfinities) {
+  std::mt19937 rng(7);
+  SamplingParams p;
+  p.temperature = 0;
+  auto scan = [](const std::vector<float>& x) {
+    size_t best = 0;
+    for (size_t i = 1; i < x.size(); ++i) {
+      if (x[i] > x[best]) {
+        best = i;
+      }
+    }
+    return static_cast<int32_t>(best);
+  };
+  const float specials[] = {std::nanf(""), -INFINITY, INFINITY, -0.0f, 0.0f};
+  for (int trial = 0; trial < 3000; ++trial) {
+    const size_t n = trial < 2000 ? 1 + trial % 100 : 32000;
+    std::vector<float> x(n);
+    for (float& v : x) {
+      const int r = static_cast<int>(rng() % 40);
+      v = r < 5 && trial % 3 == 0 ? specials[r] : static_cast<float>(rng() % 8) - 4.0f;
+    }
+    if (trial % 7 == 0) {
+      x[0] = std::nanf("");  // nothing beats a NaN at 0 in the scan
+    }
+    ASSERT_EQ(Sample(x, p, 1, 0).token, scan(x)) << "trial " << trial << ", " << n << " values";
+  }
+}
+
 TEST(Sampler, SameSeedAndStepSameTokenAndTheDistributionIsRight) {
   std::vector<float> l = {std::log(0.1f), std::log(0.2f), std::log(0.7f)};
   SamplingParams p;

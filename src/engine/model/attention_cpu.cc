@@ -11,6 +11,40 @@
 namespace bragg::engine::qwen3 {
 namespace {
 
+__attribute__((target("avx512f"))) inline __m512 Lo64(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+
+__attribute__((target("avx512f"))) inline __m512 Hi64(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+
+// r[i][j] becomes r[j][i]: a 16 x 16 transpose in registers (32-bit, then 64-bit interleaves,
+// then two rounds of 128-bit lane shuffles).
+__attribute__((target("avx512f"))) inline void Transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int b = 0; b < 16; b += 4) {
+    u[b] = Lo64(t[b], t[b + 2]);
+    u[b + 1] = Hi64(t[b], t[b + 2]);
+    u[b + 2] = Lo64(t[b + 1], t[b + 3]);
+    u[b + 3] = Hi64(t[b + 1], t[b + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // One (sequence, KV head): the g query heads at q (g x NV*16 floats) over the len keys and
 // values at slots (float offsets slots[p] * stride, under 2^31); writes g x NV*16 floats at out.
 // scratch: g * len + 16 * NV * 16 floats. The sums go in the order of torch's matmul and
@@ -49,10 +83,17 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
         _mm_prefetch(key + v * 64, _MM_HINT_T0);
       }
     }
-    const __m512i vidx = _mm512_load_si512(off);
-    for (int64_t d = 0; d < hd; ++d) {
-      _mm512_storeu_ps(kt + d * 16,
-                       _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, vidx, keys + d, 4));
+    // Each key row loaded whole (positions past len as zeros) and turned 16 x 16 at a time:
+    // a gather per dimension cost twice as much.
+    for (int v = 0; v < NV; ++v) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        r[i] = i < n ? _mm512_loadu_ps(keys + off[i] + v * 16) : _mm512_setzero_ps();
+      }
+      Transpose16(r);
+      for (int j = 0; j < 16; ++j) {
+        _mm512_storeu_ps(kt + (v * 16 + j) * 16, r[j]);
+      }
     }
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = q + j * hd;

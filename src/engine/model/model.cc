@@ -320,10 +320,23 @@ struct Model::Impl {
     }
     torch::Tensor rows = torch::tensor(logit_rows, i64).to(device);
     torch::Tensor hs = RmsNorm(h.index_select(0, rows), w.final_norm);
-    torch::Tensor logits = qwen3::PackedLinearFits(hs, lm_head_packed)
-                               ? qwen3::PackedLinear(hs, lm_head_packed, w.lm_head.size(0))
-                               : Linear(hs, w.lm_head).to(torch::kFloat32).contiguous().cpu();
-    out->logits.assign(logits.data_ptr<float>(), logits.data_ptr<float>() + logits.numel());
+    // The logits land in out->logits, whose memory a caller that keeps its ForwardOutput
+    // reuses from step to step (a fresh 4 MB for a decode step of 32 rows cost its page
+    // faults and a copy every step); a buffer far larger than this step needs is let go.
+    const int64_t vocab = w.lm_head.size(0);
+    const size_t need = logit_rows.size() * static_cast<size_t>(vocab);
+    if (out->logits.capacity() > std::max<size_t>(4 * need, size_t{16} << 20)) {
+      std::vector<float>().swap(out->logits);
+    }
+    out->logits.resize(need);
+    torch::Tensor into =
+        torch::from_blob(out->logits.data(), {static_cast<int64_t>(logit_rows.size()), vocab},
+                         torch::TensorOptions().dtype(torch::kFloat32));
+    if (qwen3::PackedLinearFits(hs, lm_head_packed)) {
+      qwen3::PackedLinearInto(hs, lm_head_packed, into);
+    } else {
+      into.copy_(Linear(hs, w.lm_head));
+    }
     out->experts.clear();
     if (!experts.empty()) {
       torch::Tensor e = torch::stack(experts, 1).contiguous().cpu();  // [T, moe layers, k]

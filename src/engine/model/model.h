@@ -38,7 +38,8 @@ struct SeqChunk {
 
 struct ForwardOutput {
   // Rows of vocab_size floats: per chunk in order, every new token's row when all_logits, else
-  // the last token's.
+  // the last token's. Forward writes them into this vector's memory, so a caller that passes
+  // the same ForwardOutput step after step allocates nothing for them.
   std::vector<float> logits;
   // int32 [new tokens (all chunks, in order), moe layers, top_k]; empty for a dense model.
   std::vector<int32_t> experts;

@@ -61,11 +61,21 @@ bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed) {
 
 torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out) {
   TORCH_CHECK(PackedLinearFits(x, packed), "PackedLinear: a call it cannot take");
+  torch::Tensor y = torch::empty({x.size(0), out}, x.options().dtype(torch::kFloat32));
+  PackedLinearInto(x, packed, y);
+  return y;
+}
+
+void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& y) {
+  TORCH_CHECK(PackedLinearFits(x, packed), "PackedLinear: a call it cannot take");
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.scalar_type() == torch::kFloat32 &&
+                  y.device().is_cpu() && y.is_contiguous(),
+              "PackedLinear: the output must be fp32 [", x.size(0), ", out], contiguous, CPU");
+  const int64_t out = y.size(1);
   TORCH_CHECK(out > (packed.size(0) - 1) * kCols && out <= packed.size(0) * kCols,
               "PackedLinear: ", out, " columns were not packed in ", packed.size(0), " blocks");
   const torch::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), in = xc.size(1);
-  torch::Tensor y = torch::empty({rows, out}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -85,7 +95,6 @@ torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, 
       }
     }
   });
-  return y;
 }
 
 }  // namespace bragg::engine::qwen3

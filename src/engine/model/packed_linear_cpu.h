@@ -39,5 +39,8 @@ bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed);
 // order, so a row's result does not depend on the rows beside it; blocks of columns are spread
 // over torch's threads.
 torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out);
+// The same product written into y [rows, out] (fp32, contiguous, on the CPU), which the
+// caller owns: a decode step's logits go straight to where the sampler reads them.
+void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& y);
 
 }  // namespace bragg::engine::qwen3
