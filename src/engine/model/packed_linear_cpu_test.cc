@@ -30,9 +30,10 @@ TEST(PackedLinear, EqualsTorchOnDecodeShapesAndBothLayouts) {
   torch::manual_seed(11);
   // The benchmark's lm_head at its batch sizes, and odd shapes: row counts around the tile of 8,
   // column counts around the block of 48 (and under one vector), `in` not a vector multiple.
-  for (Shape s : {Shape{1, 256, 32000}, Shape{32, 256, 32000}, Shape{64, 256, 32000},
-                  Shape{7, 37, 47}, Shape{8, 16, 48}, Shape{9, 64, 49}, Shape{33, 3, 5},
-                  Shape{17, 100, 1000}, Shape{63, 1, 97}}) {
+  for (Shape s :
+       {Shape{1, 256, 32000}, Shape{32, 256, 32000}, Shape{64, 256, 32000}, Shape{7, 37, 47},
+        Shape{8, 16, 48}, Shape{9, 64, 49}, Shape{33, 3, 5}, Shape{17, 100, 1000}, Shape{63, 1, 97},
+        Shape{32, 256, 384}, Shape{64, 256, 256}}) {
     for (bool transposed : {true, false}) {
       SCOPED_TRACE(::testing::Message() << "rows " << s.rows << " in " << s.in << " out " << s.out
                                         << (transposed ? " [in, out] memory" : " row-major"));
