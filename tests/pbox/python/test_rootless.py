@@ -225,6 +225,25 @@ def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
     assert rc == 0, proc.stdout.read().decode()
 
 
+def _refused_at_start(pboxd_binary: str, unshare: list, script: str) -> str:
+    """Runs pboxd under `unshare UNSHARE sh -c SCRIPT` (SCRIPT ends in `exec "$@"`); asserts
+    it exits 1 without making its socket, and returns what it printed."""
+    root = Path(tempfile.mkdtemp(prefix="pbr-", dir="/tmp"))
+    sock = root / "p.sock"
+    proc = subprocess.Popen(
+        ["unshare", *unshare, "sh", "-c", script, "sh", pboxd_binary,
+         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        rc = _wait_exit(proc, 30)
+        out = proc.stdout.read().decode()
+        assert rc == 1, out
+        assert not sock.exists(), out
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_a_masked_proc_stops_a_rootless_agent_at_start(pboxd_binary: str) -> None:
     """Inside a container, /proc has paths masked by mounts over them (Docker's, podman's and
     Kubernetes' default, procMount: Default), and the kernel then refuses a user namespace a new
@@ -233,22 +252,10 @@ def test_a_masked_proc_stops_a_rootless_agent_at_start(pboxd_binary: str) -> Non
     probe and stops naming the way out, instead of failing every create at "mounting /proc"."""
     masked = next(p for p in ("/proc/keys", "/proc/timer_list", "/proc/kcore")
                   if os.path.exists(p))
-    root = Path(tempfile.mkdtemp(prefix="pbm-", dir="/tmp"))
-    sock = root / "p.sock"
-    proc = subprocess.Popen(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-         f'mount --bind /dev/null {masked} && exec "$@"', "sh", pboxd_binary,
-         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        rc = _wait_exit(proc, 30)
-        out = proc.stdout.read().decode()
-        assert rc == 1, out
-        assert "mounting /proc: Operation not permitted" in out, out
-        assert "procMount: Unmasked" in out and "unmask=ALL" in out, out
-        assert not sock.exists(), out
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    out = _refused_at_start(pboxd_binary, ["--user", "--map-root-user", "--mount"],
+                            f'mount --bind /dev/null {masked} && exec "$@"')
+    assert "mounting /proc: Operation not permitted" in out, out
+    assert "procMount: Unmasked" in out and "unmask=ALL" in out, out
     # The same agent with /proc as the host has it starts (the probe is not what refuses).
     root = Path(tempfile.mkdtemp(prefix="pbm-", dir="/tmp"))
     sock = root / "p.sock"
@@ -275,19 +282,7 @@ def test_a_host_refusing_user_namespaces_stops_a_rootless_agent_at_start(
     once when it starts: where the host refuses user namespaces (here: root of a user namespace
     whose own limit on nested ones is 0, as `user.max_user_namespaces = 0` makes a host), it
     stops at once saying so, before it listens, instead of failing every create."""
-    root = Path(tempfile.mkdtemp(prefix="pbn-", dir="/tmp"))
-    sock = root / "p.sock"
-    proc = subprocess.Popen(
-        ["unshare", "--user", "--map-root-user", "sh", "-c",
-         'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh", pboxd_binary,
-         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        rc = _wait_exit(proc, 30)
-        out = proc.stdout.read().decode()
-        assert rc == 1, out
-        assert "user namespace" in out and "user.max_user_namespaces" in out, out
-        assert "run pboxd as root" in out, out
-        assert not sock.exists(), out
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    out = _refused_at_start(pboxd_binary, ["--user", "--map-root-user"],
+                            'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"')
+    assert "user namespace" in out and "user.max_user_namespaces" in out, out
+    assert "run pboxd as root" in out, out
