@@ -21,11 +21,14 @@ build's bragg_train (`use_known_blas_core`, common/blas_core.h). A step must at 
 - read every weight the step uses once: the attention and router weights of the 4 layers, and
   the weights of every expert some row is routed to (2 of each layer's 16 for one request,
   nearly all 16 from 32 requests on), and the lm_head, at this machine's read bandwidth
-  (torch.sum over 1 GiB, the best of 5).
+  (torch.sum over 1 GiB, the best of 5);
+- read every request's cached keys and values once per layer: at the benchmark's mean
+  position (its prompt plus half its new tokens, from docs/data/engine.json's args), 512 bytes
+  a position and layer for this model.
 
-Floor = lm_head arithmetic + weights / bandwidth (as if the two did not overlap). Attention over
-the KV cache, norms, sampling and the scheduler come on top; the ratio it allows is an upper
-bound only as far as arithmetic and reads cannot overlap.
+Floor = lm_head arithmetic + (weights + KV cache) / bandwidth (as if the two did not overlap).
+Norms, sampling and the scheduler come on top; the ratio it allows is an upper bound only as
+far as arithmetic and reads cannot overlap.
 """
 
 import argparse
@@ -72,6 +75,11 @@ def use_known_blas_core(build):
               file=sys.stderr)
     finally:
         sys.path.pop(0)
+
+
+def kv_bytes(batch, mean_position):
+    """Bytes of cached keys and values a decode step's attention reads."""
+    return batch * mean_position * LAYERS * KV_HEADS * HEAD_DIM * 2 * 4
 
 
 def dense_bytes():
@@ -126,13 +134,15 @@ def main():
     del a, b
 
     rows = []
+    mean_position = data["args"]["prompt_tokens"] + data["args"]["new_tokens"] / 2
     for batch in data["batches"]:
         lm_head = batch * HIDDEN * VOCAB / rate
         weights = expert_bytes(batch) + dense_bytes() + lm_head_bytes()
-        floor = lm_head + weights / bandwidth
+        kv = kv_bytes(batch, mean_position)
+        floor = lm_head + (weights + kv) / bandwidth
         hf_step = batch / statistics.median(hf[str(batch)])
         ours = batch / statistics.median(data["summary"]["decode"]["engine"][str(batch)])
-        rows.append((batch, lm_head, weights, floor, hf_step, ours))
+        rows.append((batch, lm_head, weights, kv, floor, hf_step, ours))
 
     blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
     print(f"torch {torch.__version__} ({sys.executable}, BLAS {blas.group(1) if blas else '?'}),"
@@ -140,12 +150,14 @@ def main():
           f"{bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5); GEMM "
           f"{rate * 2 / 1e9:.0f} GFLOP/s (2048^3, best of 5); OPENBLAS_CORETYPE="
           f"{os.environ.get('OPENBLAS_CORETYPE', '')}")
-    print("| concurrent requests | lm_head arithmetic ms | weights read MB | floor ms per step | "
+    print("| concurrent requests | lm_head arithmetic ms | weights read MB | KV cache read MB | "
+          "floor ms per step | "
           "bragg-engine ms per step | transformers ms per step | largest engine / "
           "transformers ratio | engine / transformers now |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, lm_head, weights, floor, hf_step, ours in rows:
-        print(f"| {batch} | {lm_head * 1e3:.2f} | {weights / 1e6:.1f} | {floor * 1e3:.2f} | "
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, lm_head, weights, kv, floor, hf_step, ours in rows:
+        print(f"| {batch} | {lm_head * 1e3:.2f} | {weights / 1e6:.1f} | {kv / 1e6:.1f} | "
+              f"{floor * 1e3:.2f} | "
               f"{ours * 1e3:.2f} | {hf_step * 1e3:.2f} | {hf_step / floor:.2f}x | "
               f"{hf_step / ours:.2f}x |")
 
