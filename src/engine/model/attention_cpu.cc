@@ -61,7 +61,7 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
   constexpr int64_t hd = NV * 16;
   float* scores = scratch;
   float* kt = scratch + g * len;  // 16 positions' keys, transposed: [hd][16]
-  // Scores, 16 positions at a time: their keys gathered once, transposed, for the g heads.
+  // Scores, 16 positions at a time: their keys loaded once and transposed, for the g heads.
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int64_t n = len - p0 < 16 ? len - p0 : 16;
     const __mmask16 mask = n == 16 ? __mmask16{0xffff} : __mmask16((1u << n) - 1);
@@ -174,7 +174,7 @@ bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
   if (!avx512::Available() || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) ||
       keys.dim() != 3 || q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
       keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
-    return false;  // (keys are gathered at 32-bit offsets)
+    return false;  // (keys are read at 32-bit offsets)
   }
   const int64_t kvh = keys.size(1), hd = keys.size(2);
   if (ItemFor(hd) == nullptr || q.size(2) != hd || kvh < 1 || q.size(1) % kvh != 0 ||
