@@ -500,16 +500,23 @@ def start_on_two_agents(agent: Agent, second: Agent, tmp_path: Path, steps: int)
 def test_sandboxes_on_two_agents_one_restarted(agent, tmp_path):
     """fleet.pbox naming two agents (a comma-separated list, as $PBOX_ENDPOINTS or pbox-slurm's
     endpoints file give them): groups are spread over both; one agent killed and restarted
-    mid-run is prepared again while the other keeps serving, and the run finishes."""
+    mid-run is prepared again while the other keeps serving, and the run finishes. (The run is
+    long enough for the recovery's retries to find the agent back with steps to spare: a step
+    takes about half a second here, the agent is back after one to two.)"""
     with second_agent(tmp_path) as second:
-        config, run, p = start_on_two_agents(agent, second, tmp_path, 6)
+        config, run, p = start_on_two_agents(agent, second, tmp_path, 16)
         seen = steps_of(run)[-1]["sandboxes_by_agent"]
         assert len(seen) == 2 and all(v > 0 for v in seen.values()), seen
         second.kill()
         time.sleep(0.5)
         second.start()
+        log = tmp_path / "bragg-rl.log"
+        while "prepared again" not in log.read_text(errors="replace"):
+            assert p.poll() is None, "the run ended before the agent was prepared again:\n" + \
+                log_tail(config)
+            time.sleep(0.1)
         finish(p, config)
-        m = check_common(run, 1, 6)
+        m = check_common(run, 1, 16)
         assert m[-1]["sandbox_recoveries"] >= 1, m[-1]
         after = m[-1]["sandboxes_by_agent"]
         assert all(after[k] > seen[k] for k in seen), (seen, after)

@@ -72,6 +72,10 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A restarted agent is reached within seconds: gRPC's own reconnect backoff (1 s growing to
+  // 120 s) would otherwise keep failing calls fast long after the agent is back.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 4000);
   // Large initial flow-control window: file transfers move MiBs per call.
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 8 << 20);
   // gRPC reads sockets 8 KiB at a time by default: a MiB then costs 128 system calls.
