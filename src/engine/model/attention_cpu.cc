@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "engine/model/avx512_kernels.h"
@@ -143,6 +144,144 @@ __attribute__((target("avx512f"))) void Item(const float* __restrict q, int64_t 
   }
 }
 
+// PrefillAttention's rows: R query heads (q: R x NV*16 floats, one position's heads that share
+// a KV head) over the first len positions of one KV head's packed keys (kt: [block][NV*16][16],
+// zeros past the sequence) and values (vp: [position][NV*16]). scores: R rows of ld >= len
+// rounded up to 16 floats. Writes R x NV*16 floats at out. R rows at a time, so that every key
+// and value loaded serves R heads, with R * NV accumulators held in registers.
+template <int NV, int R>
+__attribute__((target("avx512f"))) void PrefillRows(const float* __restrict q,
+                                                    const float* __restrict kt,
+                                                    const float* __restrict vp, int64_t len,
+                                                    float scale, float* __restrict scores,
+                                                    int64_t ld, float* __restrict out) {
+  constexpr int64_t hd = NV * 16;
+  const int64_t blocks = (len + 15) / 16;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* k = kt + b * hd * 16;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < hd; ++d) {
+      const __m512 kv = _mm512_loadu_ps(k + d * 16);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + d]), kv, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(scores + r * ld + b * 16, _mm512_mul_ps(acc[r], sc));
+    }
+  }
+  float inv[R];
+  for (int r = 0; r < R; ++r) {
+    float* s = scores + r * ld;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t p = 0; p < len; p += 16) {
+      const __mmask16 mask = len - p >= 16 ? __mmask16{0xffff} : __mmask16((1u << (len - p)) - 1);
+      mv = _mm512_mask_max_ps(mv, mask, mv, _mm512_loadu_ps(s + p));
+    }
+    const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t p = 0; p < len; p += 16) {
+      const __mmask16 mask = len - p >= 16 ? __mmask16{0xffff} : __mmask16((1u << (len - p)) - 1);
+      const __m512 e =
+          _mm512_maskz_mov_ps(mask, avx512::Exp(_mm512_sub_ps(_mm512_loadu_ps(s + p), mb)));
+      _mm512_storeu_ps(s + p, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    inv[r] = 1.0f / _mm512_reduce_add_ps(sv);
+  }
+  __m512 o[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) {
+      o[r][v] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < len; ++p) {
+    const float* val = vp + p * hd;
+    for (int v = 0; v < NV; ++v) {
+      const __m512 x = _mm512_loadu_ps(val + v * 16);
+      for (int r = 0; r < R; ++r) {
+        o[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r * ld + p]), x, o[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 w = _mm512_set1_ps(inv[r]);
+    for (int v = 0; v < NV; ++v) {
+      _mm512_storeu_ps(out + r * hd + v * 16, _mm512_mul_ps(o[r][v], w));
+    }
+  }
+}
+
+// One position's g heads of one KV head: PrefillRows over them, kMaxRows at a time (as many as
+// keep R * NV accumulators within 16 registers).
+template <int NV>
+__attribute__((target("avx512f"))) void PrefillItem(const float* q, int64_t g, const float* kt,
+                                                    const float* vp, int64_t len, float scale,
+                                                    float* scores, int64_t ld, float* out) {
+  constexpr int64_t hd = NV * 16;
+  constexpr int kMaxRows = NV >= 16 ? 1 : NV >= 8 ? 2 : 4;
+  int64_t j = 0;
+  for (; j + kMaxRows <= g; j += kMaxRows) {
+    PrefillRows<NV, kMaxRows>(q + j * hd, kt, vp, len, scale, scores, ld, out + j * hd);
+  }
+  switch (g - j) {
+    case 3:
+      PrefillRows<NV, 3>(q + j * hd, kt, vp, len, scale, scores, ld, out + j * hd);
+      break;
+    case 2:
+      PrefillRows<NV, 2>(q + j * hd, kt, vp, len, scale, scores, ld, out + j * hd);
+      break;
+    case 1:
+      PrefillRows<NV, 1>(q + j * hd, kt, vp, len, scale, scores, ld, out + j * hd);
+      break;
+    default:
+      break;
+  }
+}
+
+// The keys of positions [16 b, 16 b + 16) of one KV head, transposed into kt's block b ([hd][16],
+// zeros past len): each key row loaded whole, turned 16 x 16 at a time.
+__attribute__((target("avx512f"))) void PackKeyBlock(const float* keys, int64_t stride,
+                                                     const int64_t* slots, int64_t len, int64_t hd,
+                                                     int64_t b, float* kt) {
+  const int64_t p0 = b * 16, n = std::min<int64_t>(16, len - p0);
+  float* out = kt + b * hd * 16;
+  for (int64_t v = 0; v < hd / 16; ++v) {
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      r[i] = i < n ? _mm512_loadu_ps(keys + slots[p0 + i] * stride + v * 16) : _mm512_setzero_ps();
+    }
+    Transpose16(r);
+    for (int j = 0; j < 16; ++j) {
+      _mm512_storeu_ps(out + (v * 16 + j) * 16, r[j]);
+    }
+  }
+}
+
+using PrefillItemFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, float,
+                               float*, int64_t, float*);
+
+PrefillItemFn PrefillItemFor(int64_t hd) {
+  switch (hd) {
+    case 16:
+      return PrefillItem<1>;
+    case 32:
+      return PrefillItem<2>;
+    case 64:
+      return PrefillItem<4>;
+    case 128:
+      return PrefillItem<8>;
+    case 256:
+      return PrefillItem<16>;
+    default:
+      return nullptr;
+  }
+}
+
 using ItemFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*,
                         int64_t, float, float*, float*);
 
@@ -217,6 +356,77 @@ torch::Tensor DecodeAttention(const torch::Tensor& keys, const torch::Tensor& va
       item(qp + (b * nh + kh * g) * hd, g, kp + kh * hd, vp + kh * hd, stride,
            seq_slots[b].data_ptr<int64_t>(), len, scale, scratch.data(),
            op + (b * nh + kh * g) * hd);
+    }
+  });
+  return out;
+}
+
+bool PrefillAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
+                          const torch::Tensor& q, const torch::Tensor& slots, int64_t start) {
+  if (!avx512::Available() || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) ||
+      keys.dim() != 3 || q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
+      keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
+    return false;
+  }
+  const int64_t kvh = keys.size(1), hd = keys.size(2);
+  if (PrefillItemFor(hd) == nullptr || q.size(2) != hd || kvh < 1 || q.size(1) % kvh != 0 ||
+      q.size(0) < 1 || start < 0) {
+    return false;
+  }
+  if (!slots.defined() || slots.scalar_type() != torch::kInt64 || !slots.device().is_cpu() ||
+      slots.dim() != 1 || !slots.is_contiguous() || slots.size(0) != start + q.size(0)) {
+    return false;
+  }
+  if (torch::GradMode::is_enabled() &&
+      (q.requires_grad() || keys.requires_grad() || values.requires_grad())) {
+    return false;
+  }
+  return true;
+}
+
+torch::Tensor PrefillAttention(const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& q, const torch::Tensor& slots, int64_t start) {
+  TORCH_CHECK(PrefillAttentionFits(keys, values, q, slots, start),
+              "PrefillAttention: a call it cannot take");
+  const torch::Tensor qc = q.contiguous();
+  const int64_t n = qc.size(0), nh = qc.size(1), hd = qc.size(2);
+  const int64_t kvh = keys.size(1), g = nh / kvh, stride = kvh * hd;
+  const int64_t len = start + n, blocks = (len + 15) / 16, ld = blocks * 16;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const PrefillItemFn item = PrefillItemFor(hd);
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  // Per KV head: its keys packed [block][hd][16] and its values [position][hd].
+  std::vector<float> kt(static_cast<size_t>(kvh * blocks * hd * 16));
+  std::vector<float> vt(static_cast<size_t>(kvh * len * hd));
+  at::parallel_for(0, kvh * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t kh = i / blocks, b = i % blocks;
+      PackKeyBlock(kp + kh * hd, stride, sp, len, hd, b, kt.data() + kh * blocks * hd * 16);
+      float* vout = vt.data() + (kh * len + b * 16) * hd;
+      for (int64_t p = b * 16; p < std::min(len, b * 16 + 16); ++p, vout += hd) {
+        std::memcpy(vout, vp + sp[p] * stride + kh * hd, hd * sizeof(float));
+      }
+    }
+  });
+  torch::Tensor out = torch::empty({n, nh * hd}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Items are (position, KV head), dealt round-robin over the threads: a later position has more
+  // keys, so contiguous ranges of them would leave one thread with most of the work.
+  const int64_t items = n * kvh;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kRows = 4;  // PrefillItem's most rows at a time
+    std::vector<float> scores(static_cast<size_t>(kRows * ld));
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t x = t; x < items; x += threads) {
+        const int64_t i = x / kvh, kh = x % kvh;
+        item(qp + (i * nh + kh * g) * hd, g, kt.data() + kh * blocks * hd * 16,
+             vt.data() + kh * len * hd, start + i + 1, scale, scores.data(), ld,
+             op + (i * nh + kh * g) * hd);
+      }
     }
   });
   return out;

@@ -32,4 +32,21 @@ bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
 torch::Tensor DecodeAttention(const torch::Tensor& keys, const torch::Tensor& values,
                               const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots);
 
+// Whether PrefillAttention can take this call: AVX-512F on this CPU, fp32 keys, values and
+// queries on the CPU, keys and values [slots, kvh, hd] contiguous and under 2^31 floats each, q
+// [n, nh, hd] (n >= 1) with nh a multiple of kvh and hd one of 16, 32, 64, 128, 256, slots int64
+// [start + n] on the CPU, contiguous, nothing needing a gradient.
+bool PrefillAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
+                          const torch::Tensor& q, const torch::Tensor& slots, int64_t start);
+
+// Causal attention of one chunk of a prompt: query i (q[i]: [nh, hd], position start + i)
+// attends to the keys and values at slots[0 .. start + i] (the sequence's positions in order);
+// query head j reads KV head j / (nh / kvh). softmax(q k^T / sqrt(hd)) v in float32, the score
+// matrix never made whole: each (position, KV head) is one work item that computes its row of
+// scores into a scratch the size of the sequence, and the sequence's keys are packed (transposed,
+// 16 positions at a time) and its values gathered once per call and KV head. A query's result
+// does not depend on the chunk it is in, nor on the threads. Returns [n, nh * hd].
+torch::Tensor PrefillAttention(const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& q, const torch::Tensor& slots, int64_t start);
+
 }  // namespace bragg::engine::qwen3

@@ -1,11 +1,13 @@
-// DecodeAttention against softmax(q k^T / sqrt(hd)) v computed with torch's operators, on keys and
-// values scattered over a block cache as the engine's are, and the calls it must refuse.
+// DecodeAttention and PrefillAttention against softmax(q k^T / sqrt(hd)) v computed with torch's
+// operators, on keys and values scattered over a block cache as the engine's are, and the calls
+// they must refuse.
 
 #include "engine/model/attention_cpu.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace bragg::engine::qwen3 {
@@ -139,6 +141,133 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
   EXPECT_TRUE(refuses(in.keys, in.values, in.q, {in.slots[0], in.slots[1].to(torch::kInt32)}));
   EXPECT_TRUE(refuses(in.keys, in.values, in.q.detach().requires_grad_(), in.slots));
   EXPECT_THROW(DecodeAttention(in.keys, in.values, in.q, {in.slots[0]}), c10::Error);
+}
+
+// A prompt chunk: q [n, kvh * g, hd] at positions start .. start + n - 1 of a sequence whose
+// start + n positions sit at random distinct slots of a cache of `slots` positions.
+struct Chunk {
+  torch::Tensor keys, values, q, seq;
+};
+
+Chunk MakeChunk(int64_t kvh, int64_t g, int64_t hd, int64_t start, int64_t n, int64_t slots,
+                double q_scale = 1.0) {
+  Chunk c;
+  c.keys = torch::randn({slots, kvh, hd});
+  c.values = torch::randn({slots, kvh, hd});
+  c.q = torch::randn({n, kvh * g, hd}).mul(q_scale);
+  c.seq = torch::randperm(slots, torch::kInt64).narrow(0, 0, start + n).contiguous();
+  return c;
+}
+
+// Causal attention of the chunk in float64 (or `dtype`), the whole score matrix masked.
+torch::Tensor CausalReference(const Chunk& c, int64_t start, torch::Dtype dtype = torch::kFloat64) {
+  const int64_t n = c.q.size(0), nh = c.q.size(1), hd = c.q.size(2), g = nh / c.keys.size(1);
+  const int64_t len = start + n;
+  torch::Tensor k = c.keys.index_select(0, c.seq).repeat_interleave(g, 1).to(dtype);
+  torch::Tensor v = c.values.index_select(0, c.seq).repeat_interleave(g, 1).to(dtype);
+  torch::Tensor s = torch::einsum("ihd,lhd->hil", {c.q.to(dtype), k}) / std::sqrt(hd);
+  torch::Tensor future = torch::arange(len).unsqueeze(0) > (torch::arange(n) + start).unsqueeze(1);
+  s = s.masked_fill(future.unsqueeze(0), -std::numeric_limits<double>::infinity());
+  torch::Tensor o = torch::einsum("hil,lhd->ihd", {torch::softmax(s, -1), v});
+  return o.reshape({n, nh * hd}).to(torch::kFloat32);
+}
+
+TEST(PrefillAttention, EqualsTorchCausallyOverScatteredSlots) {
+  if (!Available()) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: the engine keeps torch's batched path";
+  }
+  c10::InferenceMode guard;
+  torch::manual_seed(31);
+  struct PrefillCase {
+    int64_t kvh, g, hd, start, n;
+  };
+  // GQA ratios 1-8 (and 3, 5, 6, 7: remainders of the 4-row groups), every head size it takes,
+  // chunks from the sequence's start and after a cached prefix, lengths around 16.
+  for (const PrefillCase& c :
+       {PrefillCase{2, 4, 32, 0, 1}, PrefillCase{2, 4, 32, 0, 200}, PrefillCase{2, 4, 32, 37, 64},
+        PrefillCase{1, 1, 16, 0, 17}, PrefillCase{4, 2, 64, 16, 16}, PrefillCase{2, 8, 128, 5, 33},
+        PrefillCase{1, 2, 256, 0, 31}, PrefillCase{1, 3, 32, 15, 9}, PrefillCase{1, 5, 32, 0, 20},
+        PrefillCase{2, 6, 16, 100, 3}, PrefillCase{1, 7, 64, 1, 47}}) {
+    SCOPED_TRACE(::testing::Message() << "kvh " << c.kvh << " g " << c.g << " hd " << c.hd
+                                      << " start " << c.start << " n " << c.n);
+    Chunk in = MakeChunk(c.kvh, c.g, c.hd, c.start, c.n, 512);
+    ASSERT_TRUE(PrefillAttentionFits(in.keys, in.values, in.q, in.seq, c.start));
+    torch::Tensor got = PrefillAttention(in.keys, in.values, in.q, in.seq, c.start);
+    torch::Tensor want = CausalReference(in, c.start);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LE((got - want).abs().max().item<double>(), 2e-6);
+  }
+}
+
+TEST(PrefillAttention, PeakedScoresStayFiniteAndAccurate) {
+  if (!Available()) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: the engine keeps torch's batched path";
+  }
+  c10::InferenceMode guard;
+  torch::manual_seed(32);
+  Chunk peaked = MakeChunk(2, 4, 32, 10, 90, 256, 60.0);
+  torch::Tensor got = PrefillAttention(peaked.keys, peaked.values, peaked.q, peaked.seq, 10);
+  EXPECT_TRUE(torch::isfinite(got).all().item<bool>());
+  torch::Tensor exact = CausalReference(peaked, 10);
+  const double torch_err =
+      (CausalReference(peaked, 10, torch::kFloat32) - exact).abs().max().item<double>();
+  EXPECT_LE((got - exact).abs().max().item<double>(), 2 * torch_err + 1e-6)
+      << "torch's float32 error " << torch_err;
+  // The first position sees itself alone: its output is its own value row, exactly.
+  Chunk first = MakeChunk(2, 4, 32, 0, 5, 64);
+  got = PrefillAttention(first.keys, first.values, first.q, first.seq, 0);
+  torch::Tensor v0 = first.values[first.seq[0].item<int64_t>()].repeat_interleave(4, 0);
+  EXPECT_TRUE(torch::equal(got[0], v0.reshape({-1})));
+}
+
+TEST(PrefillAttention, AQuerysResultDoesNotDependOnItsChunkOrThreads) {
+  if (!Available()) {
+    GTEST_SKIP() << "this CPU has no AVX-512F: the engine keeps torch's batched path";
+  }
+  c10::InferenceMode guard;
+  torch::manual_seed(33);
+  const int64_t start = 20, n = 100;
+  Chunk in = MakeChunk(2, 4, 32, start, n, 256);
+  torch::Tensor whole = PrefillAttention(in.keys, in.values, in.q, in.seq, start);
+  // The same positions split into three chunks, as a chunked prefill or a cached prefix would.
+  int64_t at = 0;
+  for (int64_t part : {1, 60, 39}) {
+    torch::Tensor got =
+        PrefillAttention(in.keys, in.values, in.q.narrow(0, at, part),
+                         in.seq.narrow(0, 0, start + at + part).contiguous(), start + at);
+    EXPECT_TRUE(torch::equal(got, whole.narrow(0, at, part))) << "chunk at " << at;
+    at += part;
+  }
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  torch::Tensor one = PrefillAttention(in.keys, in.values, in.q, in.seq, start);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(one, whole));
+}
+
+TEST(PrefillAttention, RefusesWhatItCannotTake) {
+  torch::manual_seed(34);
+  Chunk in = MakeChunk(2, 4, 32, 8, 12, 64);
+  if (!Available()) {
+    EXPECT_FALSE(PrefillAttentionFits(in.keys, in.values, in.q, in.seq, 8));
+    return;
+  }
+  EXPECT_TRUE(PrefillAttentionFits(in.keys, in.values, in.q, in.seq, 8));
+  auto refuses = [&](const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q,
+                     const torch::Tensor& s,
+                     int64_t start) { return !PrefillAttentionFits(k, v, q, s, start); };
+  EXPECT_TRUE(
+      refuses(in.keys.to(torch::kBFloat16), in.values.to(torch::kBFloat16), in.q, in.seq, 8));
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.to(torch::kFloat64), in.seq, 8));
+  EXPECT_TRUE(refuses(in.keys.transpose(0, 1), in.values, in.q, in.seq, 8));   // not contiguous
+  EXPECT_TRUE(refuses(in.keys, in.values.narrow(0, 0, 32), in.q, in.seq, 8));  // other shapes
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.narrow(1, 0, 7), in.seq, 8));   // 7 heads over 2
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.narrow(0, 0, 0), in.seq.narrow(0, 0, 8), 8));
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q, in.seq, 7));   // slots not start + n
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q, in.seq, -1));  // a negative start
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q, in.seq.to(torch::kInt32), 8));
+  EXPECT_TRUE(refuses(in.keys, in.values, in.q.detach().requires_grad_(), in.seq, 8));
+  EXPECT_THROW(PrefillAttention(in.keys, in.values, in.q, in.seq, 7), c10::Error);
 }
 
 }  // namespace

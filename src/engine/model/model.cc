@@ -116,6 +116,9 @@ struct Model::Impl {
   static constexpr int64_t kScoreBytes = int64_t{4} << 20;
   torch::Tensor AttendOne(const LayerCache& L, const torch::Tensor& q, const torch::Tensor& slots,
                           int64_t start) const {
+    if (qwen3::PrefillAttentionFits(L.k, L.v, q, slots, start)) {
+      return qwen3::PrefillAttention(L.k, L.v, q, slots, start);  // attention_cpu.h
+    }
     const ModelConfig& c = config;
     int64_t n = q.size(0), len = slots.size(0);
     int64_t kvh = c.num_key_value_heads, g = c.num_attention_heads / kvh, hd = c.head_dim;

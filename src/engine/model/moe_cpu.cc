@@ -122,8 +122,9 @@ bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tenso
     return false;
   }
   const int64_t H = x.size(1);
+  const int64_t most_rows = avx512::Available() ? kTiledExpertRows : kSmallBatchExpertRows;
   for (size_t e = 0; e < gate_up.size(); ++e) {
-    if (counts[e] > kSmallBatchExpertRows) {
+    if (counts[e] > most_rows) {
       return false;
     }
     if (gate_up[e].requires_grad() || down[e].requires_grad() || gate_up[e].size(1) != H ||

@@ -1,8 +1,8 @@
 #pragma once
 
-// The MoE experts of a decode step on the CPU: few rows per expert, where a BLAS call per
-// expert costs more in packing and dispatch than its arithmetic (torch side: include only from
-// torch translation units).
+// The MoE experts on the CPU: a decode step's few rows per expert, where a BLAS call per expert
+// costs more in packing and dispatch than its arithmetic, and (with AVX-512) a prefill chunk's
+// tens to hundreds (torch side: include only from torch translation units).
 
 #include <torch/torch.h>
 
@@ -10,13 +10,18 @@
 
 namespace bragg::engine::qwen3 {
 
-// Most rows one expert may get for SmallBatchExperts to take a call.
+// Most rows one expert may get for SmallBatchExperts to take a call: with AVX-512 its tiles
+// take a prefill chunk's experts as well (a 512-token chunk gives an expert at most 512 rows;
+// on the benchmark's model they beat a BLAS call per expert there too: a 4,096-token prompt's
+// first token 0.47 -> 0.39 s); without it, a decode step's few rows.
+inline constexpr int64_t kTiledExpertRows = 512;
 inline constexpr int64_t kSmallBatchExpertRows = 32;
 
 // Whether SmallBatchExperts can take this call: inference (nothing needs a gradient), fp32 on
 // the CPU, every expert's weights in the [in, out] layout of TransposeLinearWeights (gate_up
 // [2I, H] and down [H, I] as transposed views of contiguous memory), and at most
-// kSmallBatchExpertRows rows for any expert (`counts`: rows per expert).
+// kTiledExpertRows rows for any expert where the CPU has AVX-512, else kSmallBatchExpertRows
+// (`counts`: rows per expert).
 bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tensor>& gate_up,
                           const std::vector<torch::Tensor>& down, const int64_t* counts);
 

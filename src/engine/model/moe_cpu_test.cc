@@ -47,16 +47,25 @@ std::vector<int64_t> Counts(const torch::Tensor& idx, int64_t E) {
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + E);
 }
 
-TEST(SmallBatchExperts, EqualsTorchOnDecodeShapes) {
+TEST(SmallBatchExperts, EqualsTorchOnDecodeAndPrefillShapes) {
   c10::InferenceMode guard;
   torch::manual_seed(7);
   // Shapes of the benchmark model and odd ones (H and I not multiples of a vector width),
-  // with batches from one row to every expert at its row limit.
+  // with batches from one row to every expert at its row limit, and prefill chunks' where the
+  // AVX-512 tiles take them.
   struct Shape {
     int64_t E, H, I, k, T;
   };
-  for (Shape s : {Shape{16, 256, 256, 2, 1}, Shape{16, 256, 256, 2, 32}, Shape{16, 256, 256, 2, 64},
-                  Shape{8, 37, 19, 3, 5}, Shape{4, 64, 96, 4, 32}}) {
+  std::vector<Shape> shapes = {Shape{16, 256, 256, 2, 1}, Shape{16, 256, 256, 2, 32},
+                               Shape{16, 256, 256, 2, 64}, Shape{8, 37, 19, 3, 5},
+                               Shape{4, 64, 96, 4, 32}};
+  if (__builtin_cpu_supports("avx512f")) {
+    // A prefill chunk's rows: about 64 an expert for 512 tokens, and one expert given all 300
+    // rows of a chunk (every token routed to it).
+    shapes.push_back(Shape{16, 256, 256, 2, 512});
+    shapes.push_back(Shape{2, 64, 48, 2, 300});
+  }
+  for (Shape s : shapes) {
     SCOPED_TRACE(::testing::Message()
                  << "E " << s.E << " H " << s.H << " I " << s.I << " k " << s.k << " T " << s.T);
     Experts ex = MakeExperts(s.E, s.H, s.I);
@@ -92,7 +101,9 @@ TEST(SmallBatchExperts, RefusesWhatItCannotTake) {
     c10::InferenceMode guard;
     EXPECT_TRUE(SmallBatchExpertsFit(x, ex.gate_up, ex.down, few.data()));
     // An expert over the row limit: BLAS does better there.
-    std::vector<int64_t> many = {kSmallBatchExpertRows + 1, 0, 0, 0};
+    std::vector<int64_t> many = {
+        (__builtin_cpu_supports("avx512f") ? kTiledExpertRows : kSmallBatchExpertRows) + 1, 0, 0,
+        0};
     EXPECT_FALSE(SmallBatchExpertsFit(x, ex.gate_up, ex.down, many.data()));
     // Not fp32.
     EXPECT_FALSE(SmallBatchExpertsFit(x.to(torch::kBFloat16), ex.gate_up, ex.down, few.data()));

@@ -312,7 +312,7 @@ torch::Tensor Moe(const ModelConfig& c, const Layer& L, const torch::Tensor& x, 
   torch::Tensor counts = torch::bincount(flat, {}, c.num_experts).cpu();
   const int64_t* cnt = counts.data_ptr<int64_t>();
   if (!deterministic && SmallBatchExpertsFit(x, L.e_gate_up, L.e_down, cnt)) {
-    return SmallBatchExperts(x, idx, w, L.e_gate_up, L.e_down);  // a decode step's few rows
+    return SmallBatchExperts(x, idx, w, L.e_gate_up, L.e_down);  // moe_cpu.h
   }
   torch::Tensor out = torch::zeros_like(x);
   torch::Tensor order = torch::argsort(flat);
