@@ -6,8 +6,18 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "engine/model/avx512_kernels.h"
+
+// GCC 12's AVX-512 headers give the unmasked forms of some intrinsics (_mm512_max_ps,
+// _mm512_scalef_ps, the reductions' extracts) an "undefined" source vector for their unused
+// lanes, which its own -Wmaybe-uninitialized reports once they are inlined here: hundreds of
+// warnings about the headers, none about this file (GCC 13 fixed the headers).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 namespace bragg::engine::qwen3 {
 namespace {
@@ -397,14 +407,15 @@ torch::Tensor PrefillAttention(const torch::Tensor& keys, const torch::Tensor& v
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  // Per KV head: its keys packed [block][hd][16] and its values [position][hd].
-  std::vector<float> kt(static_cast<size_t>(kvh * blocks * hd * 16));
-  std::vector<float> vt(static_cast<size_t>(kvh * len * hd));
+  // Per KV head: its keys packed [block][hd][16] and its values [position][hd], every float
+  // written below (so not zeroed here).
+  std::unique_ptr<float[]> kt(new float[static_cast<size_t>(kvh * blocks * hd * 16)]);
+  std::unique_ptr<float[]> vt(new float[static_cast<size_t>(kvh * len * hd)]);
   at::parallel_for(0, kvh * blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t kh = i / blocks, b = i % blocks;
-      PackKeyBlock(kp + kh * hd, stride, sp, len, hd, b, kt.data() + kh * blocks * hd * 16);
-      float* vout = vt.data() + (kh * len + b * 16) * hd;
+      PackKeyBlock(kp + kh * hd, stride, sp, len, hd, b, kt.get() + kh * blocks * hd * 16);
+      float* vout = vt.get() + (kh * len + b * 16) * hd;
       for (int64_t p = b * 16; p < std::min(len, b * 16 + 16); ++p, vout += hd) {
         std::memcpy(vout, vp + sp[p] * stride + kh * hd, hd * sizeof(float));
       }
@@ -423,8 +434,8 @@ torch::Tensor PrefillAttention(const torch::Tensor& keys, const torch::Tensor& v
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t x = t; x < items; x += threads) {
         const int64_t i = x / kvh, kh = x % kvh;
-        item(qp + (i * nh + kh * g) * hd, g, kt.data() + kh * blocks * hd * 16,
-             vt.data() + kh * len * hd, start + i + 1, scale, scores.data(), ld,
+        item(qp + (i * nh + kh * g) * hd, g, kt.get() + kh * blocks * hd * 16,
+             vt.get() + kh * len * hd, start + i + 1, scale, scores.data(), ld,
              op + (i * nh + kh * g) * hd);
       }
     }
