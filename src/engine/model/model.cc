@@ -46,6 +46,12 @@ struct Model::Impl {
   // through).
   bool fused = false;
   std::vector<torch::Tensor> wqkv, bqkv;
+  // Fused, where the CPU has the packed kernel and the model no q/k/v/o biases: wqkv and wo of
+  // each layer packed for qwen3::PackedLinear, which takes a decode step's projections from
+  // kPackedProjectionMinRows rows on (below that BLAS's small-matrix path was as fast or
+  // faster); else empty.
+  std::vector<torch::Tensor> wqkv_packed, wo_packed;
+  static constexpr int64_t kPackedProjectionMinRows = 8;
   std::vector<LayerCache> cache;
 
   torch::TensorOptions opts() const { return torch::TensorOptions().dtype(dtype).device(device); }
@@ -62,6 +68,16 @@ struct Model::Impl {
     if (fused) {
       for (Layer& L : w.layers) {
         FuseQkv(&L);
+      }
+      bool biases = false;
+      for (size_t li = 0; li < w.layers.size(); ++li) {
+        biases = biases || bqkv[li].defined() || w.layers[li].bo.defined();
+      }
+      if (lm_head_packed.defined() && !biases) {
+        for (size_t li = 0; li < w.layers.size(); ++li) {
+          wqkv_packed.push_back(qwen3::PackLinearWeight(wqkv[li]));
+          wo_packed.push_back(qwen3::PackLinearWeight(w.layers[li].wo));
+        }
       }
     }
     const ModelConfig& c = config;
@@ -101,6 +117,17 @@ struct Model::Impl {
   torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w,
                        const torch::Tensor& b = {}) const {
     return engine::Linear(x, w, b, options.deterministic);
+  }
+
+  // x w^T for layer `li`'s fused q/k/v product or its output projection (`packed`: wqkv_packed
+  // or wo_packed): from the packed copy where it takes x, else Linear.
+  torch::Tensor Projection(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                           const std::vector<torch::Tensor>& packed, size_t li) const {
+    if (!packed.empty() && x.size(0) >= kPackedProjectionMinRows &&
+        qwen3::PackedLinearFits(x, packed[li])) {
+      return qwen3::PackedLinear(x, packed[li], w.size(0));
+    }
+    return Linear(x, w, b);
   }
 
   torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight) const {
@@ -267,8 +294,8 @@ struct Model::Impl {
       if (fused) {
         x = pending.defined() ? qwen3::AddRmsNorm(h, pending, L.ln1, eps)
                               : qwen3::FusedRmsNorm(h, L.ln1, eps);
-        q = qwen3::QkNormRopeCache(Linear(x, wqkv[li], bqkv[li]), L.q_norm, L.k_norm, cos, sin,
-                                   lc.k, lc.v, slot, nh, kvh, eps);
+        q = qwen3::QkNormRopeCache(Projection(x, wqkv[li], bqkv[li], wqkv_packed, li), L.q_norm,
+                                   L.k_norm, cos, sin, lc.k, lc.v, slot, nh, kvh, eps);
       } else {
         x = RmsNorm(h, L.ln1);
         q = Linear(x, L.wq, L.bq).view({T, nh, hd});
@@ -299,7 +326,7 @@ struct Model::Impl {
         attn = parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
       }
       if (fused) {
-        x = qwen3::AddRmsNorm(h, Linear(attn, L.wo, L.bo), L.ln2, eps);
+        x = qwen3::AddRmsNorm(h, Projection(attn, L.wo, L.bo, wo_packed, li), L.ln2, eps);
       } else {
         h = h + Linear(attn, L.wo, L.bo);
         x = RmsNorm(h, L.ln2);
@@ -449,6 +476,10 @@ void Model::ApplyUpdate(const Checkpoint& ck) {
   }
   if (impl_->lm_head_packed.defined()) {
     qwen3::RepackLinearWeight(impl_->w.lm_head, impl_->lm_head_packed);
+  }
+  for (size_t li = 0; li < impl_->wqkv_packed.size(); ++li) {
+    qwen3::RepackLinearWeight(impl_->wqkv[li], impl_->wqkv_packed[li]);
+    qwen3::RepackLinearWeight(impl_->w.layers[li].wo, impl_->wo_packed[li]);
   }
 }
 
