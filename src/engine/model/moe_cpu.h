@@ -33,4 +33,16 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
                                 const torch::Tensor& w, const std::vector<torch::Tensor>& gate_up,
                                 const std::vector<torch::Tensor>& down);
 
+// Whether RouterTopK can take this call: inference, fp32 on the CPU, x [T, H] and the router
+// [E, H] in TransposeLinearWeights' layout (a transposed view of [H, E] memory), 1 <= k <= E.
+bool RouterTopKFits(const torch::Tensor& x, const torch::Tensor& router, int64_t k);
+
+// A MoE layer's routing as Moe's torch operators compute it, in one pass over the rows instead
+// of a dozen operators: p = softmax(x router^T) over the E experts in float32, its k largest in
+// descending order (the lower expert first among equal ones), their weights p, divided by their
+// sum where `normalize` (Qwen3's norm_topk_prob). idx: int64 [T, k]; w: fp32 [T, k];
+// counts[e]: the rows routed to expert e.
+void RouterTopK(const torch::Tensor& x, const torch::Tensor& router, int64_t k, bool normalize,
+                torch::Tensor* idx, torch::Tensor* w, std::vector<int64_t>* counts);
+
 }  // namespace bragg::engine::qwen3

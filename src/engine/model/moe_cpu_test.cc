@@ -1,10 +1,12 @@
-// SmallBatchExperts against the experts computed with torch's own operators, on the weight
-// layout the engine serves from, and the calls it must refuse.
+// SmallBatchExperts and RouterTopK against the experts and routing computed with torch's own
+// operators, on the weight layout the engine serves from, and the calls they must refuse.
 
 #include "engine/model/moe_cpu.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace bragg::engine::qwen3 {
@@ -125,6 +127,97 @@ TEST(SmallBatchExperts, RefusesWhatItCannotTake) {
   // Training: a gradient is wanted.
   torch::Tensor xg = x.clone().requires_grad_(true);
   EXPECT_FALSE(SmallBatchExpertsFit(xg, ex.gate_up, ex.down, few.data()));
+}
+
+// A router [E, H] in the serving layout (a transposed view of [H, E] memory).
+torch::Tensor MakeRouter(int64_t E, int64_t H) { return torch::randn({E, H}).t().contiguous().t(); }
+
+TEST(RouterTopK, EqualsTorchsSoftmaxAndTopK) {
+  c10::InferenceMode guard;
+  torch::manual_seed(9);
+  struct Shape {
+    int64_t T, H, E, k;
+  };
+  // The benchmark model's router, odd sizes, and a 128-expert top-8 one (Qwen3-30B-A3B's shape).
+  for (Shape s : {Shape{1, 256, 16, 2}, Shape{64, 256, 16, 2}, Shape{37, 19, 5, 3},
+                  Shape{512, 64, 128, 8}, Shape{3, 8, 4, 4}}) {
+    for (bool normalize : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "T " << s.T << " H " << s.H << " E " << s.E << " k "
+                                        << s.k << " normalize " << normalize);
+      torch::Tensor x = torch::randn({s.T, s.H});
+      torch::Tensor router = MakeRouter(s.E, s.H);
+      ASSERT_TRUE(RouterTopKFits(x, router, s.k));
+      torch::Tensor idx, w;
+      std::vector<int64_t> counts;
+      RouterTopK(x, router, s.k, normalize, &idx, &w, &counts);
+      // The experts torch's float32 operators pick, and their weights in float64 and as those
+      // operators compute them: ours are judged against float64, next to torch's own error.
+      auto weights = [&](torch::Dtype dtype) {
+        torch::Tensor probs = torch::softmax(F::linear(x.to(dtype), router.to(dtype)), -1);
+        auto [pw, pi] = torch::topk(probs, s.k, -1);
+        if (normalize) {
+          pw = pw / pw.sum(-1, true);
+        }
+        return std::make_pair(pw.to(torch::kFloat64), pi);
+      };
+      auto [torch_w, want_idx] = weights(torch::kFloat32);
+      torch::Tensor exact_w = weights(torch::kFloat64).first;
+      EXPECT_TRUE(torch::equal(idx, want_idx));
+      EXPECT_TRUE(torch::equal(idx, weights(torch::kFloat64).second));
+      const double torch_err = (torch_w - exact_w).abs().max().item<double>();
+      EXPECT_LE((w.to(torch::kFloat64) - exact_w).abs().max().item<double>(), 2 * torch_err + 1e-6)
+          << "torch's float32 error " << torch_err;
+      EXPECT_EQ(counts, Counts(want_idx, s.E));
+    }
+  }
+}
+
+TEST(RouterTopK, EqualExpertsGoInIndexOrderAndNaNsStillPickDistinctOnes) {
+  c10::InferenceMode guard;
+  torch::manual_seed(10);
+  // Experts 1 and 3 have the same weights (the same probability for every row), above the rest.
+  torch::Tensor r = torch::randn({4, 8}).mul(0.01);
+  r[3] = r[1] = torch::ones({8});
+  torch::Tensor router = r.t().contiguous().t();
+  torch::Tensor x = torch::rand({5, 8}).add(0.5);  // positive rows: 1 and 3 lead
+  torch::Tensor idx, w;
+  std::vector<int64_t> counts;
+  RouterTopK(x, router, 2, true, &idx, &w, &counts);
+  for (int64_t t = 0; t < 5; ++t) {
+    EXPECT_EQ(idx[t][0].item<int64_t>(), 1);
+    EXPECT_EQ(idx[t][1].item<int64_t>(), 3);
+    EXPECT_FLOAT_EQ(w[t][0].item<float>(), 0.5f);
+  }
+  EXPECT_EQ(counts, (std::vector<int64_t>{0, 5, 0, 5}));
+  // A NaN row (a broken checkpoint): k distinct experts in range, not a read out of bounds.
+  x[2] = std::numeric_limits<float>::quiet_NaN();
+  RouterTopK(x, router, 3, true, &idx, &w, &counts);
+  for (int64_t t = 0; t < 5; ++t) {
+    std::vector<int64_t> row(idx[t].data_ptr<int64_t>(), idx[t].data_ptr<int64_t>() + 3);
+    std::sort(row.begin(), row.end());
+    EXPECT_TRUE(std::adjacent_find(row.begin(), row.end()) == row.end());
+    EXPECT_GE(row.front(), 0);
+    EXPECT_LT(row.back(), 4);
+  }
+}
+
+TEST(RouterTopK, RefusesWhatItCannotTake) {
+  torch::manual_seed(11);
+  torch::Tensor x = torch::randn({3, 16});
+  torch::Tensor router = MakeRouter(8, 16);
+  {
+    c10::InferenceMode guard;
+    EXPECT_TRUE(RouterTopKFits(x, router, 2));
+    EXPECT_FALSE(RouterTopKFits(x, router, 0));
+    EXPECT_FALSE(RouterTopKFits(x, router, 9));                       // k > E
+    EXPECT_FALSE(RouterTopKFits(x, router.contiguous(), 2));          // [out, in] memory
+    EXPECT_FALSE(RouterTopKFits(x.to(torch::kBFloat16), router, 2));  // not fp32
+    EXPECT_FALSE(RouterTopKFits(torch::randn({3, 15}), router, 2));   // H disagrees
+    torch::Tensor idx, w;
+    std::vector<int64_t> counts;
+    EXPECT_THROW(RouterTopK(x, router, 9, true, &idx, &w, &counts), c10::Error);
+  }
+  EXPECT_FALSE(RouterTopKFits(x.clone().requires_grad_(true), router, 2));  // training
 }
 
 }  // namespace

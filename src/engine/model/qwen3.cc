@@ -292,8 +292,27 @@ void TransposeLinearWeights(Weights* w) {
   }
 }
 
+// Moe's experts with torch's operators, each expert's rows gathered and computed in one SwiGlu:
+// for deterministic mode, other dtypes and devices, and rows the CPU kernels do not take. idx and
+// w: [T, k]; cnt: rows per expert.
+static torch::Tensor ExpertsByTorch(const ModelConfig& c, const Layer& L, const torch::Tensor& x,
+                                    const torch::Tensor& idx, const torch::Tensor& w,
+                                    const int64_t* cnt, bool deterministic);
+
 torch::Tensor Moe(const ModelConfig& c, const Layer& L, const torch::Tensor& x, bool deterministic,
                   torch::Tensor* experts_out, const torch::Tensor* replay) {
+  // Serving (fp32 on the CPU, no replay, not deterministic): the routing in one kernel, and
+  // the experts in moe_cpu.h's where they fit.
+  if (!deterministic && replay == nullptr && RouterTopKFits(x, L.router, c.num_experts_per_tok)) {
+    torch::Tensor idx, w;
+    std::vector<int64_t> counts;
+    RouterTopK(x, L.router, c.num_experts_per_tok, c.norm_topk_prob, &idx, &w, &counts);
+    *experts_out = idx;
+    if (SmallBatchExpertsFit(x, L.e_gate_up, L.e_down, counts.data())) {
+      return SmallBatchExperts(x, idx, w, L.e_gate_up, L.e_down);
+    }
+    return ExpertsByTorch(c, L, x, idx, w, counts.data(), deterministic);
+  }
   torch::Tensor logits = Linear(x, L.router, {}, deterministic);
   torch::Tensor probs = torch::softmax(logits.to(torch::kFloat32), -1);
   torch::Tensor w, idx;
@@ -314,6 +333,13 @@ torch::Tensor Moe(const ModelConfig& c, const Layer& L, const torch::Tensor& x, 
   if (!deterministic && SmallBatchExpertsFit(x, L.e_gate_up, L.e_down, cnt)) {
     return SmallBatchExperts(x, idx, w, L.e_gate_up, L.e_down);  // moe_cpu.h
   }
+  return ExpertsByTorch(c, L, x, idx, w, cnt, deterministic);
+}
+
+static torch::Tensor ExpertsByTorch(const ModelConfig& c, const Layer& L, const torch::Tensor& x,
+                                    const torch::Tensor& idx, const torch::Tensor& w,
+                                    const int64_t* cnt, bool deterministic) {
+  torch::Tensor flat = idx.reshape({-1});
   torch::Tensor out = torch::zeros_like(x);
   torch::Tensor order = torch::argsort(flat);
   int64_t k = c.num_experts_per_tok;
