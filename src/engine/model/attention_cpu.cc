@@ -275,41 +275,35 @@ __attribute__((target("avx512f"))) void PackKeyBlock(const float* keys, int64_t 
 using PrefillItemFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, float,
                                float*, int64_t, float*);
 
-PrefillItemFn PrefillItemFor(int64_t hd) {
+// A kernel's instance for head size hd (NV = hd / 16 vectors a row), or null.
+template <typename Fn, Fn F1, Fn F2, Fn F4, Fn F8, Fn F16>
+Fn ForHeadSize(int64_t hd) {
   switch (hd) {
     case 16:
-      return PrefillItem<1>;
+      return F1;
     case 32:
-      return PrefillItem<2>;
+      return F2;
     case 64:
-      return PrefillItem<4>;
+      return F4;
     case 128:
-      return PrefillItem<8>;
+      return F8;
     case 256:
-      return PrefillItem<16>;
+      return F16;
     default:
       return nullptr;
   }
+}
+
+PrefillItemFn PrefillItemFor(int64_t hd) {
+  return ForHeadSize<PrefillItemFn, PrefillItem<1>, PrefillItem<2>, PrefillItem<4>, PrefillItem<8>,
+                     PrefillItem<16>>(hd);
 }
 
 using ItemFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*,
                         int64_t, float, float*, float*);
 
 ItemFn ItemFor(int64_t hd) {
-  switch (hd) {
-    case 16:
-      return Item<1>;
-    case 32:
-      return Item<2>;
-    case 64:
-      return Item<4>;
-    case 128:
-      return Item<8>;
-    case 256:
-      return Item<16>;
-    default:
-      return nullptr;
-  }
+  return ForHeadSize<ItemFn, Item<1>, Item<2>, Item<4>, Item<8>, Item<16>>(hd);
 }
 
 bool CpuFloat(const torch::Tensor& t) {
