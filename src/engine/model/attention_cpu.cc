@@ -310,18 +310,30 @@ bool CpuFloat(const torch::Tensor& t) {
   return t.defined() && t.scalar_type() == torch::kFloat32 && t.device().is_cpu();
 }
 
+// What both kernels ask of the cache and the queries: AVX-512F, fp32 on the CPU, keys and values
+// [slots, kvh, hd] contiguous and under 2^31 floats each (read at 32-bit offsets), q [n, nh, hd]
+// with nh a multiple of kvh and a head size the kernels are built for, no gradient wanted.
+bool CacheAndQueriesFit(const torch::Tensor& keys, const torch::Tensor& values,
+                        const torch::Tensor& q) {
+  if (!avx512::Available() || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) ||
+      keys.dim() != 3 || q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
+      keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
+    return false;
+  }
+  const int64_t kvh = keys.size(1), hd = keys.size(2);
+  if (ItemFor(hd) == nullptr || PrefillItemFor(hd) == nullptr || q.size(2) != hd || kvh < 1 ||
+      q.size(1) % kvh != 0) {
+    return false;
+  }
+  return !(torch::GradMode::is_enabled() &&
+           (q.requires_grad() || keys.requires_grad() || values.requires_grad()));
+}
+
 }  // namespace
 
 bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
                          const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots) {
-  if (!avx512::Available() || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) ||
-      keys.dim() != 3 || q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
-      keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
-    return false;  // (keys are read at 32-bit offsets)
-  }
-  const int64_t kvh = keys.size(1), hd = keys.size(2);
-  if (ItemFor(hd) == nullptr || q.size(2) != hd || kvh < 1 || q.size(1) % kvh != 0 ||
-      q.size(0) != static_cast<int64_t>(seq_slots.size())) {
+  if (!CacheAndQueriesFit(keys, values, q) || q.size(0) != static_cast<int64_t>(seq_slots.size())) {
     return false;
   }
   for (const torch::Tensor& s : seq_slots) {
@@ -329,10 +341,6 @@ bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
         s.size(0) < 1 || !s.is_contiguous()) {
       return false;
     }
-  }
-  if (torch::GradMode::is_enabled() &&
-      (q.requires_grad() || keys.requires_grad() || values.requires_grad())) {
-    return false;
   }
   return true;
 }
@@ -367,25 +375,9 @@ torch::Tensor DecodeAttention(const torch::Tensor& keys, const torch::Tensor& va
 
 bool PrefillAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
                           const torch::Tensor& q, const torch::Tensor& slots, int64_t start) {
-  if (!avx512::Available() || !CpuFloat(keys) || !CpuFloat(values) || !CpuFloat(q) ||
-      keys.dim() != 3 || q.dim() != 3 || !keys.is_contiguous() || !values.is_contiguous() ||
-      keys.sizes() != values.sizes() || keys.numel() > std::numeric_limits<int32_t>::max()) {
-    return false;
-  }
-  const int64_t kvh = keys.size(1), hd = keys.size(2);
-  if (PrefillItemFor(hd) == nullptr || q.size(2) != hd || kvh < 1 || q.size(1) % kvh != 0 ||
-      q.size(0) < 1 || start < 0) {
-    return false;
-  }
-  if (!slots.defined() || slots.scalar_type() != torch::kInt64 || !slots.device().is_cpu() ||
-      slots.dim() != 1 || !slots.is_contiguous() || slots.size(0) != start + q.size(0)) {
-    return false;
-  }
-  if (torch::GradMode::is_enabled() &&
-      (q.requires_grad() || keys.requires_grad() || values.requires_grad())) {
-    return false;
-  }
-  return true;
+  return CacheAndQueriesFit(keys, values, q) && q.size(0) >= 1 && start >= 0 && slots.defined() &&
+         slots.scalar_type() == torch::kInt64 && slots.device().is_cpu() && slots.dim() == 1 &&
+         slots.is_contiguous() && slots.size(0) == start + q.size(0);
 }
 
 torch::Tensor PrefillAttention(const torch::Tensor& keys, const torch::Tensor& values,
