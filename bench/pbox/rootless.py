@@ -1,14 +1,18 @@
 #!/usr/bin/python3
-"""pbox rootless against root: one build's pboxd started twice, as root and as an ordinary user
-(rootless mode: each sandbox in its own user namespace, the agent's cgroups in a subtree
-delegated to that user), and the same calls timed on both from the Python client in the same
-run: create + destroy of a sandbox, `true` run in a sandbox (Run), and 1 MiB written into a
-sandbox and read back (write_file + read_file).
+"""pbox rootless against root: one build's pboxd started three times, as root and twice as an
+ordinary user (rootless mode: each sandbox in its own user namespace, the agent's cgroups in a
+subtree delegated to that user), once with the kernel's OverlayFS for sandboxes' roots and once
+with fuse-overlayfs (`--overlay fuse`, what a rootless agent uses on a kernel before 5.11), and
+the same calls timed on all three from the Python client in the same run: create + destroy of
+a sandbox, `true` run in a sandbox (Run), and 1 MiB written into a sandbox and read back
+(write_file + read_file).
 
-Rounds interleave the two agents (ABAB, the first of each round alternating); each round times
+Rounds interleave the agents (ABC, the order reversed every other round); each round times
 every call --creates / --execs / --rtts times on each agent and keeps its p50 and p90. The
 verdicts (bench/verdict.py) judge the rounds' p50s against the target this benchmark states:
-rootless within 1.25x of root for each call (rootless / root p50 <= 1.25).
+each rootless agent within 1.25x of root for each call (rootless / root p50 <= 1.25).
+The fuse-overlayfs agent needs /dev/fuse open to the user: where it is not (mode 0600), this
+run opens it (0666, as most distributions make it) and puts it back at the end.
 
 Both agents start in cgroups of their own made by this script at the top of each hierarchy (the
 rootless one's delegated to the user, as systemd's Delegate=yes or an administrator would; the
@@ -58,7 +62,14 @@ METRICS = [
     ("exec_true_ms", "run `true` (Run, to its exit)"),
     ("rtt_1mib_ms", "1 MiB write_file + read_file"),
 ]
-MODES = ("root", "rootless")
+MODES = ("root", "rootless", "rootless-fuse")
+# What the tables call each rootless agent.
+SHOWN = {"rootless": "rootless", "rootless-fuse": "rootless, fuse-overlayfs roots"}
+
+
+def modes(data):
+    """The agents of a run (older results have no fuse-overlayfs one)."""
+    return [m for m in MODES if m in data["runs"]]
 CGROUP = "/sys/fs/cgroup"
 # The v1 hierarchies pboxd uses (cpuacct beside cpu where they are separate mounts).
 V1_HIERARCHIES = ("memory", "pids", "cpuset", "cpu", "cpuacct", "freezer")
@@ -216,17 +227,21 @@ def start_agent(mode, build, user, cleanup):
     pboxd = os.path.join(build, "src/pbox/pboxd")
     tmp = tempfile.mkdtemp(prefix=f"pbxrl-{mode}-", dir="/tmp")
     cleanup.add(f"remove {tmp}", lambda: remove_dir(tmp, pboxd if mode == "root" else None))
-    if mode == "rootless":
+    rootless = mode.startswith("rootless")
+    if rootless:
         os.chown(tmp, user.pw_uid, user.pw_gid)
     os.chmod(tmp, 0o700)
-    procs = make_cgroups(f"pbox-bench-{mode}-{os.getpid()}",
-                         user if mode == "rootless" else None, cleanup)
+    procs = make_cgroups(f"pbox-bench-{mode}-{os.getpid()}", user if rootless else None,
+                         cleanup)
     sock = os.path.join(tmp, "pbox.sock")
     ready = os.path.join(tmp, "ready.json")
     agent = [pboxd, "--listen", "unix://" + sock, "--state-dir", os.path.join(tmp, "state"),
              "--ready-file", ready, "--log-level", "warn"]
+    if mode == "rootless-fuse":
+        agent += ["--overlay", "fuse"]
+        open_dev_fuse(cleanup)
     drop = []
-    if mode == "rootless":
+    if rootless:
         drop = [shutil.which("setpriv") or "/usr/bin/setpriv", "--reuid", user.pw_name,
                 "--regid", user.pw_name, "--clear-groups", "--"]
     argv = ["/bin/sh", "-c", ENTER, "pbox-bench-enter"] + procs + ["--"] + drop + agent
@@ -242,12 +257,20 @@ def start_agent(mode, build, user, cleanup):
             raise RuntimeError(f"the {mode} pboxd did not start (exit {proc.poll()}): {tail}")
         time.sleep(0.05)
     uid = agent_uid(proc.pid)
-    want = user.pw_uid if mode == "rootless" else 0
+    want = user.pw_uid if rootless else 0
     if uid != want:
         raise RuntimeError(f"the {mode} pboxd runs as uid {uid}, not {want}")
     shown = [os.path.relpath(a, ROOT) if a.startswith(build) else a for a in drop + agent]
-    shown = [a.replace(tmp, f"$DIR_{mode.upper()}") for a in shown]
+    shown = [a.replace(tmp, f"$DIR_{mode.upper().replace('-', '_')}") for a in shown]
     return proc, "unix://" + sock, " ".join(shown)
+
+
+def open_dev_fuse(cleanup):
+    """/dev/fuse read-write for everyone (as most distributions have it) for the run."""
+    mode = os.stat("/dev/fuse").st_mode & 0o7777
+    if mode & 0o006 != 0o006:
+        os.chmod("/dev/fuse", mode | 0o666)
+        cleanup.add("put /dev/fuse's mode back", lambda: os.chmod("/dev/fuse", mode))
 
 
 def stop(proc):
@@ -338,30 +361,35 @@ def mmm(values):
     return min(values), statistics.median(values), max(values)
 
 
-def paired(data, key):
-    """Each round's rootless p50 / its root p50: the two measured back to back (reported
+def paired(data, key, mode):
+    """Each round's `mode` p50 / its root p50: the two measured in the same round (reported
     beside the verdict, which pairs the rounds the least favourable way, as every table's)."""
     return [a[key]["p50"] / b[key]["p50"]
-            for a, b in zip(data["runs"]["rootless"], data["runs"]["root"])]
+            for a, b in zip(data["runs"][mode], data["runs"]["root"])]
 
 
 def targets(data):
     out = []
-    for key, what in METRICS:
-        ours = [r[key]["p50"] for r in data["runs"]["rootless"]]
-        root = [r[key]["p50"] for r in data["runs"]["root"]]
-        lo, mid, hi = shared_verdict.spread(TARGET, ours, root)
-        same = paired(data, key)
-        out.append({"key": key, "goal": f"rootless {what} p50 within {BOUND:g}x of root's",
-                    "peer": "pbox as root (same build, same run)",
-                    "measured": f"{mid:.2f}x ({lo:.2f}-{hi:.2f}x pairing rounds at the "
-                                f"extremes; "
-                                f"{fmt_ms(statistics.median(ours))} against "
-                                f"{fmt_ms(statistics.median(root))} ms)",
-                    "values": {"min": lo, "median": mid, "max": hi},
-                    "paired_ratios": same,
-                    "verdict": shared_verdict.verdict(TARGET, ours, root)})
+    for mode in modes(data)[1:]:
+        for key, what in METRICS:
+            out.append(target(data, mode, key, what))
     return out
+
+
+def target(data, mode, key, what):
+    """The verdict on one call of one rootless agent against root."""
+    ours = [r[key]["p50"] for r in data["runs"][mode]]
+    root = [r[key]["p50"] for r in data["runs"]["root"]]
+    lo, mid, hi = shared_verdict.spread(TARGET, ours, root)
+    return {"key": key if mode == "rootless" else f"{mode}:{key}",
+            "goal": f"{SHOWN[mode]} {what} p50 within {BOUND:g}x of root's",
+            "peer": "pbox as root (same build, same run)",
+            "measured": f"{mid:.2f}x ({lo:.2f}-{hi:.2f}x pairing rounds at the extremes; "
+                        f"{fmt_ms(statistics.median(ours))} against "
+                        f"{fmt_ms(statistics.median(root))} ms)",
+            "values": {"min": lo, "median": mid, "max": hi},
+            "paired_ratios": paired(data, key, mode),
+            "verdict": shared_verdict.verdict(TARGET, ours, root)}
 
 
 def section(data):
@@ -369,45 +397,60 @@ def section(data):
     rounds = len(data["runs"]["root"])
     info = data.get("agents", {})
     limits = info.get("rootless", {}).get("limits")
+    ms = modes(data)
+    fuse = "rootless-fuse" in ms
     lines = [HEADING, "", BEGIN, "",
              f"Generated by `{data['command']}` on {data['date']} "
              f"({data['machine']['cpu_model']}, {data['machine']['nproc']} CPUs, Linux "
              f"{data['machine']['kernel']}, cgroup {data['cgroup']}; load average "
              f"{data['load_start']} at the start, {data['load_end']} at the end; "
-             f"{data['wall_s']:.0f} s in all). One build's pboxd started twice: as root, and as "
+             f"{data['wall_s']:.0f} s in all). One build's pboxd started "
+             f"{'three times' if fuse else 'twice'}: as root, and as "
              f"the user `{a['user']}` (rootless: each sandbox in its own user namespace, the "
              "agent's cgroups in a subtree delegated to that user"
-             + (f"; its limits: {', '.join(limits)}" if limits else "") + "). Each agent "
-             "starts in a cgroup of its own at the top of each hierarchy, so that the two "
+             + (f"; its limits: {', '.join(limits)}" if limits else "") + ")"
+             + (", once with the kernel's OverlayFS for sandboxes' roots and once with "
+                "fuse-overlayfs (`--overlay fuse`, what a rootless agent uses on a kernel "
+                "before 5.11)" if fuse else "") + ". Each agent "
+             "starts in a cgroup of its own at the top of each hierarchy, so that they "
              "differ only in the mode. The calls come from the Python client (`pbox`, the "
              "build's `build/python`) on one connection per agent, sandboxes of the host image "
              "with the agents' default limits, the round trip in a sandbox kept for the run. "
-             f"{rounds} rounds, the agents interleaved (ABAB, the first of each round "
-             f"alternating); each round times {a['creates']} create + destroy, {a['execs']} "
+             f"{rounds} rounds, the agents interleaved (the order reversed every other round); "
+             f"each round times {a['creates']} create + destroy, {a['execs']} "
              f"`true` and {a['rtts']} round trips on each agent (after a warm-up) and keeps "
              "their p50 and p90. Tables: min / median / max over the rounds of a round's "
-             "p50, the median of its p90; ratio: rootless median p50 / root's; same round: "
-             "each round's rootless p50 over its root p50, the two measured back to back "
+             "p50, the median of its p90; ratio: the agent's median p50 / root's; same round: "
+             "each round's p50 over root's in that round "
              "(reported; the verdicts below pair the rounds the least favourable way).", "",
              "Commands (from the repository root, as root, after `make build`; `make bench` "
              "runs the first):", "", "```", data["command"],
              "# which starts, each from /bin/sh moved into its cgroups first:"]
-    lines += [data["agents"][m]["argv"] for m in MODES] + ["```", "",
-              "| call | root p50 ms | rootless p50 ms | root p90 ms | rootless p90 ms | "
-              "rootless / root p50 | same round, min-max |", "|---|---|---|---:|---:|---:|---:|"]
+    lines += [data["agents"][m]["argv"] for m in ms] + ["```", "",
+              "| call | agent | p50 ms (min / median / max) | p90 ms | / root p50 | "
+              "same round, min-max |", "|---|---|---|---:|---:|---:|"]
     for key, what in METRICS:
-        cells = []
-        for m in MODES:
+        root_med = statistics.median([r[key]["p50"] for r in data["runs"]["root"]])
+        for m in ms:
             lo, mid, hi = mmm([r[key]["p50"] for r in data["runs"][m]])
-            cells.append(f"{fmt_ms(lo)} / {fmt_ms(mid)} / {fmt_ms(hi)}")
-        p90 = [statistics.median([r[key]["p90"] for r in data["runs"][m]]) for m in MODES]
-        med = [statistics.median([r[key]["p50"] for r in data["runs"][m]]) for m in MODES]
-        same = paired(data, key)
-        lines.append(f"| {what} | {cells[0]} | {cells[1]} | {fmt_ms(p90[0])} | "
-                     f"{fmt_ms(p90[1])} | {med[1] / med[0]:.2f}x | "
-                     f"{min(same):.2f}-{max(same):.2f}x |")
-    lines += ["", f"Target (stated by this benchmark): rootless within {BOUND:g}x of root for "
-              "each call, judged on the rounds' p50s (rootless / root, even the least "
+            p90 = statistics.median([r[key]["p90"] for r in data["runs"][m]])
+            if m == "root":
+                ratio, same = "", ""
+            else:
+                pr = paired(data, key, m)
+                ratio, same = f"{mid / root_med:.2f}x", f"{min(pr):.2f}-{max(pr):.2f}x"
+            lines.append(f"| {what if m == 'root' else ''} | {SHOWN.get(m, m)} | "
+                         f"{fmt_ms(lo)} / {fmt_ms(mid)} / {fmt_ms(hi)} | {fmt_ms(p90)} | "
+                         f"{ratio} | {same} |")
+    if fuse:
+        lines += ["", "With fuse-overlayfs roots each create also starts the sandbox's "
+                  "fuse-overlayfs daemon and waits for its mount, and the agent's file calls "
+                  "reach the sandbox's files through FUSE, a request to that daemon per chunk "
+                  "(at most 128 KiB by default) and per lookup: the costs of the mode a rootless "
+                  "agent takes only where the kernel refuses it an OverlayFS (before Linux "
+                  "5.11), or with `--overlay fuse`."]
+    lines += ["", f"Target (stated by this benchmark): each rootless agent within {BOUND:g}x of "
+              "root for each call, judged on the rounds' p50s (the agent / root, even the least "
               "favourable pairing of rounds for \"met\").", "",
               "| target | measured | verdict |", "|---|---|---|"]
     for t in data["targets"]:
@@ -463,8 +506,12 @@ def measure(args, build, cleanup):
         reported, limits = getattr(info, "mode", ""), list(getattr(info, "limits", []) or [])
         if not reported:  # a Python client older than the fields: ask the CLI
             reported, limits = cli_mode(build, endpoint)
-        if reported and reported != mode:
+        if reported and reported != mode.split("-")[0]:
             raise RuntimeError(f"the {mode} agent reports mode {reported!r}")
+        root_fs = getattr(info, "root_fs", "")
+        want_fs = "fuse-overlayfs" if mode == "rootless-fuse" else "overlayfs"
+        if root_fs and root_fs != want_fs:
+            raise RuntimeError(f"the {mode} agent's sandboxes' roots are {root_fs!r}")
         # Without a report (an older CLI too), the agent's uid, checked at its start, says it.
         agents[mode] = {"argv": argv, "mode": reported or mode, "version": info.version,
                         "cgroup_version": info.cgroup_version, "limits": limits}
@@ -483,7 +530,7 @@ def measure(args, build, cleanup):
         for mode in (MODES if i % 2 == 0 else MODES[::-1]):
             res = sides[mode].round(args)
             runs[mode].append(res)
-            log(f"round {i + 1}/{args.rounds} {mode:8s} " + "  ".join(
+            log(f"round {i + 1}/{args.rounds} {mode:13s} " + "  ".join(
                 f"{k[:-3]} p50 {v['p50']:.2f} p90 {v['p90']:.2f} ms" for k, v in res.items())
                 + f" (load {loadavg()})")
         round_s = time.monotonic() - r0
@@ -510,7 +557,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
     ap.add_argument("--rounds", type=int, default=DEFAULTS["rounds"],
-                    help="interleaved rounds (each: every call timed on both agents)")
+                    help="interleaved rounds (each: every call timed on every agent)")
     ap.add_argument("--creates", type=int, default=DEFAULTS["creates"],
                     help="create + destroy per round and agent")
     ap.add_argument("--execs", type=int, default=DEFAULTS["execs"],
@@ -533,7 +580,7 @@ def main():
         write_outputs(args, data)
         return 0
     if os.geteuid() != 0:
-        log("skipped: starting a root and a rootless pboxd side by side needs root")
+        log("skipped: starting a root and rootless pboxds side by side needs root")
         return 0
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,30}", args.user):
         sys.exit(f"rootless-bench: --user {args.user!r} is not a valid user name")

@@ -381,6 +381,7 @@ def agent_info(m: pb.InfoResponse) -> AgentInfo:
         mode=m.mode,
         limits=list(m.limits),
         uid=m.uid,
+        root_fs=m.root_fs or "overlayfs",
     )
 
 

@@ -109,6 +109,8 @@ class AgentInfo:
     #: the cgroup controllers sandboxes have: which of memory, pids, cpu, cpuset, freezer hold.
     limits: List[str] = field(default_factory=list)
     uid: int = 0
+    #: how sandboxes' roots are mounted: "overlayfs" (the kernel's) or "fuse-overlayfs".
+    root_fs: str = "overlayfs"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <sstream>
 
 #include "fmt/format.h"
 
@@ -189,6 +190,27 @@ Result<ChildProcess> SpawnSharingMemory(int (*fn)(void*), void* arg, int flags, 
     return ErrnoError("clone", what, clone_errno);
   }
   return ChildProcess::Adopt(pid);
+}
+
+Result<std::string> FindExecutable(const std::string& name) {
+  if (name.find('/') != std::string::npos) {
+    if (::access(name.c_str(), X_OK) != 0) {
+      return ErrnoError("access", name);
+    }
+    return name;
+  }
+  const char* path = ::getenv("PATH");
+  const std::string searched = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  std::stringstream dirs(searched + ":/usr/sbin:/usr/bin:/usr/local/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+  }
+  return absl::NotFoundError(fmt::format(
+      "{} not found in PATH ({}) or /usr/sbin, /usr/bin, /usr/local/bin", name, searched));
 }
 
 }  // namespace bragg

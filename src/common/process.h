@@ -76,6 +76,11 @@ Result<ChildProcess> Spawn(const std::vector<std::string>& argv, const SpawnOpti
 // Human-readable "exit 3" / "killed by SIGKILL".
 std::string DescribeExit(const ExitInfo& info);
 
+// The executable `name`: itself if it holds a '/', else the first in $PATH, then in
+// /usr/sbin, /usr/bin and /usr/local/bin (PATH of a service may lack them). NotFound
+// (naming where it looked) if none may be executed.
+Result<std::string> FindExecutable(const std::string& name);
+
 // The value of the environment variable `name`; "" when it is unset.
 std::string GetEnv(const char* name);
 

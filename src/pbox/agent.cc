@@ -263,6 +263,11 @@ Status RunAgent(const AgentConfig& config) {
   // which can no more make device nodes or trusted.* xattrs than a user can (docs/security.md
   // "Rootless"). Its sandboxes get user namespaces; its cgroups must be delegated to it.
   const bool rootless = ::geteuid() != 0 || !InInitialUserNamespace();
+  if (!rootless && config.overlay == "fuse") {
+    return absl::InvalidArgumentError(
+        "--overlay fuse is for a rootless pboxd: as root, sandboxes' roots are the kernel's "
+        "OverlayFS");
+  }
   BRAGG_RETURN_IF_ERROR(MakeOwnDirs(config.state_dir, 0700, rootless));
   BRAGG_ASSIGN_OR_RETURN(UniqueFd lock, LockStateDir(config.state_dir));
 
@@ -307,6 +312,8 @@ Status RunAgent(const AgentConfig& config) {
   NativeRuntimeOptions rt_opts;
   rt_opts.state_dir = config.state_dir;
   rt_opts.rootless = rootless;
+  rt_opts.overlay = config.overlay;
+  rt_opts.fuse_overlayfs = config.fuse_overlayfs;
   rt_opts.init_path = config.init_path.empty() ? SelfDir() + "/pbox-init" : config.init_path;
   if (config.runtime != "native" && config.runtime != "gvisor") {
     return absl::InvalidArgumentError(
@@ -370,9 +377,11 @@ Status RunAgent(const AgentConfig& config) {
                    .cgroup_version = cgroups->version(),
                    .mode = rootless ? "rootless" : "root",
                    .limits = cgroups->controllers(),
-                   .uid = static_cast<uint32_t>(::geteuid())};
-  spdlog::info("mode {} (uid {}): sandbox cgroups under {} ({}), limits: {}", info.mode, info.uid,
-               cgroups->parent_path(), cgroups->version(), fmt::join(info.limits, ", "));
+                   .uid = static_cast<uint32_t>(::geteuid()),
+                   .root_fs = native->root_fs_name()};
+  spdlog::info("mode {} (uid {}): sandbox cgroups under {} ({}), limits: {}; roots: {}", info.mode,
+               info.uid, cgroups->parent_path(), cgroups->version(), fmt::join(info.limits, ", "),
+               info.root_fs);
   PboxService service(&manager, &metrics, info, token, images.get(), config.client_limits);
 
   // grpc.health.v1.Health, gRPC's own implementation, for Kubernetes' grpc probes and

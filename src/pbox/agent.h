@@ -26,6 +26,10 @@ struct AgentConfig {
   std::string runtime = "native";          // default runtime: native or gvisor
   std::string gvisor_platform = "ptrace";  // runsc --platform: ptrace, systrap or kvm
   std::string runsc = "runsc";             // runsc binary (path or name in PATH)
+  // Rootless: sandboxes' roots as the kernel's OverlayFS ("kernel", Linux 5.11), as
+  // fuse-overlayfs mounts ("fuse"), or the first of those the host allows ("auto").
+  std::string overlay = "auto";
+  std::string fuse_overlayfs = "fuse-overlayfs";  // its binary (path or name in PATH)
   bool runsc_huge_pages = true;  // run runsc from a copy on a huge-page tmpfs (gvisor_runtime.h)
   std::map<std::string, std::string> images;  // name -> directory
   std::string init_path;                      // empty: pbox-init beside the pboxd binary

@@ -94,6 +94,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--runsc", config.runsc, "runsc binary for the gVisor runtime")
       ->capture_default_str();
+  app.add_option("--overlay", config.overlay,
+                 "rootless: sandboxes' roots as the kernel's OverlayFS (kernel, Linux 5.11), "
+                 "fuse-overlayfs mounts (fuse), or the first the host allows (auto)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "kernel", "fuse"}));
+  app.add_option("--fuse-overlayfs", config.fuse_overlayfs,
+                 "fuse-overlayfs binary for --overlay fuse (or auto where the kernel's is refused)")
+      ->capture_default_str();
   app.add_flag("--runsc-huge-pages,!--no-runsc-huge-pages", config.runsc_huge_pages,
                "run runsc from a copy on a tmpfs of huge pages (24 MB of memory the agent holds; "
                "nothing stays mounted), so that each gVisor sandbox's runsc processes start "

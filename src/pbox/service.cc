@@ -900,6 +900,7 @@ grpc::Status PboxService::Info(grpc::ServerContext* ctx, const v1::InfoRequest*,
     resp->add_limits(limit);
   }
   resp->set_uid(info_.uid);
+  resp->set_root_fs(info_.root_fs);
   resp->set_default_memory_bytes(manager_->defaults().memory_bytes);
   resp->set_default_disk_bytes(manager_->defaults().disk_bytes);
   resp->set_default_pids(manager_->defaults().pids);

@@ -43,6 +43,7 @@ struct ServiceInfo {
   std::string mode;                 // "root" or "rootless"
   std::vector<std::string> limits;  // the cgroup controllers sandboxes have
   uint32_t uid = 0;
+  std::string root_fs;  // "overlayfs" or "fuse-overlayfs"
 };
 
 // Thread-safe; every call may run concurrently.

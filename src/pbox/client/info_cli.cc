@@ -34,14 +34,15 @@ Result<int> InfoCli::Run(const Agents& agents) {
       continue;
     }
     std::cout << fmt::format(
-        "version:        {}\nhostname:       {}\nmode:           {}\n"
+        "version:        {}\nhostname:       {}\nmode:           {}\nroot fs:        {}\n"
         "runtime:        {} (available: {})\n"
         "sandbox cpus:   {}\ncgroup:         {} (limits: {}, disk)\n"
         "sandboxes:      {} live, {} max\n"
         "images:         {}\ndefaults:       memory {}, disk {}, pids {}\n",
         i->version(), i->hostname(),
         i->mode() == "rootless" ? fmt::format("rootless (uid {})", i->uid()) : i->mode(),
-        i->default_runtime(), fmt::join(i->runtimes(), ", "), i->cpuset(), i->cgroup_version(),
+        i->root_fs().empty() ? "overlayfs" : i->root_fs(), i->default_runtime(),
+        fmt::join(i->runtimes(), ", "), i->cpuset(), i->cgroup_version(),
         fmt::join(i->limits(), ", "), i->live_sandboxes(), i->max_sandboxes(),
         fmt::join(i->images(), ", "), FormatSize(i->default_memory_bytes()),
         FormatSize(i->default_disk_bytes()), i->default_pids());

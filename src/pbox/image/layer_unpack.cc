@@ -302,8 +302,19 @@ Status Unpacker::Entry(struct archive* a, struct archive_entry* e) {
     }
     BRAGG_ASSIGN_OR_RETURN(bool kept, Clear(dir.get(), hidden, false, raw));
     (void)kept;
-    if (::mknodat(dir.get(), hidden.c_str(), S_IFCHR | 0, makedev(0, 0)) != 0) {
+    if (::mknodat(dir.get(), hidden.c_str(), S_IFCHR | 0, makedev(0, 0)) == 0) {
+      return absl::OkStatus();
+    }
+    if (!limits_.rootless || errno != EPERM) {
       return EntryErrno("mknodat (whiteout)", raw);
+    }
+    // Before Linux 5.8 a user may not make the overlay's whiteout device. There a rootless
+    // agent mounts roots with fuse-overlayfs, which also takes an empty file .wh.NAME beside
+    // NAME for a whiteout: the archive's own entry, kept as it came.
+    UniqueFd marker(
+        ::openat(dir.get(), name.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW | O_CLOEXEC, 0));
+    if (!marker.valid()) {
+      return EntryErrno("openat (whiteout file)", raw);
     }
     return absl::OkStatus();
   }

@@ -38,31 +38,13 @@ constexpr char kInitInSandbox[] = "/dev/pbox-init";
 constexpr auto kReadyTimeout = std::chrono::seconds(60);
 
 Result<std::string> FindInPath(const std::string& name) {
-  if (name.find('/') != std::string::npos) {
-    if (::access(name.c_str(), X_OK) != 0) {
-      return absl::FailedPreconditionError(fmt::format(
-          "runsc not found at {}: install the Debian package runsc or pass --runsc", name));
-    }
-    return name;
+  Result<std::string> found = FindExecutable(name);
+  if (!found.ok()) {
+    return absl::FailedPreconditionError(
+        fmt::format("{}: the gVisor runtime needs runsc (Debian package runsc) or --runsc",
+                    std::string(found.status().message())));
   }
-  const char* path = ::getenv("PATH");
-  std::stringstream dirs(path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin");
-  std::string dir;
-  while (std::getline(dirs, dir, ':')) {
-    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
-    if (::access(candidate.c_str(), X_OK) == 0) {
-      return candidate;
-    }
-  }
-  for (const char* dir2 : {"/usr/sbin", "/usr/bin", "/usr/local/bin"}) {
-    std::string candidate = std::string(dir2) + "/" + name;
-    if (::access(candidate.c_str(), X_OK) == 0) {
-      return candidate;
-    }
-  }
-  return absl::FailedPreconditionError(fmt::format(
-      "{} not found in PATH: the gVisor runtime needs runsc (Debian package runsc) or --runsc",
-      name));
+  return found;
 }
 
 // Mount points at or below `dir`, deepest first.

@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <linux/capability.h>
+#include <linux/magic.h>
 #include <linux/seccomp.h>
 #include <linux/securebits.h>
 #include <net/if.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -16,10 +18,14 @@
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/utsname.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <mutex>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "common/fs.h"
@@ -56,6 +62,9 @@ enum Step : int {
   kStepFds,
   kStepExec,
   kStepLayerFd,
+  kStepFuseExec,
+  kStepFuseMount,
+  kStepSandboxClone,
 };
 
 const char* StepName(int step) {
@@ -106,14 +115,158 @@ const char* StepName(int step) {
       return "executing pbox-init";
     case kStepLayerFd:
       return "passing the writable layer to the agent";
+    case kStepFuseExec:
+      return "executing fuse-overlayfs";
+    case kStepFuseMount:
+      return "mounting the root with fuse-overlayfs";
+    case kStepSandboxClone:
+      return "starting the sandbox in the fuse-overlayfs namespace";
   }
   return "unknown step";
 }
 
 struct ChildError {
   int step;
-  int err;
+  int err;  // errno; for kStepFuseMount, -(exit status) when fuse-overlayfs failed
 };
+
+[[noreturn]] void FailTo(int err_write, int step, int err) {
+  ChildError e{step, err};
+  ssize_t unused = ::write(err_write, &e, sizeof(e));
+  (void)unused;
+  ::_exit(127);
+}
+
+std::string DescribeChildError(const ChildError& e) {
+  if (e.step == kStepFuseMount && e.err < 0) {
+    return fmt::format("{}: it exited with status {} (its own message is in pboxd's log)",
+                       StepName(e.step), -e.err);
+  }
+  return fmt::format("{}: {}", StepName(e.step), strerror(e.err));
+}
+
+// A stack for a child that shares our memory (CLONE_VM), mapped before the clone.
+class MappedStack {
+ public:
+  static Result<MappedStack> Map(size_t bytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (p == MAP_FAILED) {
+      return ErrnoError("mmap", "a child's stack");
+    }
+    return MappedStack(static_cast<char*>(p), bytes);
+  }
+  MappedStack(MappedStack&& o) noexcept
+      : base_(std::exchange(o.base_, nullptr)), bytes_(o.bytes_) {}
+  MappedStack& operator=(MappedStack&& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~MappedStack() {
+    if (base_ != nullptr) {
+      ::munmap(base_, bytes_);
+    }
+  }
+  char* top() const { return base_ + bytes_; }
+
+ private:
+  MappedStack(char* base, size_t bytes) : base_(base), bytes_(bytes) {}
+  char* base_;
+  size_t bytes_;
+};
+
+// fuse-overlayfs as a sandbox's outer process (or the probe) runs it: everything built before
+// the clone, since the processes using it may make system calls only.
+struct FuseSpawn {
+  int err_write = -1;
+  std::string exe;
+  std::vector<std::string> args;
+  std::vector<char*> argv;  // into args, null-terminated
+  std::string root;         // where it mounts
+  char* stack_top = nullptr;
+
+  void Prepare(std::string exe_path, const std::string& lower, const std::string& upper,
+               const std::string& work, std::string mount_point) {
+    exe = std::move(exe_path);
+    root = std::move(mount_point);
+    // writeback=0: with the kernel's writeback cache, writes past the layer's size would be
+    // taken into the page cache and fail only at close (a `dd` with no count never ends);
+    // without it each write reaches the layer and gets its ENOSPC.
+    args = {"fuse-overlayfs", "-o",
+            fmt::format("lowerdir={},upperdir={},workdir={},writeback=0", lower, upper, work),
+            root};
+    argv.clear();
+    for (std::string& a : args) {
+      argv.push_back(a.data());
+    }
+    argv.push_back(nullptr);
+  }
+};
+
+// The exec of fuse-overlayfs, in a CLONE_VM | CLONE_VFORK child of a process that holds every
+// capability in a user namespace where its uid is not 0. CAP_SYS_ADMIN (to mount) goes
+// through the exec as an ambient capability: with a uid other than 0 there, fuse-overlayfs
+// mounts without `allow_other` (as root it would force it, and the kernel would then let no
+// process outside that namespace in, the agent included).
+[[noreturn]] void FuseExecMain(FuseSpawn& f) {
+  struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct data[2];
+  std::memset(data, 0, sizeof(data));
+  if (::syscall(SYS_capget, &header, data) != 0) {
+    FailTo(f.err_write, kStepFuseExec, errno);
+  }
+  data[CAP_TO_INDEX(CAP_SYS_ADMIN)].inheritable |= CAP_TO_MASK(CAP_SYS_ADMIN);
+  if (::syscall(SYS_capset, &header, data) != 0 ||
+      ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_SYS_ADMIN, 0, 0) != 0 ||
+      ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+    FailTo(f.err_write, kStepFuseExec, errno);
+  }
+  // stdin and stdout /dev/null; stderr stays pboxd's log, where its errors then appear.
+  int null_fd = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (null_fd < 0 || ::dup2(null_fd, 0) != 0 || ::dup2(null_fd, 1) != 1 ||
+      ::syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC) != 0) {
+    FailTo(f.err_write, kStepFuseExec, errno);
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the clone ran with every signal blocked
+  char* const envp[] = {const_cast<char*>("PATH=/usr/local/bin:/usr/bin:/bin"), nullptr};
+  ::execve(f.exe.c_str(), f.argv.data(), envp);
+  FailTo(f.err_write, kStepFuseExec, errno);
+}
+
+// Runs fuse-overlayfs and waits until its root is mounted (it forks its daemon and exits 0 once
+// the mount is up). 0, or the step that failed with *err (ChildError's). System calls only.
+int MountFuseOverlay(FuseSpawn& f, int* err) {
+  pid_t pid = ::clone([](void* a) -> int { FuseExecMain(*static_cast<FuseSpawn*>(a)); },
+                      f.stack_top, CLONE_VM | CLONE_VFORK | SIGCHLD, &f);
+  if (pid < 0) {
+    *err = errno;
+    return kStepFuseExec;
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) {
+      *err = errno;
+      return kStepFuseMount;
+    }
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    *err = -(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+    return kStepFuseMount;
+  }
+  struct statfs sfs;
+  if (::statfs(f.root.c_str(), &sfs) != 0) {
+    *err = errno;
+    return kStepFuseMount;
+  }
+  if (sfs.f_type != FUSE_SUPER_MAGIC) {
+    *err = ENODEV;
+    return kStepFuseMount;
+  }
+  return 0;
+}
 
 struct DevNode {
   const char* name;
@@ -146,16 +299,21 @@ struct ChildPlan {
   // the host's (a user namespace may not mknod them).
   bool rootless = false;
   std::string uid_map, gid_map;
+  // Rootless with fuse-overlayfs (FuseOuterMain): the outer user namespace's maps (the agent's
+  // ids to themselves, or to 1 for an agent that is root of its own namespace), fuse-overlayfs,
+  // the sandbox's clone flags and stack, and the sandbox's pid once started (written by the
+  // outer process, read by the agent after it exits).
+  bool fuse = false;
+  std::string outer_uid_map, outer_gid_map;
+  FuseSpawn fuse_spawn;
+  int sandbox_flags = 0;
+  char* sandbox_stack_top = nullptr;
+  pid_t sandbox_pid = -1;
   std::vector<std::string> dev_sources;
   std::vector<std::string> proc_ro, proc_masked;
 };
 
-[[noreturn]] void Fail(const ChildPlan& plan, int step) {
-  ChildError e{step, errno};
-  ssize_t unused = ::write(plan.err_write, &e, sizeof(e));
-  (void)unused;
-  ::_exit(127);
-}
+[[noreturn]] void Fail(const ChildPlan& plan, int step) { FailTo(plan.err_write, step, errno); }
 
 int BindReadOnly(const char* path) {
   if (::mount(path, path, nullptr, MS_BIND | MS_REC, nullptr) != 0) {
@@ -246,14 +404,10 @@ bool WriteIdMaps(const std::string& uid_map, const std::string& gid_map) {
 struct RootlessProbe {
   int err_write = -1;
   std::string uid_map, gid_map, mount_point, lower, upper, work, root, overlay_opts, proc;
+  FuseSpawn* fuse = nullptr;  // set: the root is a fuse-overlayfs mount
 };
 
-[[noreturn]] void ProbeFail(const RootlessProbe& p, int step) {
-  ChildError e{step, errno};
-  ssize_t unused = ::write(p.err_write, &e, sizeof(e));
-  (void)unused;
-  ::_exit(127);
-}
+[[noreturn]] void ProbeFail(const RootlessProbe& p, int step) { FailTo(p.err_write, step, errno); }
 
 // The same steps as ChildMain's, in a child that exits once the overlay is mounted: its
 // namespaces, and the mounts in them, go with it. System calls only.
@@ -273,8 +427,14 @@ struct RootlessProbe {
       ProbeFail(p, kStepLayerDirs);
     }
   }
-  if (::mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlay_opts.c_str()) !=
-      0) {
+  if (p.fuse != nullptr) {
+    // Its daemon is in this PID namespace, and goes with the probe, its PID 1.
+    int err = 0;
+    if (int step = MountFuseOverlay(*p.fuse, &err); step != 0) {
+      FailTo(p.err_write, step, err);
+    }
+  } else if (::mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV,
+                     p.overlay_opts.c_str()) != 0) {
     ProbeFail(p, kStepOverlay);
   }
   if (::mount("proc", p.proc.c_str(), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
@@ -283,10 +443,23 @@ struct RootlessProbe {
   ::_exit(0);
 }
 
-Status ProbeRootlessSetup(const std::string& mount_point) {
+// With fuse-overlayfs, the ids fuse-overlayfs runs as in the outer user namespace: the agent's
+// own, or 1 where the agent is root of its namespace (a uid other than 0, see FuseExecMain).
+uid_t OuterId(uid_t id) { return id != 0 ? id : 1; }
+
+// `fuse_exe` set: the root is mounted by fuse-overlayfs (that binary) in a user namespace where
+// the agent's ids map to themselves, as FuseOuterMain does. *failed_step: the step the probe
+// failed at, 0 if none or unknown.
+Status ProbeRootlessSetup(const std::string& mount_point, const std::string* fuse_exe,
+                          int* failed_step) {
+  *failed_step = 0;
   RootlessProbe p;
-  p.uid_map = fmt::format("0 {} 1\n", ::geteuid());
-  p.gid_map = fmt::format("0 {} 1\n", ::getegid());
+  const uid_t uid = ::geteuid();
+  const gid_t gid = ::getegid();
+  p.uid_map = fuse_exe != nullptr ? fmt::format("{} {} 1\n", OuterId(uid), uid)
+                                  : fmt::format("0 {} 1\n", uid);
+  p.gid_map = fuse_exe != nullptr ? fmt::format("{} {} 1\n", OuterId(gid), gid)
+                                  : fmt::format("0 {} 1\n", gid);
   p.mount_point = mount_point;
   p.lower = mount_point + "/lower";
   p.upper = mount_point + "/upper";
@@ -297,6 +470,15 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
       fmt::format("lowerdir={},upperdir={},workdir={},userxattr", p.lower, p.upper, p.work);
   BRAGG_ASSIGN_OR_RETURN(Pipe err, MakePipe());
   p.err_write = err.write.get();
+  FuseSpawn fuse;
+  std::optional<MappedStack> fuse_stack;
+  if (fuse_exe != nullptr) {
+    BRAGG_ASSIGN_OR_RETURN(fuse_stack, MappedStack::Map(64 << 10));
+    fuse.Prepare(*fuse_exe, p.lower, p.upper, p.work, p.root);
+    fuse.err_write = p.err_write;
+    fuse.stack_top = fuse_stack->top();
+    p.fuse = &fuse;
+  }
   Result<ChildProcess> spawned = SpawnSharingMemory(
       [](void* arg) -> int { ProbeMain(*static_cast<RootlessProbe*>(arg)); }, &p,
       CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID, 64 << 10, "the rootless setup probe");
@@ -323,15 +505,25 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
   }
   struct utsname uts = {};
   ::uname(&uts);
-  const std::string why = n == sizeof(e) ? fmt::format("{}: {}", StepName(e.step), strerror(e.err))
-                                         : "the probe died without a report";
+  const std::string why =
+      n == sizeof(e) ? DescribeChildError(e) : std::string("the probe died without a report");
+  if (n == sizeof(e)) {
+    *failed_step = e.step;
+  }
   if (n == sizeof(e) && e.step == kStepOverlay) {
     return absl::FailedPreconditionError(fmt::format(
         "a rootless pboxd mounts each sandbox's root as an OverlayFS in the sandbox's user "
         "namespace, with its metadata in user.* xattrs (`userxattr`, Linux 5.11), and this "
-        "kernel ({}) refuses it ({}); run pboxd as root on this host, or on Linux 5.11 or later "
-        "(fuse-overlayfs is no way round: docs/security.md, \"Rootless mode\")",
+        "kernel ({}) refuses it ({}); install fuse-overlayfs (pboxd --overlay auto or fuse "
+        "then mounts sandboxes' roots with it), or run pboxd as root on this host, or on "
+        "Linux 5.11 or later",
         uts.release, why));
+  }
+  if (n == sizeof(e) && (e.step == kStepFuseExec || e.step == kStepFuseMount)) {
+    return absl::FailedPreconditionError(fmt::format(
+        "a rootless pboxd with --overlay fuse mounts each sandbox's root with {} in a user "
+        "namespace of its own, and that fails on this host (kernel {}) at {}",
+        fuse_exe != nullptr ? *fuse_exe : "fuse-overlayfs", uts.release, why));
   }
   if (n == sizeof(e) && e.step == kStepProc && e.err == EPERM) {
     // The kernel lets a user namespace mount a new /proc only where the /proc it sees is
@@ -348,6 +540,56 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
   }
   return absl::FailedPreconditionError(fmt::format(
       "a rootless sandbox's setup fails on this host (kernel {}) at {}", uts.release, why));
+}
+
+// The writable layer: a size-limited tmpfs at the mount point, with the overlay's upper, work
+// and root directories, the upper one's fd sent to the agent. System calls only.
+void MountWritableLayer(const ChildPlan& plan) {
+  if (::mount("pbox", plan.mount_point.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+              plan.tmpfs_opts.c_str()) != 0) {
+    Fail(plan, kStepTmpfs);
+  }
+  for (const std::string* d : {&plan.upper, &plan.work, &plan.root}) {
+    if (::mkdir(d->c_str(), 0755) != 0) {
+      Fail(plan, kStepLayerDirs);
+    }
+  }
+  SendWritableLayer(plan);
+}
+
+[[noreturn]] void ChildMain(ChildPlan& plan);
+
+// Rootless with fuse-overlayfs: the sandbox's outer process, in a user namespace where the
+// agent's ids map to themselves and a mount namespace of its own. It mounts the writable
+// layer, runs fuse-overlayfs on it (whose daemon stays here, in the agent's cgroup and PID
+// namespace), starts the sandbox (ChildMain, as the agent's child: CLONE_PARENT) in a user
+// namespace nested in this one, whose mount namespace is a copy of this one's, and drops the
+// mount here: from then on the sandbox's namespace (and the agent's fd of its root) hold the
+// fuse mount alone, and its daemon exits when they go. Runs like ChildMain, sharing the
+// agent's memory: system calls only.
+[[noreturn]] void FuseOuterMain(ChildPlan& plan) {
+  ::umask(0);
+  if (!WriteIdMaps(plan.outer_uid_map, plan.outer_gid_map)) {
+    Fail(plan, kStepIdMap);
+  }
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    Fail(plan, kStepPrivate);
+  }
+  MountWritableLayer(plan);
+  int err = 0;
+  if (int step = MountFuseOverlay(plan.fuse_spawn, &err); step != 0) {
+    FailTo(plan.err_write, step, err);
+  }
+  pid_t pid = ::clone([](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); },
+                      plan.sandbox_stack_top,
+                      CLONE_VM | CLONE_VFORK | CLONE_PARENT | plan.sandbox_flags, &plan);
+  if (pid < 0) {
+    Fail(plan, kStepSandboxClone);
+  }
+  // Read by the agent once this process has exited (CLONE_VFORK: it waits for that).
+  __atomic_store_n(&plan.sandbox_pid, pid, __ATOMIC_RELEASE);
+  ::umount2(plan.root.c_str(), MNT_DETACH);
+  ::_exit(0);
 }
 
 // Runs on its own stack in the agent's address space (CLONE_VM | CLONE_VFORK) while the
@@ -375,19 +617,19 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
   if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
     Fail(plan, kStepPrivate);
   }
-  if (::mount("pbox", plan.mount_point.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
-              plan.tmpfs_opts.c_str()) != 0) {
-    Fail(plan, kStepTmpfs);
-  }
-  for (const std::string* d : {&plan.upper, &plan.work, &plan.root}) {
-    if (::mkdir(d->c_str(), 0755) != 0) {
-      Fail(plan, kStepLayerDirs);
+  if (plan.fuse) {
+    // The outer process mounted the layer and the root (FuseOuterMain). Copied into this user
+    // namespace's mount namespace, that mount is locked, and pivot_root refuses a locked root:
+    // the root becomes a bind of it made here.
+    if (::mount(plan.root.c_str(), plan.root.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) {
+      Fail(plan, kStepOverlay);
     }
-  }
-  SendWritableLayer(plan);
-  if (::mount("overlay", plan.root.c_str(), "overlay", MS_NOSUID | MS_NODEV,
-              plan.overlay_opts.c_str()) != 0) {
-    Fail(plan, kStepOverlay);
+  } else {
+    MountWritableLayer(plan);
+    if (::mount("overlay", plan.root.c_str(), "overlay", MS_NOSUID | MS_NODEV,
+                plan.overlay_opts.c_str()) != 0) {
+      Fail(plan, kStepOverlay);
+    }
   }
   for (const auto& [source, target] : plan.binds) {
     if (::mount(source.c_str(), target.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) {
@@ -526,13 +768,14 @@ Status ProbeRootlessSetup(const std::string& mount_point) {
 class NativeSandbox : public RuntimeSandbox {
  public:
   NativeSandbox(ChildProcess init_process, std::unique_ptr<InitClient> init, SandboxFs fs,
-                Cgroup* cgroup, UniqueFd writable_layer)
+                Cgroup* cgroup, UniqueFd writable_layer, bool fuse_root)
       : init_process_(std::move(init_process)),
         init_(std::move(init)),
         fs_(std::move(fs)),
         cgroup_(cgroup),
         init_pid_(init_process_.pid()),
-        writable_layer_(std::move(writable_layer)) {}
+        writable_layer_(std::move(writable_layer)),
+        fuse_root_(fuse_root) {}
 
   ~NativeSandbox() override { (void)Stop(); }
 
@@ -543,6 +786,21 @@ class NativeSandbox : public RuntimeSandbox {
   Result<UniqueFd> OpenWritableLayer() override {
     std::lock_guard<std::mutex> lock(layer_mu_);
     return ReopenLayer(writable_layer_);
+  }
+
+  // A fuse-overlayfs root: pages the sandbox's processes dirtied through shared mappings are
+  // in the kernel's cache of the fuse mount until written back to the daemon, which writes
+  // them to the layer; syncfs writes them back. The kernel's overlay: the layer's own pages.
+  Status FlushWrites(std::chrono::milliseconds /*timeout*/) override {
+    if (!fuse_root_) {
+      return absl::OkStatus();
+    }
+    // The root's fd may be O_PATH, which syncfs refuses.
+    UniqueFd root(::openat(fs_.root_fd(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!root.valid() || ::syncfs(root.get()) != 0) {
+      return ErrnoError("syncfs", "the sandbox's fuse-overlayfs root");
+    }
+    return absl::OkStatus();
   }
 
   Status Stop() override {
@@ -576,6 +834,7 @@ class NativeSandbox : public RuntimeSandbox {
   bool stopped_ = false;
   std::mutex layer_mu_;
   UniqueFd writable_layer_;
+  bool fuse_root_;
 };
 
 }  // namespace
@@ -597,8 +856,17 @@ Result<std::unique_ptr<NativeRuntime>> NativeRuntime::Create(const NativeRuntime
   std::unique_ptr<NativeRuntime> rt(new NativeRuntime(options, std::move(exe), std::move(seccomp)));
   rt->mount_point_ = options.state_dir + "/mnt";
   BRAGG_RETURN_IF_ERROR(MakeDirs(rt->mount_point_, 0700));
+  if (options.overlay != "auto" && options.overlay != "kernel" && options.overlay != "fuse") {
+    return absl::InvalidArgumentError(
+        fmt::format("--overlay {}: expected auto, kernel or fuse", options.overlay));
+  }
+  if (!options.rootless && options.overlay == "fuse") {
+    return absl::InvalidArgumentError(
+        "--overlay fuse is for a rootless pboxd: as root, sandboxes' roots are the kernel's "
+        "OverlayFS");
+  }
   if (options.rootless) {
-    BRAGG_RETURN_IF_ERROR(ProbeRootlessSetup(rt->mount_point_));
+    BRAGG_RETURN_IF_ERROR(rt->ChooseRootFs());
   }
   if (::getrlimit(RLIMIT_NOFILE, &rt->sandbox_nofile_) != 0) {
     return ErrnoError("getrlimit", "RLIMIT_NOFILE");
@@ -612,6 +880,57 @@ Result<std::unique_ptr<NativeRuntime>> NativeRuntime::Create(const NativeRuntime
                  rt->sandbox_nofile_.rlim_cur, raised.rlim_cur, rt->sandbox_nofile_.rlim_cur);
   }
   return rt;
+}
+
+Status NativeRuntime::ChooseRootFs() {
+  int failed_step = 0;
+  Status kernel = absl::OkStatus();
+  if (options_.overlay != "fuse") {
+    kernel = ProbeRootlessSetup(mount_point_, nullptr, &failed_step);
+    if (kernel.ok() || options_.overlay == "kernel" || failed_step != kStepOverlay) {
+      return kernel;
+    }
+  }
+  // --overlay fuse, or auto on a kernel that refuses an OverlayFS in a user namespace.
+  Status fuse = [&]() -> Status {
+    Result<std::string> exe = FindExecutable(options_.fuse_overlayfs);
+    if (!exe.ok()) {
+      return absl::FailedPreconditionError(
+          fmt::format("fuse-overlayfs: {} (Debian and Ubuntu: the package fuse-overlayfs; or "
+                      "pass --fuse-overlayfs PATH)",
+                      std::string(exe.status().message())));
+    }
+    int fd = ::open("/dev/fuse", O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      struct stat st = {};
+      const bool found = ::stat("/dev/fuse", &st) == 0;
+      return absl::FailedPreconditionError(fmt::format(
+          "fuse-overlayfs needs /dev/fuse, which uid {} may not open ({}{}); most "
+          "distributions make it mode 0666",
+          ::geteuid(), strerror(err),
+          found
+              ? fmt::format(": mode {:04o}, owner {}:{}", st.st_mode & 07777, st.st_uid, st.st_gid)
+              : std::string()));
+    }
+    ::close(fd);
+    BRAGG_RETURN_IF_ERROR(ProbeRootlessSetup(mount_point_, &*exe, &failed_step));
+    fuse_overlayfs_ = *exe;
+    return absl::OkStatus();
+  }();
+  if (!fuse.ok()) {
+    return options_.overlay == "fuse"
+               ? fuse
+               : absl::FailedPreconditionError(
+                     fmt::format("{}; and fuse-overlayfs, the way round, is not usable here: {}",
+                                 std::string(kernel.message()), std::string(fuse.message())));
+  }
+  root_fs_ = RootFs::kFuseOverlay;
+  if (options_.overlay == "auto") {
+    spdlog::warn("{}: sandboxes' roots are fuse-overlayfs mounts instead ({})",
+                 std::string(kernel.message()), fuse_overlayfs_);
+  }
+  return absl::OkStatus();
 }
 
 Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& spec) {
@@ -633,6 +952,8 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   }
   plan.overlay_opts =
       fmt::format("lowerdir={},upperdir={},workdir={}", lower, plan.upper, plan.work);
+  // Rootless with fuse-overlayfs: the sandbox's stack, and fuse-overlayfs's, mapped here.
+  std::optional<MappedStack> sandbox_stack, fuse_stack;
   if (options_.rootless) {
     // trusted.overlay.* needs root in the host's user namespace; without its xattrs the
     // overlay could not mark a directory opaque (rm -r then mkdir fails with EIO).
@@ -640,6 +961,22 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
     plan.rootless = true;
     plan.uid_map = fmt::format("0 {} 1\n", ::geteuid());
     plan.gid_map = fmt::format("0 {} 1\n", ::getegid());
+  }
+  if (root_fs_ == RootFs::kFuseOverlay) {
+    plan.fuse = true;
+    const uid_t uid = ::geteuid();
+    const gid_t gid = ::getegid();
+    plan.outer_uid_map = fmt::format("{} {} 1\n", OuterId(uid), uid);
+    plan.outer_gid_map = fmt::format("{} {} 1\n", OuterId(gid), gid);
+    plan.uid_map = fmt::format("0 {} 1\n", OuterId(uid));
+    plan.gid_map = fmt::format("0 {} 1\n", OuterId(gid));
+    plan.fuse_spawn.Prepare(fuse_overlayfs_, lower, plan.upper, plan.work, plan.root);
+    BRAGG_ASSIGN_OR_RETURN(sandbox_stack, MappedStack::Map(256 << 10));
+    BRAGG_ASSIGN_OR_RETURN(fuse_stack, MappedStack::Map(64 << 10));
+    plan.sandbox_stack_top = sandbox_stack->top();
+    plan.fuse_spawn.stack_top = fuse_stack->top();
+    plan.sandbox_flags =
+        CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
   }
   for (const BindMount& b : spec.image->binds) {
     plan.binds.emplace_back(b.source, plan.root + b.target);
@@ -685,16 +1022,22 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   plan.layer_sock = layer_child_end.get();
   BRAGG_ASSIGN_OR_RETURN(Pipe err, MakePipe());
   plan.err_write = err.write.get();
+  plan.fuse_spawn.err_write = plan.err_write;
   plan.channel = child_end.get();
 
   // The child shares the agent's memory until it execs (like posix_spawn): no copy of the
   // agent's page tables, which with a large agent costs more than the rest of the setup.
   // Rootless: the user namespace is created first and owns the others.
+  // With fuse-overlayfs, the outer process (FuseOuterMain) starts the sandbox as our child.
   Result<ChildProcess> spawned =
-      SpawnSharingMemory([](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); }, &plan,
-                         CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
-                             (options_.rootless ? CLONE_NEWUSER : 0),
-                         256 << 10, spec.id);
+      plan.fuse ? SpawnSharingMemory(
+                      [](void* arg) -> int { FuseOuterMain(*static_cast<ChildPlan*>(arg)); }, &plan,
+                      CLONE_NEWUSER | CLONE_NEWNS, 256 << 10, spec.id)
+                : SpawnSharingMemory(
+                      [](void* arg) -> int { ChildMain(*static_cast<ChildPlan*>(arg)); }, &plan,
+                      CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS |
+                          (options_.rootless ? CLONE_NEWUSER : 0),
+                      256 << 10, spec.id);
   if (!spawned.ok() && (options_.rootless || absl::IsPermissionDenied(spawned.status()))) {
     return Annotate(spawned.status(),
                     options_.rootless
@@ -707,6 +1050,18 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
     return spawned.status();
   }
   ChildProcess child = std::move(*spawned);
+  if (plan.fuse) {
+    // The outer process has exited (it never execs, and CLONE_VFORK waited for it).
+    Result<ExitInfo> outer = child.Wait(std::chrono::milliseconds(10000));
+    const pid_t sandbox_pid = __atomic_load_n(&plan.sandbox_pid, __ATOMIC_ACQUIRE);
+    child = ChildProcess();
+    if (sandbox_pid > 0) {
+      // Ours (CLONE_PARENT), exec'd or dead: adopted either way, so that it is reaped.
+      BRAGG_ASSIGN_OR_RETURN(child, ChildProcess::Adopt(sandbox_pid));
+    } else if (!outer.ok()) {
+      return Annotate(outer.status(), fmt::format("sandbox {}: its outer process", spec.id));
+    }
+  }
   child_end.Reset();
   layer_child_end.Reset();
   err.write.Reset();
@@ -716,10 +1071,13 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
     n = ::read(err.read.get(), &child_error, sizeof(child_error));
   } while (n < 0 && errno == EINTR);
   if (n != 0) {
-    std::string why = n == sizeof(child_error) ? fmt::format("{}: {}", StepName(child_error.step),
-                                                             strerror(child_error.err))
-                                               : "setup died without a report";
+    std::string why = n == sizeof(child_error) ? DescribeChildError(child_error)
+                                               : std::string("setup died without a report");
     return absl::InternalError(fmt::format("sandbox {} setup failed at {}", spec.id, why));
+  }
+  if (!child.running()) {
+    return absl::InternalError(
+        fmt::format("sandbox {}: its outer process ended without starting it", spec.id));
   }
   // PID 1 is spared by the OOM killer; pbox-init resets its commands' score to 0.
   (void)WriteControlFile(fmt::format("/proc/{}/oom_score_adj", child.pid()), "-999");
@@ -728,8 +1086,9 @@ Result<std::unique_ptr<RuntimeSandbox>> NativeRuntime::Start(const LaunchSpec& s
   BRAGG_ASSIGN_OR_RETURN(SandboxFs fs, SandboxFs::Open(fmt::format("/proc/{}/root", child.pid())));
   BRAGG_ASSIGN_OR_RETURN(std::unique_ptr<InitClient> init,
                          InitClient::Create(std::move(agent_end)));
-  return std::unique_ptr<RuntimeSandbox>(new NativeSandbox(
-      std::move(child), std::move(init), std::move(fs), spec.cgroup, std::move(writable_layer)));
+  return std::unique_ptr<RuntimeSandbox>(new NativeSandbox(std::move(child), std::move(init),
+                                                           std::move(fs), spec.cgroup,
+                                                           std::move(writable_layer), plan.fuse));
 }
 
 }  // namespace bragg::pbox

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOTLESS: bool = os.environ.get("PBOX_TEST_ROOTLESS", "") not in ("", "0")
+# $PBOX_TEST_OVERLAY: rootless agents get --overlay with it ("fuse": sandboxes' roots as
+# fuse-overlayfs mounts, as on a kernel before 5.11).
+OVERLAY: str = os.environ.get("PBOX_TEST_OVERLAY", "")
 USER: str = os.environ.get("PBOX_TEST_USER", "pbox-rootless")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # The v1 hierarchies pboxd uses (cpuacct beside cpu where they are separate mounts).
@@ -130,6 +133,24 @@ class DelegatedCgroup:
                 else:
                     left.append(str(p))
         return left
+
+
+_dev_fuse_mode: Optional[int] = None
+
+
+def open_dev_fuse() -> None:
+    """fuse-overlayfs as the test user needs /dev/fuse read-write, as most distributions make it
+    (mode 0666); this machine's is 0600. Opened to everyone until the test process exits, then
+    put back as it was."""
+    global _dev_fuse_mode
+    mode = os.stat("/dev/fuse").st_mode & 0o7777
+    if mode & 0o006 == 0o006 or _dev_fuse_mode is not None:
+        return
+    import atexit
+
+    _dev_fuse_mode = mode
+    os.chmod("/dev/fuse", mode | 0o666)
+    atexit.register(os.chmod, "/dev/fuse", mode)
 
 
 def owned_tempdir(user: pwd.struct_passwd) -> Path:

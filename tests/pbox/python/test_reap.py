@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import time
 
-from conftest import host_processes_with_argv, on_rootless
+from conftest import fuse_overlayfs_daemons, host_processes_with_argv, on_rootless, wait_for
 from test_faults import _cgroup_dirs_named, _host_processes_naming, _mounts_under
 
 MARKER = ["sleep", "7773"]
@@ -16,15 +16,6 @@ MARKER = ["sleep", "7773"]
 
 def _have_runsc() -> bool:
     return shutil.which("runsc") is not None
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _freeze(parents, sandbox_id: str) -> None:
@@ -78,7 +69,7 @@ def test_reap_after_sigkill_removes_everything(make_agent) -> None:
             assert g.run(["true"]).ok
             ids.add(g.id)
             gvisor_ids.add(g.id)
-        assert _wait_for(lambda: len(host_processes_with_argv(MARKER)) == 3)
+        assert wait_for(lambda: len(host_processes_with_argv(MARKER)) == 3)
         parents = agent.cgroup_parents()
         assert parents, "no parent cgroup found for the agent"
         for i in ids - gvisor_ids:
@@ -105,7 +96,10 @@ def test_reap_after_sigkill_removes_everything(make_agent) -> None:
     for p in parents:
         assert f"removed cgroup {p}" in r.stdout, r.stdout
     assert host_processes_with_argv(MARKER) == [], "sandbox processes survived --reap"
-    assert _wait_for(lambda: _host_processes_naming(ids) == [], 5), "runsc processes survived"
+    # --overlay fuse: each root's daemon goes with the last process of its sandbox.
+    assert wait_for(lambda: fuse_overlayfs_daemons(agent.state_dir) == [], 5), \
+        fuse_overlayfs_daemons(agent.state_dir)
+    assert wait_for(lambda: _host_processes_naming(ids) == [], 5), "runsc processes survived"
     assert _cgroup_dirs_named(ids) == []
     assert agent.cgroup_parents() == []
     assert _mounts_under(state) == [], _mounts_under(state)
@@ -178,7 +172,7 @@ def test_reap_purge_removes_the_state_dir_and_refuses_one_no_agent_used(make_age
     with agent.client() as c:
         sb = c.create(memory="64M", disk="16M")
         sb.exec(MARKER)
-        assert _wait_for(lambda: len(host_processes_with_argv(MARKER)) == 1)
+        assert wait_for(lambda: len(host_processes_with_argv(MARKER)) == 1)
         agent.kill()
     assert (agent.state_dir / "agent.lock").exists()
     r = agent.run_like_agent(agent.reap_args() + ["--purge"], timeout=60)

@@ -9,6 +9,7 @@ that let a user start `pboxd` and use `pbox` with no flags.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,11 +18,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator, List, Optional
 
 import pytest
 
 import pbox
 import rootless_user
+from conftest import fuse_overlayfs_daemons, wait_for
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> int:
@@ -41,6 +44,34 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, late: str, timeout: float =
         assert proc.poll() is None, proc.stdout.read().decode()
         assert time.monotonic() < deadline, late
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _userns_agent(pboxd_binary: str, *flags: str, env: Optional[dict] = None,
+                  output: Optional[List[str]] = None) -> Iterator[pbox.Client]:
+    """pboxd as root of a user namespace (`unshare -Ur`, a rootless container's root) with
+    `flags` (and `env`), and a client of it; on leaving, it must stop cleanly on SIGTERM. What
+    it printed is appended to `output`. Its state is under /var/tmp: an image's opaque
+    directories need user.* xattrs, which tmpfs (the test VM's /tmp) has only from Linux 6.6."""
+    root = Path(tempfile.mkdtemp(prefix="pbu-", dir="/var/tmp"))
+    sock, ready = root / "p.sock", root / "ready"
+    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", pboxd_binary, "--listen",
+                             f"unix://{sock}", "--state-dir", str(root / "state"),
+                             "--ready-file", str(ready), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_ready(proc, ready, "pboxd did not listen")
+        with pbox.Client(f"unix://{sock}") as c:
+            yield c
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = _wait_exit(proc, 30)
+        shutil.rmtree(root, ignore_errors=True)
+    out = proc.stdout.read().decode()
+    assert rc == 0, out
+    if output is not None:
+        output.append(out)
 
 
 def test_rootless_agent_reports_its_mode_and_sandboxes_get_a_user_namespace(make_agent) -> None:
@@ -200,40 +231,27 @@ def test_root_of_a_user_namespace_runs_rootless(pboxd_binary: str) -> None:
     """pboxd as uid 0 of a user namespace (a rootless container's root: `unshare -Ur`) can no
     more make device nodes or trusted.* xattrs than a user: it runs rootless too, its sandboxes
     in user namespaces nested in its own."""
-    root = Path(tempfile.mkdtemp(prefix="pbu-", dir="/tmp"))
-    sock, ready = root / "p.sock", root / "ready"
-    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", pboxd_binary, "--listen",
-                             f"unix://{sock}", "--state-dir", str(root / "state"),
-                             "--ready-file", str(ready)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        _wait_ready(proc, ready, "pboxd did not listen")
-        with pbox.Client(f"unix://{sock}") as c:
-            info = c.info()
-            assert (info.mode, info.uid, info.runtimes) == ("rootless", 0, ["native"]), info
-            sb = c.create(memory="64M", disk="16M")
-            r = sb.run(["sh", "-c", "cat /proc/self/uid_map; echo x > /dev/null && echo ok"],
-                       timeout=30)
-            assert r.ok, r
-            assert r.stdout.decode().split() == ["0", "0", "1", "ok"], r.stdout
-            sb.destroy()
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        rc = _wait_exit(proc, 30)
-        shutil.rmtree(root, ignore_errors=True)
-    assert rc == 0, proc.stdout.read().decode()
+    with _userns_agent(pboxd_binary) as c:
+        info = c.info()
+        assert (info.mode, info.uid, info.runtimes) == ("rootless", 0, ["native"]), info
+        sb = c.create(memory="64M", disk="16M")
+        r = sb.run(["sh", "-c", "cat /proc/self/uid_map; echo x > /dev/null && echo ok"],
+                   timeout=30)
+        assert r.ok, r
+        assert r.stdout.decode().split() == ["0", "0", "1", "ok"], r.stdout
+        sb.destroy()
 
 
-def _refused_at_start(pboxd_binary: str, unshare: list, script: str) -> str:
-    """Runs pboxd under `unshare UNSHARE sh -c SCRIPT` (SCRIPT ends in `exec "$@"`); asserts
-    it exits 1 without making its socket, and returns what it printed."""
+def _refused_at_start(pboxd_binary: str, unshare: list, script: str, *flags: str,
+                      env: Optional[dict] = None) -> str:
+    """Runs pboxd (with `flags`, and `env`) under `unshare UNSHARE sh -c SCRIPT` (SCRIPT ends in
+    `exec "$@"`); asserts it exits 1 without making its socket, and returns what it printed."""
     root = Path(tempfile.mkdtemp(prefix="pbr-", dir="/tmp"))
     sock = root / "p.sock"
     proc = subprocess.Popen(
         ["unshare", *unshare, "sh", "-c", script, "sh", pboxd_binary,
-         "--listen", f"unix://{sock}", "--state-dir", str(root / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+         "--listen", f"unix://{sock}", "--state-dir", str(root / "state"), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         rc = _wait_exit(proc, 30)
         out = proc.stdout.read().decode()
@@ -286,3 +304,152 @@ def test_a_host_refusing_user_namespaces_stops_a_rootless_agent_at_start(
                             'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"')
     assert "user namespace" in out and "user.max_user_namespaces" in out, out
     assert "run pboxd as root" in out, out
+
+
+# ---- sandboxes' roots as fuse-overlayfs mounts (--overlay fuse; auto before Linux 5.11) ----
+# The isolation probes, hostile workloads, file API, clones and reaping run with them in ctest
+# `pbox_python_rootless_fuse` (the same files with $PBOX_TEST_OVERLAY=fuse). Here: what is
+# particular to them.
+
+
+def test_fuse_overlayfs_roots_hold_files_whiteouts_and_the_disk_limit(make_agent) -> None:
+    """A rootless agent with --overlay fuse: each sandbox's root is a fuse-overlayfs mount, run
+    by the agent's user in a user namespace of its own, so that the kernel lets in both the
+    sandbox's processes and the agent's file API (which a mount with allow_other, what
+    fuse-overlayfs forces when it runs as root of its namespace, would refuse the agent)."""
+    agent = make_agent(rootless=True, extra=["--overlay", "fuse"])
+    user = agent.user
+    with agent.client() as c:
+        info = c.info()
+        assert (info.mode, info.root_fs) == ("rootless", "fuse-overlayfs"), info
+        sb = c.create(memory="256M", disk="16M")
+        daemons = fuse_overlayfs_daemons(agent.state_dir)
+        # One daemon, the agent's user, outside the sandbox's cgroup (a paused sandbox does not
+        # freeze the file system the agent reads).
+        assert len(daemons) == 1, daemons
+        assert _uid_of(daemons[0]) == user.pw_uid
+        assert not _in_sandbox(daemons[0], sb.id)
+        r = sb.run(["sh", "-c",
+                    # The root's file system type: the field after the separator "-".
+                    "awk '$5 == \"/\" {for (i = 6; i < NF; i++) if ($i == \"-\") "
+                    "print $(i + 1)}' /proc/self/mountinfo; cat /proc/self/uid_map; "
+                    "echo inside > /inside && cat /inside; "
+                    # A directory of the image removed and made again is empty (opaque).
+                    "rm -r /etc && ! test -e /etc/hostname && mkdir /etc && ls -A /etc | wc -l; "
+                    "stat -c %u /usr /inside; "
+                    "dd if=/dev/zero of=/big bs=1M count=64 2>&1 | grep -c 'No space'"],
+                   timeout=60)
+        assert r.ok, r
+        lines = r.stdout.decode().split("\n")
+        assert lines[0] == "fuse.fuse-overlayfs", lines
+        assert lines[1].split() == ["0", str(user.pw_uid), "1"], lines
+        assert lines[2:6] == ["inside", "0", "65534", "0"], lines
+        assert lines[6] == "1", lines  # the writable layer's size holds (ENOSPC)
+        sb.remove("/big")
+        # The file API reads and writes the same files from outside.
+        assert sb.read_file("/inside") == b"inside\n"
+        sb.write_file("/from-agent/f", b"outside")
+        assert sb.run(["cat", "/from-agent/f"]).stdout == b"outside"
+        assert sb.listdir("/etc") == []
+        sb.move("/inside", "/moved")
+        assert not sb.exists("/inside") and sb.read_file("/moved") == b"inside\n"
+        # A clone stacks this layer (fuse-overlayfs's whiteouts included) under its own root.
+        (clone,) = sb.clone(1)
+        r = clone.run(["sh", "-c", "cat /moved /from-agent/f; echo; ls -A /etc | wc -l; "
+                       "test -e /inside || echo gone"], timeout=60)
+        assert r.ok and r.stdout.decode().split("\n") == ["inside", "outside", "0", "gone", ""], r
+        assert len(fuse_overlayfs_daemons(agent.state_dir)) == 2
+        # Each daemon goes with its sandbox.
+        clone.destroy()
+        sb.destroy()
+        assert wait_for(lambda: fuse_overlayfs_daemons(agent.state_dir) == [], 10), \
+            fuse_overlayfs_daemons(agent.state_dir)
+
+
+def test_root_of_a_user_namespace_runs_fuse_overlayfs_as_another_id(pboxd_binary: str) -> None:
+    """An agent that is root of its user namespace (`unshare -Ur`, as in a rootless container)
+    maps itself to 1 in fuse-overlayfs's namespace: as 0 there, fuse-overlayfs would mount
+    with allow_other, and the agent could not read the sandbox's files."""
+    with _userns_agent(pboxd_binary, "--overlay", "fuse") as c:
+        assert c.info().root_fs == "fuse-overlayfs"
+        sb = c.create(memory="64M", disk="16M")
+        assert sb.run(["sh", "-c", "echo x > /x"]).ok
+        assert sb.read_file("/x") == b"x\n"
+        sb.destroy()
+
+
+def test_overlay_fuse_refusals_name_the_cause(pboxd_binary: str, make_agent) -> None:
+    """--overlay fuse without fuse-overlayfs, or as root, stops the agent at start saying why."""
+    root = Path(tempfile.mkdtemp(prefix="pbf-", dir="/tmp"))
+    try:
+        for args, want in (
+                (["--overlay", "fuse", "--fuse-overlayfs", "/nonexistent/fuse-overlayfs"],
+                 "fuse-overlayfs"),
+                (["--overlay", "bogus"], "--overlay")):
+            r = subprocess.run(["unshare", "--user", "--map-root-user", pboxd_binary, "--listen",
+                                f"unix://{root}/p.sock", "--state-dir", str(root / "s"), *args],
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode != 0 and want in r.stdout + r.stderr, r
+            assert not (root / "p.sock").exists()
+        # As root of the host, the roots are the kernel's overlay: "fuse" is refused.
+        r = subprocess.run([pboxd_binary, "--listen", f"unix://{root}/p.sock", "--state-dir",
+                            str(root / "s2"), "--overlay", "fuse"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "for a rootless pboxd" in r.stdout + r.stderr, r
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _old_kernel_shim(pboxd_binary: str) -> Path:
+    """tests/pbox/old_kernel_shim.c as built in pboxd's build tree: an LD_PRELOAD library under
+    which pboxd meets what a kernel before 5.8 refuses a user (an OverlayFS with `userxattr`,
+    the overlay's 0/0 whiteout device)."""
+    build = Path(pboxd_binary).resolve().parents[2]
+    shim = build / "tests" / "pbox" / "libpbox_old_kernel_shim.so"
+    assert shim.exists(), f"{shim} is not built (make build)"
+    return shim
+
+
+def test_auto_falls_back_to_fuse_overlayfs_where_the_kernel_refuses_the_overlay(
+        pboxd_binary: str) -> None:
+    """--overlay auto (the default) on a kernel that refuses an OverlayFS in a user namespace
+    (emulated, tests/pbox/old_kernel_shim.c: what Linux before 5.8 refuses a user) starts with
+    fuse-overlayfs roots, saying so; without a usable fuse-overlayfs either, it stops at start
+    naming both causes. An imported image's whiteouts, which such a kernel lets no user make
+    as the overlay's 0/0 devices, are kept as the archive's .wh. files, which fuse-overlayfs
+    honours."""
+    from test_images import Layer, docker_archive
+
+    env = dict(os.environ, LD_PRELOAD=str(_old_kernel_shim(pboxd_binary)))
+    # Nothing to fall back on: both reasons, and no socket.
+    out = _refused_at_start(pboxd_binary, ["--user", "--map-root-user"], 'exec "$@"',
+                            "--fuse-overlayfs", "/nonexistent/fuse-overlayfs", env=env)
+    assert "refuses it" in out and "userxattr" in out, out
+    assert "fuse-overlayfs, the way round, is not usable" in out, out
+    # --overlay kernel: the kernel's refusal alone, naming fuse-overlayfs as the way out.
+    out = _refused_at_start(pboxd_binary, ["--user", "--map-root-user"], 'exec "$@"',
+                            "--overlay", "kernel", env=env)
+    assert "install fuse-overlayfs" in out, out
+    # With fuse-overlayfs: it starts, warns, and its sandboxes work.
+    output: List[str] = []
+    with _userns_agent(pboxd_binary, env=env, output=output) as c:
+        assert c.info().root_fs == "fuse-overlayfs"
+        sb = c.create(memory="64M", disk="16M")
+        assert sb.run(["sh", "-c", "echo y > /y"]).ok
+        assert sb.read_file("/y") == b"y\n"
+        sb.destroy()
+        lower = (Layer().file("etc/a", b"one\n").file("etc/b", b"bee\n").dir("data")
+                 .file("data/old", b"o").dir("gone").file("gone/y", b"y").bytes())
+        upper = (Layer().file("etc/.wh.b", b"").dir("data").file("data/.wh..wh..opq", b"")
+                 .file("data/new", b"n").file(".wh.gone", b"").bytes())
+        with tempfile.TemporaryDirectory(prefix="pbk-", dir="/tmp") as tmp:
+            archive = Path(tmp) / "layered.tar"
+            archive.write_bytes(docker_archive([lower, upper]))
+            c.import_image("layered", archive)
+        sb = c.create(image="layered", memory="64M", disk="16M")
+        assert sb.read_file("/etc/a") == b"one\n"
+        assert not sb.exists("/etc/b") and not sb.exists("/gone")
+        assert [f.path for f in sb.listdir("/data")] == ["new"]
+        assert [f.path for f in sb.listdir("/etc")] == ["a"]
+        sb.destroy()
+    assert "sandboxes' roots are fuse-overlayfs mounts instead" in output[0], output
