@@ -299,6 +299,8 @@ struct ChildPlan {
   // the host's (a user namespace may not mknod them).
   bool rootless = false;
   std::string uid_map, gid_map;
+  std::vector<std::string> dev_sources;
+  std::vector<std::string> proc_ro, proc_masked;
   // Rootless with fuse-overlayfs (FuseOuterMain): the outer user namespace's maps (the agent's
   // ids to themselves, or to 1 for an agent that is root of its own namespace), fuse-overlayfs,
   // the sandbox's clone flags and stack, and the sandbox's pid once started (written by the
@@ -309,8 +311,6 @@ struct ChildPlan {
   int sandbox_flags = 0;
   char* sandbox_stack_top = nullptr;
   pid_t sandbox_pid = -1;
-  std::vector<std::string> dev_sources;
-  std::vector<std::string> proc_ro, proc_masked;
 };
 
 [[noreturn]] void Fail(const ChildPlan& plan, int step) { FailTo(plan.err_write, step, errno); }
@@ -323,9 +323,10 @@ int BindReadOnly(const char* path) {
                  nullptr);
 }
 
-// The writable layer's tmpfs is mounted only in the sandbox's mount namespace and, after
-// pivot_root detaches the old root, under no path at all: nothing in /proc/<pid>/root or
-// /proc/<pid>/mountinfo leads to it. So the child hands the agent an O_PATH fd of the upper
+// The writable layer's tmpfs is mounted only in the sandbox's mount namespace (with
+// fuse-overlayfs, its outer one, which only the daemon keeps) and, after pivot_root detaches
+// the old root, under no path at all: nothing in /proc/<pid>/root or /proc/<pid>/mountinfo
+// leads to it. So the child hands the agent an O_PATH fd of the upper
 // directory over a socket before the pivot; the agent keeps it (it pins the tmpfs only while
 // the sandbox lives, see NativeSandbox::Stop) and reads the layer through it to clone.
 void SendWritableLayer(const ChildPlan& plan) {
