@@ -928,9 +928,10 @@ Status CheckOptions(const TrainOptions& o) {
   if (o.tis_cap < 0) return bad("tis_cap must be >= 0 (0: off), not ", o.tis_cap);
   if (o.minibatches < 1) return bad("minibatches must be >= 1");
   if (o.max_tokens < 2) return bad("max_tokens must be >= 2");
-  if (o.lce_token_chunk < 1 || (o.deterministic && o.lce_token_chunk % 32 != 0)) {
-    return bad("lce_token_chunk must be >= 1 (a multiple of 32 in deterministic mode), not ",
-               o.lce_token_chunk);
+  if (o.lce_token_chunk < 1 ||
+      (o.deterministic && o.lce_token_chunk % engine::kDeterministicTile != 0)) {
+    return bad("lce_token_chunk must be >= 1 (a multiple of ", engine::kDeterministicTile,
+               " in deterministic mode), not ", o.lce_token_chunk);
   }
   if (o.kl_coef < 0 || o.entropy_coef < 0) return bad("kl_coef and entropy_coef must be >= 0");
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {

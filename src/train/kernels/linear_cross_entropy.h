@@ -13,7 +13,7 @@
 namespace bragg::train {
 
 struct LinearCrossEntropyOptions {
-  // Rows per chunk; a multiple of 32 (engine::kDeterministicTile) in deterministic mode.
+  // Rows per chunk; a multiple of engine::kDeterministicTile in deterministic mode.
   int64_t token_chunk = 1024;
   // 0: the whole vocabulary per chunk; else columns per chunk (online log-sum-exp). Must be 0 in
   // deterministic mode.

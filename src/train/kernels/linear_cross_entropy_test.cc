@@ -338,7 +338,7 @@ TEST(LinearCrossEntropy, HostileInputsNameWhatIsWrong) {
   EXPECT_THAT(ErrorOf(in.hidden, in.weight, in.labels, {32, 0, NAN, false}),
               HasSubstr("temperature"));
   EXPECT_THAT(ErrorOf(in.hidden, in.weight, in.labels, {33, 0, 1.0, true}),
-              HasSubstr("multiple of 32"));
+              HasSubstr("multiple of 4"));
   EXPECT_THAT(ErrorOf(in.hidden, in.weight, in.labels, {32, 64, 1.0, true}),
               HasSubstr("set vocab_chunk = 0"));
   EXPECT_THAT(ErrorOf(torch::Tensor(), in.weight, in.labels), HasSubstr("defined"));
