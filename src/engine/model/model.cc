@@ -75,7 +75,7 @@ struct Model::Impl {
       if (qwen3::PackedLinearAvailable()) {
         lm_head_packed = qwen3::PackLinearWeight(w.lm_head);
       }
-      fused = dtype == torch::kFloat32;
+      fused = true;
     }
     if (fused) {
       for (Layer& L : w.layers) {
