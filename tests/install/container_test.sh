@@ -50,10 +50,12 @@ done
 missing=$(run sh -c 'for b in /opt/bragg/bin/*; do ldd "$b" 2>&1 | grep "not found"; done' || true)
 [ -z "$missing" ] || fail "libraries missing in the image: $missing"
 run test -f /opt/bragg/share/doc/bragg/LICENSE || fail "no LICENSE in the image"
-if run sh -c "grep -rl '$build' /opt/bragg/share 2>/dev/null" | grep -q .; then
-  fail "the image names the build tree"
-fi
-run pboxd --help | grep -q "pbox sandbox agent" || fail "pboxd --help does not describe pboxd"
+# Outputs are read whole before they are searched: `podman run ... | grep -q` lets grep close the
+# pipe at the first match, and podman then fails writing the rest ("broken pipe").
+named=$(run sh -c "grep -rl '$build' /opt/bragg/share 2>/dev/null" || true)
+[ -z "$named" ] || fail "the image names the build tree: $named"
+help=$(run pboxd --help 2>&1) || fail "pboxd --help failed: $help"
+grep -q "pbox sandbox agent" <<< "$help" || fail "pboxd --help does not describe pboxd"
 
 echo "== bragg-gateway in the container in front of a worker on the host"
 out=$work/worker.out
