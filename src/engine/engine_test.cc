@@ -234,6 +234,10 @@ TEST_F(EngineTest, AnUpdatedEngineAnswersAsOneLoadedWithTheNewWeights) {
 TEST(EngineCpuRuntime, NamesTheBlasTheBuildChose) {
   std::string runtime = Engine::CpuRuntime();
   EXPECT_NE(runtime.find("thread(s); BLAS: "), std::string::npos) << runtime;
+  // And which instance of its own kernels runs (cpu_isa.h): a CPU of CI's has AVX2 at least.
+  EXPECT_TRUE(runtime.find("the engine's kernels: avx2") != std::string::npos ||
+              runtime.find("the engine's kernels: avx512") != std::string::npos)
+      << runtime;
 #ifdef BRAGG_TORCH_BLAS_DIR
   EXPECT_NE(runtime.find(BRAGG_TORCH_BLAS_DIR), std::string::npos) << runtime;
   EXPECT_NE(runtime.find("OpenMP: on torch's threads"), std::string::npos) << runtime;

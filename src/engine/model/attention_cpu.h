@@ -10,14 +10,18 @@
 
 #include <vector>
 
+#include "engine/model/cpu_isa.h"
+
 namespace bragg::engine::qwen3 {
 
-// Whether DecodeAttention can take this step: AVX-512F on this CPU, fp32 keys, values and
+// Whether DecodeAttention can take this step with `isa` (cpu_isa.h: the best this CPU runs
+// unless a test or benchmark names another): a CPU that runs it, fp32 keys, values and
 // queries on the CPU, keys and values [slots, kvh, hd] contiguous and under 2^31 floats each, q [B,
 // nh, hd] with nh a multiple of kvh, hd one of 16, 32, 64, 128, 256, one slot list per query
 // (int64, CPU, contiguous, at least one slot), nothing needing a gradient.
 bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
-                         const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots);
+                         const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots,
+                         CpuIsa isa = BestCpuIsa());
 
 // Query b (q[b]: [nh, hd]) attends to the keys and values at seq_slots[b] (int64 [len], CPU:
 // the slots of its positions 0 .. len - 1, its own last); query head j reads KV head j / (nh /
@@ -30,14 +34,16 @@ bool DecodeAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
 // deterministic mode keeps to that). Slots are not checked against the cache: the caller's block
 // tables are.
 torch::Tensor DecodeAttention(const torch::Tensor& keys, const torch::Tensor& values,
-                              const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots);
+                              const torch::Tensor& q, const std::vector<torch::Tensor>& seq_slots,
+                              CpuIsa isa = BestCpuIsa());
 
-// Whether PrefillAttention can take this call: AVX-512F on this CPU, fp32 keys, values and
+// Whether PrefillAttention can take this call with `isa`: a CPU that runs it, fp32 keys, values and
 // queries on the CPU, keys and values [slots, kvh, hd] contiguous and under 2^31 floats each, q
 // [n, nh, hd] (n >= 1) with nh a multiple of kvh and hd one of 16, 32, 64, 128, 256, slots int64
 // [start + n] on the CPU, contiguous, nothing needing a gradient.
 bool PrefillAttentionFits(const torch::Tensor& keys, const torch::Tensor& values,
-                          const torch::Tensor& q, const torch::Tensor& slots, int64_t start);
+                          const torch::Tensor& q, const torch::Tensor& slots, int64_t start,
+                          CpuIsa isa = BestCpuIsa());
 
 // Causal attention of one chunk of a prompt: query i (q[i]: [nh, hd], position start + i)
 // attends to the keys and values at slots[0 .. start + i] (the sequence's positions in order);
@@ -47,6 +53,7 @@ bool PrefillAttentionFits(const torch::Tensor& keys, const torch::Tensor& values
 // 16 positions at a time) and its values gathered once per call and KV head. A query's result
 // does not depend on the chunk it is in, nor on the threads. Returns [n, nh * hd].
 torch::Tensor PrefillAttention(const torch::Tensor& keys, const torch::Tensor& values,
-                               const torch::Tensor& q, const torch::Tensor& slots, int64_t start);
+                               const torch::Tensor& q, const torch::Tensor& slots, int64_t start,
+                               CpuIsa isa = BestCpuIsa());
 
 }  // namespace bragg::engine::qwen3

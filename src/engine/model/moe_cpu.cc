@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "engine/model/avx512_kernels.h"
+#include "engine/model/cpu_simd.h"
 
 namespace bragg::engine::qwen3 {
 namespace {
@@ -54,17 +54,16 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
   }
 }
 
-// ExpertRows with the AVX-512 tiles of avx512_kernels.h: the rows of x are gathered, g is a
+// ExpertRows with the AVX-512 tiles of cpu_simd.h: the rows of x are gathered, g is a
 // tiled product over 48-column blocks of gu (each weight row read once per 8 rows, from
 // registers' worth of accumulators rather than a pass over g per input), and the down
 // projection writes each row's y once. scratch: n * (2I + 2H) floats. Call only where
-// avx512::Available().
+// CpuRuns(CpuIsa::kAvx512): AVX2 CPUs keep the vectorized ExpertRows (the AVX2 tiles were not
+// measured against it there).
 void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const float* __restrict gu,
                      const float* __restrict down, const int64_t* slots, int64_t k, int64_t n,
                      float* __restrict scratch, float* __restrict y, const float* next_gu,
                      const float* next_down) {
-  using avx512::kTileCols;
-  using avx512::kTileRows;
   const int64_t I2 = 2 * I;
   float* xs = scratch;     // [n][H]: the rows of x
   float* g = xs + n * H;   // [n][2I]: gate and up, then the activation in g[:, :I]
@@ -84,9 +83,9 @@ void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const floa
       const int64_t nc = std::min(kTileCols, cols - c0);
       for (int64_t r0 = 0; r0 < n; r0 += kTileRows, ++call) {
         const int64_t m = std::min(kTileRows, n - r0);
-        const avx512::LineShare pf = avx512::ShareLines(lines, calls, call);
-        avx512::kTilesL2[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols, nc,
-                                pf.count > 0 ? next + pf.first * 16 : w, pf.count);
+        const LineShare pf = ShareLines(lines, calls, call);
+        simd512::kTilesL2[m - 1](a + r0 * lda, lda, in, w + c0, cols, out + r0 * cols + c0, cols,
+                                 nc, pf.count > 0 ? next + pf.first * 16 : w, pf.count);
       }
     }
   };
@@ -174,7 +173,7 @@ bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tenso
     return false;
   }
   const int64_t H = x.size(1);
-  const int64_t most_rows = avx512::Available() ? kTiledExpertRows : kSmallBatchExpertRows;
+  const int64_t most_rows = CpuRuns(CpuIsa::kAvx512) ? kTiledExpertRows : kSmallBatchExpertRows;
   for (size_t e = 0; e < gate_up.size(); ++e) {
     if (counts[e] > most_rows) {
       return false;
@@ -214,7 +213,7 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
   torch::Tensor y = torch::empty({T * k, H}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool tiled = avx512::Available();
+  const bool tiled = CpuRuns(CpuIsa::kAvx512);
   at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = b; i < end; ++i) {

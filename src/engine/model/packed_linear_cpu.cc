@@ -4,18 +4,29 @@
 
 #include <algorithm>
 
-#include "engine/model/avx512_kernels.h"
+#include "engine/model/cpu_simd.h"
 
 namespace bragg::engine::qwen3 {
 namespace {
 
 constexpr int64_t kCols = kPackedLinearCols;
-static_assert(kCols == avx512::kTileCols);
-using avx512::kTileRows;
+static_assert(kCols == kTileCols);
+
+const TileFn* TilesFor(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return simd512::kTiles;
+    case CpuIsa::kAvx2:
+      return simd256::kTiles;
+    case CpuIsa::kNone:
+      break;
+  }
+  return nullptr;
+}
 
 }  // namespace
 
-bool PackedLinearAvailable() { return avx512::Available(); }
+bool PackedLinearAvailable(CpuIsa isa) { return isa != CpuIsa::kNone && CpuRuns(isa); }
 
 torch::Tensor PackLinearWeight(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
@@ -50,8 +61,8 @@ void RepackLinearWeight(const torch::Tensor& w, torch::Tensor& packed) {
   });
 }
 
-bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed) {
-  if (!PackedLinearAvailable() || !packed.defined() || x.dim() != 2 ||
+bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed, CpuIsa isa) {
+  if (!PackedLinearAvailable(isa) || !packed.defined() || x.dim() != 2 ||
       x.scalar_type() != torch::kFloat32 || !x.device().is_cpu() || x.size(0) < 1 ||
       x.size(0) > kPackedLinearMaxRows || x.size(1) != packed.size(1)) {
     return false;
@@ -59,15 +70,17 @@ bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed) {
   return !(torch::GradMode::is_enabled() && x.requires_grad());
 }
 
-torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out) {
-  TORCH_CHECK(PackedLinearFits(x, packed), "PackedLinear: a call it cannot take");
+torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out,
+                           CpuIsa isa) {
+  TORCH_CHECK(PackedLinearFits(x, packed, isa), "PackedLinear: a call it cannot take");
   torch::Tensor y = torch::empty({x.size(0), out}, x.options().dtype(torch::kFloat32));
-  PackedLinearInto(x, packed, y);
+  PackedLinearInto(x, packed, y, isa);
   return y;
 }
 
-void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& y) {
-  TORCH_CHECK(PackedLinearFits(x, packed), "PackedLinear: a call it cannot take");
+void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& y,
+                      CpuIsa isa) {
+  TORCH_CHECK(PackedLinearFits(x, packed, isa), "PackedLinear: a call it cannot take");
   TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.scalar_type() == torch::kFloat32 &&
                   y.device().is_cpu() && y.is_contiguous(),
               "PackedLinear: the output must be fp32 [", x.size(0), ", out], contiguous, CPU");
@@ -79,6 +92,7 @@ void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const TileFn* tiles = TilesFor(isa);
   at::parallel_for(0, packed.size(0), 8, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ncols = std::min(kCols, out - b * kCols);
@@ -87,11 +101,11 @@ void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const
         // Each tile of rows fetches its share of the block after next while it computes (a
         // cold lm_head streams from memory: measured 3.4 -> 2.7-3.1 ms at 32 rows against one
         // block ahead, fetched by the first tile alone).
-        const avx512::LineShare pf = avx512::ShareLines(
-            b + 2 < end ? in * kCols / 16 : 0, (rows + kTileRows - 1) / kTileRows, r0 / kTileRows);
+        const LineShare pf = ShareLines(b + 2 < end ? in * kCols / 16 : 0,
+                                        (rows + kTileRows - 1) / kTileRows, r0 / kTileRows);
         const float* next = pf.count > 0 ? wp + (b + 2) * in * kCols + pf.first * 16 : wp;
-        avx512::kTiles[n - 1](xp + r0 * in, in, in, wp + b * in * kCols, kCols,
-                              yp + r0 * out + b * kCols, out, ncols, next, pf.count);
+        tiles[n - 1](xp + r0 * in, in, in, wp + b * in * kCols, kCols, yp + r0 * out + b * kCols,
+                     out, ncols, next, pf.count);
       }
     }
   });

@@ -11,6 +11,8 @@
 
 #include <torch/torch.h>
 
+#include "engine/model/cpu_isa.h"
+
 namespace bragg::engine::qwen3 {
 
 // Output columns (rows of W) per packed block: three 16-float vectors.
@@ -19,8 +21,9 @@ inline constexpr int64_t kPackedLinearCols = 48;
 // Most rows PackedLinear takes: from about 128 rows on, BLAS's blocking matches it.
 inline constexpr int64_t kPackedLinearMaxRows = 64;
 
-// Whether this CPU runs the kernel (AVX-512F; elsewhere the engine keeps torch's GEMM).
-bool PackedLinearAvailable();
+// Whether this CPU runs the kernel's `isa` instance (cpu_isa.h: the best this CPU runs unless a
+// test or benchmark names another; where it runs none, the engine keeps torch's GEMM).
+bool PackedLinearAvailable(CpuIsa isa = BestCpuIsa());
 
 // W [out, in], fp32 on the CPU, any strides, as [ceil(out / kPackedLinearCols), in,
 // kPackedLinearCols]: block b holds output columns [b * 48, b * 48 + 48), one 48-float row per
@@ -32,15 +35,18 @@ torch::Tensor PackLinearWeight(const torch::Tensor& w);
 void RepackLinearWeight(const torch::Tensor& w, torch::Tensor& packed);
 
 // Whether PackedLinear can take x [rows, in]: fp32 on the CPU, 1 to kPackedLinearMaxRows rows,
-// `in` the packed weight's, nothing needing a gradient, and the CPU has the kernel.
-bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed);
+// `in` the packed weight's, nothing needing a gradient, and the CPU runs `isa`.
+bool PackedLinearFits(const torch::Tensor& x, const torch::Tensor& packed,
+                      CpuIsa isa = BestCpuIsa());
 
 // x W^T: [rows, out] (out: W's rows, as it was packed). Every output is one sum over `in` in
 // order, so a row's result does not depend on the rows beside it; blocks of columns are spread
 // over torch's threads.
-torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out);
+torch::Tensor PackedLinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out,
+                           CpuIsa isa = BestCpuIsa());
 // The same product written into y [rows, out] (fp32, contiguous, on the CPU), which the
 // caller owns: a decode step's logits go straight to where the sampler reads them.
-void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& y);
+void PackedLinearInto(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& y,
+                      CpuIsa isa = BestCpuIsa());
 
 }  // namespace bragg::engine::qwen3

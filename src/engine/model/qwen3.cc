@@ -12,6 +12,7 @@
 
 #include "common/blas_core.h"
 #include "common/str_cat.h"
+#include "engine/model/cpu_isa.h"
 #include "engine/model/linear.h"
 #include "engine/model/moe_cpu.h"
 
@@ -223,7 +224,8 @@ std::string DescribeCpuRuntime() {
   if (const char* forced = std::getenv("OPENBLAS_CORETYPE")) {
     blas = Cat(blas, ", OPENBLAS_CORETYPE=", forced);
   }
-  return Cat("torch ", at::get_num_threads(), " thread(s); BLAS: ", blas);
+  return Cat("torch ", at::get_num_threads(), " thread(s); BLAS: ", blas,
+             "; the engine's kernels: ", CpuIsaName(BestCpuIsa()));
 }
 
 int Weights::num_moe_layers() const {
