@@ -263,7 +263,7 @@ TEST_F(SglRouterCompatTest, WorkersRestApiAndLoads) {
   EXPECT_EQ(d.status, 200) << d.body;
   EXPECT_EQ(json::parse(d.body)["worker_id"], id);
   EXPECT_EQ(ListWorkers(*c), std::vector<std::string>{w0.url});
-  for (const std::string& method : {"DELETE", "GET"}) {
+  for (const char* method : {"DELETE", "GET"}) {
     for (const std::string& key : {id, PercentEncode(w1.url), std::string("127.0.0.1:1"),
                                    std::string("00000000-0000-0000-0000-000000000000")}) {
       Answer gone = Call(*c, method, "/workers/" + key);

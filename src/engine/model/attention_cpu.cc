@@ -10,10 +10,8 @@
 
 #include "engine/model/cpu_simd.h"
 
-// GCC 12's AVX-512 headers give the unmasked forms of some intrinsics (_mm512_max_ps,
-// _mm512_scalef_ps, the reductions' extracts) an "undefined" source vector for their unused
-// lanes, which its own -Wmaybe-uninitialized reports once they are inlined here: hundreds of
-// warnings about the headers, none about this file (GCC 13 fixed the headers).
+// GCC 12's AVX-512 headers set off -Wmaybe-uninitialized where the kernels below inline them, as
+// in cpu_simd.h (which says why): warnings about the headers, none about this file.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"

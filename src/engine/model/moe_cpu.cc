@@ -58,7 +58,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
 // tiled product over 48-column blocks of gu (each weight row read once per 8 rows, from
 // registers' worth of accumulators rather than a pass over g per input), and the down
 // projection writes each row's y once. scratch: n * (2I + 2H) floats. Call only where
-// CpuRuns(CpuIsa::kAvx512): AVX2 CPUs keep the vectorized ExpertRows (the AVX2 tiles were not
+// BestCpuIsa() is kAvx512: AVX2 CPUs keep the vectorized ExpertRows (the AVX2 tiles were not
 // measured against it there).
 void ExpertRowsTiled(const float* __restrict x, int64_t H, int64_t I, const float* __restrict gu,
                      const float* __restrict down, const int64_t* slots, int64_t k, int64_t n,
@@ -173,7 +173,8 @@ bool SmallBatchExpertsFit(const torch::Tensor& x, const std::vector<torch::Tenso
     return false;
   }
   const int64_t H = x.size(1);
-  const int64_t most_rows = CpuRuns(CpuIsa::kAvx512) ? kTiledExpertRows : kSmallBatchExpertRows;
+  const int64_t most_rows =
+      BestCpuIsa() == CpuIsa::kAvx512 ? kTiledExpertRows : kSmallBatchExpertRows;
   for (size_t e = 0; e < gate_up.size(); ++e) {
     if (counts[e] > most_rows) {
       return false;
@@ -213,7 +214,7 @@ torch::Tensor SmallBatchExperts(const torch::Tensor& x, const torch::Tensor& idx
   torch::Tensor y = torch::empty({T * k, H}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool tiled = CpuRuns(CpuIsa::kAvx512);
+  const bool tiled = BestCpuIsa() == CpuIsa::kAvx512;
   at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = b; i < end; ++i) {

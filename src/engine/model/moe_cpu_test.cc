@@ -9,6 +9,8 @@
 #include <limits>
 #include <vector>
 
+#include "engine/model/cpu_isa.h"
+
 namespace bragg::engine::qwen3 {
 namespace {
 
@@ -61,7 +63,7 @@ TEST(SmallBatchExperts, EqualsTorchOnDecodeAndPrefillShapes) {
   std::vector<Shape> shapes = {Shape{16, 256, 256, 2, 1}, Shape{16, 256, 256, 2, 32},
                                Shape{16, 256, 256, 2, 64}, Shape{8, 37, 19, 3, 5},
                                Shape{4, 64, 96, 4, 32}};
-  if (__builtin_cpu_supports("avx512f")) {
+  if (BestCpuIsa() == CpuIsa::kAvx512) {
     // A prefill chunk's rows: about 64 an expert for 512 tokens, and one expert given all 300
     // rows of a chunk (every token routed to it).
     shapes.push_back(Shape{16, 256, 256, 2, 512});
@@ -104,8 +106,7 @@ TEST(SmallBatchExperts, RefusesWhatItCannotTake) {
     EXPECT_TRUE(SmallBatchExpertsFit(x, ex.gate_up, ex.down, few.data()));
     // An expert over the row limit: BLAS does better there.
     std::vector<int64_t> many = {
-        (__builtin_cpu_supports("avx512f") ? kTiledExpertRows : kSmallBatchExpertRows) + 1, 0, 0,
-        0};
+        (BestCpuIsa() == CpuIsa::kAvx512 ? kTiledExpertRows : kSmallBatchExpertRows) + 1, 0, 0, 0};
     EXPECT_FALSE(SmallBatchExpertsFit(x, ex.gate_up, ex.down, many.data()));
     // Not fp32.
     EXPECT_FALSE(SmallBatchExpertsFit(x.to(torch::kBFloat16), ex.gate_up, ex.down, few.data()));
