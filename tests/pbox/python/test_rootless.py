@@ -400,18 +400,33 @@ def test_overlay_fuse_refusals_name_the_cause(pboxd_binary: str, make_agent) -> 
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _old_kernel_shim(pboxd_binary: str) -> Path:
-    """tests/pbox/old_kernel_shim.c as built in pboxd's build tree: an LD_PRELOAD library under
-    which pboxd meets what a kernel before 5.8 refuses a user (an OverlayFS with `userxattr`,
-    the overlay's 0/0 whiteout device)."""
+@pytest.fixture(scope="module")
+def old_kernel_shim(pboxd_binary: str) -> Iterator[Path]:
+    """tests/pbox/old_kernel_shim.c as an LD_PRELOAD library under which pboxd meets what a
+    kernel before 5.8 refuses a user (an OverlayFS with `userxattr`, the overlay's 0/0 whiteout
+    device): the one in pboxd's build tree, or, for a pboxd installed from a wheel
+    (scripts/check-wheel), built here from the source beside these tests."""
     build = Path(pboxd_binary).resolve().parents[2]
-    shim = build / "tests" / "pbox" / "libpbox_old_kernel_shim.so"
-    assert shim.exists(), f"{shim} is not built (make build)"
-    return shim
+    built = build / "tests" / "pbox" / "libpbox_old_kernel_shim.so"
+    if built.exists():
+        yield built
+        return
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, f"no {built} and no C compiler to build tests/pbox/old_kernel_shim.c"
+    out = Path(tempfile.mkdtemp(prefix="pbox-old-kernel-shim-"))
+    try:
+        out.chmod(0o755)  # loaded by pboxd, which may run as the test's unprivileged user
+        shim = out / "libpbox_old_kernel_shim.so"
+        source = Path(__file__).resolve().parents[1] / "old_kernel_shim.c"
+        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(shim), str(source), "-ldl"],
+                       check=True)
+        yield shim
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def test_auto_falls_back_to_fuse_overlayfs_where_the_kernel_refuses_the_overlay(
-        pboxd_binary: str) -> None:
+        pboxd_binary: str, old_kernel_shim: Path) -> None:
     """--overlay auto (the default) on a kernel that refuses an OverlayFS in a user namespace
     (emulated, tests/pbox/old_kernel_shim.c: what Linux before 5.8 refuses a user) starts with
     fuse-overlayfs roots, saying so; without a usable fuse-overlayfs either, it stops at start
@@ -420,7 +435,7 @@ def test_auto_falls_back_to_fuse_overlayfs_where_the_kernel_refuses_the_overlay(
     honours."""
     from test_images import Layer, docker_archive
 
-    env = dict(os.environ, LD_PRELOAD=str(_old_kernel_shim(pboxd_binary)))
+    env = dict(os.environ, LD_PRELOAD=str(old_kernel_shim))
     # Nothing to fall back on: both reasons, and no socket.
     out = _refused_at_start(pboxd_binary, ["--user", "--map-root-user"], 'exec "$@"',
                             "--fuse-overlayfs", "/nonexistent/fuse-overlayfs", env=env)
