@@ -10,13 +10,6 @@
 
 #include "engine/model/cpu_simd.h"
 
-// GCC 12's AVX-512 headers set off -Wmaybe-uninitialized where the kernels below inline them, as
-// in cpu_simd.h (which says why): warnings about the headers, none about this file.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-
 namespace bragg::engine::qwen3 {
 namespace {
 

@@ -70,7 +70,11 @@ class GuardedFloats {
       base_ = nullptr;
       return;
     }
-    ::mprotect(static_cast<char*>(base_) + data_bytes_, page, PROT_NONE);
+    if (::mprotect(static_cast<char*>(base_) + data_bytes_, page, PROT_NONE) != 0) {
+      ::munmap(base_, size_);  // without its guard the test could not see an over-read
+      base_ = nullptr;
+      return;
+    }
     end_ = reinterpret_cast<float*>(static_cast<char*>(base_) + data_bytes_);
   }
   ~GuardedFloats() {
