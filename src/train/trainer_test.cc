@@ -547,9 +547,12 @@ TEST_P(TrainerTest, CostAwareDpBalanceEvensTheRanksWhereRoundRobinDoesNot) {
   EXPECT_EQ(cost.loss_tokens, rr.loss_tokens);
   EXPECT_NEAR(cost.loss, rr.loss, 1e-6 * std::abs(rr.loss));
   ASSERT_EQ(cost_lp.size(), rr_lp.size());
+  // The same gradient summed in another order, then Adam's first step: lr times the gradient's
+  // sign, so a component near zero whose rounding flips it moves by 2 lr (lr is 1e-2 here).
+  // Measured: 1.4e-5 (dense) and 1.2e-4 (MoE) at worst.
   for (size_t i = 0; i < batch.size(); ++i) {
     for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
-      EXPECT_NEAR(cost_lp[i][j], rr_lp[i][j], 1e-4 * std::max(1.0f, std::abs(rr_lp[i][j])));
+      EXPECT_NEAR(cost_lp[i][j], rr_lp[i][j], 5e-4 * std::max(1.0f, std::abs(rr_lp[i][j])));
     }
   }
 }
