@@ -10,9 +10,9 @@ writes into ``--out`` (default RUN_DIR):
   same axes, and with ``--target`` a horizontal line at that reward;
 - ``staleness.png``: the staleness histogram summed over all steps (trainer version minus the
   oldest version among a trajectory's tokens), one bar per value (per run with ``--compare``);
-- ``time_split.png``: where each step's time went (generate, tools, train, sync, wait), stacked,
-  one bar per step, or per bin of steps when there are more than 60 (10 steps a bin, more when
-  a run is so long that 10 would still draw over 60 bars).
+- ``time_split.png``: where each step's time went (generate, tools, verify, train, sync, wait),
+  stacked, one bar per step, or per bin of steps when there are more than 60 (10 steps a bin,
+  more when a run is so long that 10 would still draw over 60 bars).
 
 ``--summary`` also prints the summary (``summary()``) of each run.
 
@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
-TIME_SPLIT_KEYS = ("generate_s", "tools_s", "train_s", "sync_s", "wait_s")
+TIME_SPLIT_KEYS = ("generate_s", "tools_s", "verify_s", "train_s", "sync_s", "wait_s")
 FINAL_WINDOW = 3  # steps averaged for the final reward and for reaching the target
 MAX_BARS = 60  # time_split.png draws at most this many bars
 

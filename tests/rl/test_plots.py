@@ -35,8 +35,8 @@ def step_line(step, reward, t=None, **extra):
         "tool_ms_p50": 3.0,
         "tool_ms_p99": 20.0,
         "sandbox_failures": 0,
-        "time_split": {"generate_s": 6.0, "tools_s": 1.0, "train_s": 2.0, "sync_s": 0.5,
-                       "wait_s": 0.5},
+        "time_split": {"generate_s": 6.0, "tools_s": 1.0, "verify_s": 0.25, "train_s": 2.0,
+                       "sync_s": 0.5, "wait_s": 0.5},
         "loss": 0.1,
         "kl": 0.01,
         "entropy": 1.0,
@@ -94,6 +94,7 @@ def test_summary_numbers(async_run):
     assert s["staleness"] == {0: 90, 1: 36, 2: 18}
     assert s["staleness_mean"] == pytest.approx((36 + 2 * 18) / 144)
     assert s["time_split_s"]["generate_s"] == pytest.approx(54.0)
+    assert s["time_split_s"]["verify_s"] == pytest.approx(9 * 0.25)
     assert s["last_eval_success"] == pytest.approx(1.6)  # step 8
     assert s["best_eval_success"] == pytest.approx(1.6)
     assert s["events"] == ["warm_start", "end"]
@@ -191,6 +192,7 @@ def test_steps_missing_optional_keys(tmp_path):
     assert s["final_success"] == pytest.approx(0.0)
     assert s["staleness"] == {0: 3}
     assert s["time_split_s"]["train_s"] == pytest.approx(1.0)
+    assert s["time_split_s"]["verify_s"] == 0.0  # records from before verify_s had none
     assert s["over_stale"] == 0 and s["gen_tokens_per_s"] is None
     assert s["time_to_target_s"] is None  # every window holds the null reward or is not full
     for p in plots.write_plots([plots.load_run(run)], ["sparse"], str(tmp_path / "out")):
