@@ -198,8 +198,8 @@ std::string RunMetrics::Render() const {
     out += fmt::format("bragg_rl_trained_staleness_total{{versions=\"{}\"}} {}\n", age, Value(n));
   }
   Header(&out, "bragg_rl_phase_seconds_total", "counter",
-         "Seconds spent per phase: generate and tools summed over agent loops; train, sync and "
-         "wait on the trainer's thread.");
+         "Seconds spent per phase: generate, tools and verify summed over agent loops; train, "
+         "sync and wait on the trainer's thread.");
   for (const auto& [phase, s] : phases_) {
     out += fmt::format("bragg_rl_phase_seconds_total{{phase=\"{}\"}} {}\n",
                        PrometheusLabelValue(phase), Value(s));
