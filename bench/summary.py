@@ -8,6 +8,7 @@ per target, with its goal, peer, measured value, verdict and date, read from doc
   train.json         bench/train/run.py (make bench; left out while absent)
   rl.json            bench/rl/run.py (make bench; left out while absent)
   rl_async.json      bench/rl/async_sync.py (make bench; left out while absent)
+  rl_verifier.json   bench/rl/verifier_modes.py (make bench; left out while absent)
   fusion.json        bench/pbox/fusion.py (make bench; left out while absent)
   pbox_rootless.json bench/pbox/rootless.py (make bench; left out while absent)
   gateway_sglang_router.json  bench/gateway/sglang_router.py (make bench; left out while absent)
@@ -133,6 +134,7 @@ def rows_from(data_dir):
                      ("train_parity.json", generated_rows("train")),
                      ("rl.json", generated_rows("rl")),
                      ("rl_async.json", generated_rows("rl")),
+                     ("rl_verifier.json", generated_rows("rl")),
                      ("fusion.json", generated_rows("pbox-fusion")),
                      ("pbox_rootless.json", generated_rows("pbox-rootless")),
                      ("gateway_sglang_router.json", generated_rows("gateway")),
@@ -144,6 +146,7 @@ def rows_from(data_dir):
     if not found:
         raise FileNotFoundError(f"no benchmark data in {data_dir} (pack.json, pbox_bench.json, "
                                 "engine.json, train.json, train_parity.json, rl.json, rl_async.json, "
+                                "rl_verifier.json, "
                                 "fusion.json, pbox_rootless.json, gateway_sglang_router.json, "
                                 "manual_targets.json)")
     for r in rows:

@@ -50,8 +50,10 @@ def write_config(path: Path, run_dir: Path, data: Path, *, staleness: int, model
     text = re.sub(r'^dir = ".*"$', f'dir = "{run_dir}"', text, flags=re.M)
     text = re.sub(r"^max_staleness = \d+$", f"max_staleness = {staleness}", text, flags=re.M)
     text = re.sub(r"^time_limit_s = .*$", f"time_limit_s = {time_limit}", text, flags=re.M)
-    text = re.sub(r"^(\[run\][^\[]*?)^steps = \d+$", rf"\g<1>steps = {steps}", text,
-                  flags=re.S | re.M)
+    text, n = re.subn(r"^(\[run\][^\[]*?)^steps = \d+", rf"\g<1>steps = {steps}", text,
+                      flags=re.S | re.M)
+    if n != 1:
+        raise ValueError("examples/xrd/config.toml: no `steps = N` in [run]")
     text = text.replace('vocab = "vocab.json"', f'vocab = "{XRD / "vocab.json"}"')
     text = text.replace('"data/', f'"{data}/')
     text = text.replace('files = "sandbox"', f'files = "{XRD / "sandbox"}"')
@@ -107,7 +109,7 @@ def run_rl(build: Path, endpoint: str, root: Path, quick: bool = False) -> bool:
     subprocess.run([sys.executable, str(XRD / "make_data.py"), "--out", str(data), "--seed", "0",
                     "--warm", "2000"], check=True, stdout=subprocess.DEVNULL)
     limit = 120 if quick else 600
-    steps = 40 if quick else 1000  # the stop target or the time limit ends a full run
+    steps = 1000  # the stop target or the time limit ends a run (--rl-quick: 120 s)
     runs = {"async": work / "async", "sync": work / "sync"}
     write_config(work / "async.toml", runs["async"], data, staleness=2, model="", warm_steps=0,
                  time_limit=limit, steps=steps)

@@ -28,6 +28,11 @@ and the config names the one file twice::
     tool_server = ["python3", "/task/my_env.py", "serve"]
     verifier = ["python3", "/task/my_env.py", "verify"]
 
+or once, with the tool server scoring the rollout too (a Python process fewer per rollout)::
+
+    tool_server = ["python3", "/task/my_env.py", "serve"]
+    verifier_in_tool_server = true
+
 **Copy this file.** A sandbox sees only the files uploaded to ``/task`` (``task.files``), not the
 bragg_rl package, so this module is one file, standard library only (Python 3.11), that works
 when ``env.py`` alone is copied next to the user's script and imported as ``env``; it works as
@@ -45,6 +50,10 @@ Each request ``{"text": "..."}`` is answered with exactly one line, flushed:
   text and tool nor a ``Done`` -> ``{"observation": "error: <ExceptionType>\\n", "tool": "",
   "error": true}`` with the traceback on stderr; the server goes on with the next request, so
   the model sees an error and the rollout continues;
+- ``{"verify": ROLLOUT}`` (``task.verifier_in_tool_server``; ROLLOUT as the verifier reads it)
+  -> ``{"reward": x}`` from ``reward`` on a fresh instance, as ``verify`` computes it, or
+  ``{"error": "<why>"}`` where ``verify`` would exit 1 or 2 (the trajectory is then dropped as
+  ``verifier_failed``; the server goes on);
 - end of input -> ``serve`` returns 0 (bragg-rl's start-up probe needs exit 0 on empty input).
 
 An exception in the factory or in ``reset`` is not caught: the server exits 1 with the traceback,
@@ -73,7 +82,7 @@ import os
 import subprocess
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, Optional, TextIO, Union
+from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple, Union
 
 __all__ = [
     "Observation",
@@ -194,15 +203,33 @@ def _read_lines(stdin: Any):
         yield line
 
 
-def _request_text(line: str) -> Optional[str]:
+def _parse_request(line: str) -> Optional[Dict[str, Any]]:
     try:
         request = json.loads(line)
     except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         return None
-    if not isinstance(request, dict):
-        return None
-    text = request.get("text")
-    return text if isinstance(text, str) else None
+    return request if isinstance(request, dict) else None
+
+
+def _score(env_factory: EnvFactory, obj: Any) -> Tuple[Optional[float], str, int]:
+    """(reward, "", 0) for the rollout ``obj`` (parsed JSON), scored by a fresh environment;
+    else (None, why, status): status 1 for input that is not a rollout or an exception in
+    ``reward`` (its traceback printed on stderr), 2 for a reward that is not a finite number."""
+    try:
+        rollout = Rollout.from_json(obj)
+    except ValueError as e:
+        return None, f"the input is not a rollout (docs/rl.md \"Tool protocol\"): {e}", 1
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            reward = env_factory().reward(rollout)
+    except Exception as e:  # noqa: BLE001 - reported, and bragg-rl drops the trajectory
+        traceback.print_exc(file=sys.stderr)
+        return None, f"reward raised {type(e).__name__}: {e}", 1
+    x = _finite(reward)
+    if x is None:
+        return None, (f"reward returned {reward!r}, not a finite number; bragg-rl drops the "
+                      f"trajectory (verifier_failed)"), 2
+    return x, "", 0
 
 
 def _step_reply(env: Environment, text: str) -> Dict[str, Any]:
@@ -237,8 +264,16 @@ def serve(env_factory: EnvFactory, stdin: Optional[TextIO] = None,
         env = env_factory()
         env.reset()
     for line in _read_lines(stdin):
-        text = _request_text(line)
-        if text is None:
+        request = _parse_request(line)
+        text = request.get("text") if request is not None else None
+        if request is not None and "verify" in request:
+            x, why, _ = _score(env_factory, request["verify"])
+            if x is None:
+                print(f"bragg_rl.env verify: {why}", file=sys.stderr)
+                reply = {"error": _utf8_clean(why)}
+            else:
+                reply = {"reward": x}
+        elif not isinstance(text, str):
             print(f"bragg_rl.env: bad request: {line[:200]!r}", file=sys.stderr)
             reply = BAD_REQUEST
         else:
@@ -277,22 +312,16 @@ def verify(env_factory: EnvFactory, stdin: Optional[TextIO] = None,
     if isinstance(data, bytes):
         data = data.decode("utf-8", "replace")
     try:
-        rollout = Rollout.from_json(json.loads(data))
+        obj = json.loads(data)
     except (ValueError, RecursionError) as e:
         print(f"bragg_rl.env verify: the input is not a rollout (docs/rl.md \"Tool protocol\"): "
               f"{e}; got {data[:200]!r}", file=sys.stderr)
         return 1
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            reward = env_factory().reward(rollout)
-    except Exception:  # noqa: BLE001 - reported, and bragg-rl drops the trajectory
-        traceback.print_exc(file=sys.stderr)
-        return 1
-    x = _finite(reward)
+    x, why, status = _score(env_factory, obj)
     if x is None:
-        print(f"bragg_rl.env verify: reward returned {reward!r}, not a finite number; "
-              f"bragg-rl drops the trajectory (verifier_failed)", file=sys.stderr)
-        return 2
+        suffix = f"; got {data[:200]!r}" if why.startswith("the input") else ""
+        print(f"bragg_rl.env verify: {why}{suffix}", file=sys.stderr)
+        return status
     out.write(repr(x) + "\n")
     out.flush()
     return 0

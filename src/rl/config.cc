@@ -456,6 +456,7 @@ void ReadTables(const toml::table& root, Config* config, Problems* problems,
   t.String("image", &task.image);
   t.Strings("tool_server", &task.tool_server);
   t.Strings("verifier", &task.verifier);
+  t.Bool("verifier_in_tool_server", &task.verifier_in_tool_server);
   t.Strings("setup", &task.setup);
   t.Int("max_turns", &task.max_turns, 1);
   t.Int("max_new_tokens", &task.max_new_tokens, 1);
@@ -698,10 +699,15 @@ void CheckWhole(Config* c, const fs::path& base, Problems* problems) {
                   "missing or empty; set it to the tool server's argv, e.g. [\"python3\", "
                   "\"/task/tool_server.py\"]");
   }
-  if (task.verifier.empty()) {
+  if (task.verifier.empty() && !task.verifier_in_tool_server) {
     problems->Add("task.verifier",
                   "missing or empty; set it to the verifier's argv, e.g. [\"python3\", "
-                  "\"/task/verify.py\"]");
+                  "\"/task/verify.py\"], or set task.verifier_in_tool_server = true");
+  }
+  if (!task.verifier.empty() && task.verifier_in_tool_server) {
+    problems->Add("task.verifier",
+                  "is set, and so is task.verifier_in_tool_server: the rollout is scored by "
+                  "one or the other; remove one");
   }
   if (task.max_tokens <= task.max_new_tokens) {
     problems->Add("task.max_tokens",

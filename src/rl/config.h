@@ -70,8 +70,13 @@ struct TaskConfig {
   // Long-lived tool server (docs/rl.md "Tool protocol"): reads one JSON line per model turn on
   // stdin, answers one JSON line.
   std::vector<std::string> tool_server;
-  // Reads the rollout (JSON on stdin), prints its reward (a number) on stdout.
+  // Reads the rollout (JSON on stdin), prints its reward (a number) on stdout. Run once per
+  // rollout, in its sandbox, after its last turn.
   std::vector<std::string> verifier;
+  // Instead of `verifier`: the rollout's tool server scores it, answering {"verify": ROLLOUT}
+  // with {"reward": X} (docs/rl.md "Tool protocol"). Saves a process per rollout (~70 ms of
+  // CPU for a Python verifier).
+  bool verifier_in_tool_server = false;
   // Optional: run once in the prepared sandbox, after `files` are uploaded and before any clone
   // (e.g. precomputing a table the tool server reads); must exit 0. Its files are in every
   // rollout's sandbox.

@@ -170,6 +170,7 @@ files = "files/"
 image = "debian-python"
 tool_server = ["python3", "/task/tool_server.py", "--fast"]
 verifier = ["/task/verify"]
+verifier_in_tool_server = false
 setup = ["python3", "/task/tool_server.py", "--prepare"]
 max_turns = 6
 max_new_tokens = 48
@@ -277,6 +278,7 @@ max_tokens = 16384
   EXPECT_EQ(task.tool_server,
             (std::vector<std::string>{"python3", "/task/tool_server.py", "--fast"}));
   EXPECT_EQ(task.verifier, std::vector<std::string>{"/task/verify"});
+  EXPECT_FALSE(task.verifier_in_tool_server);
   EXPECT_EQ(task.setup, (std::vector<std::string>{"python3", "/task/tool_server.py", "--prepare"}));
   EXPECT_EQ(task.max_turns, 6);
   EXPECT_EQ(task.max_new_tokens, 48);
@@ -384,6 +386,7 @@ TEST_F(ConfigTest, ReferenceConfigStatesEveryDefault) {
   EXPECT_EQ(c->task.eval_prompts, d.task.eval_prompts);
   EXPECT_EQ(c->task.files, d.task.files);
   EXPECT_EQ(c->task.image, d.task.image);
+  EXPECT_EQ(c->task.verifier_in_tool_server, d.task.verifier_in_tool_server);
   EXPECT_EQ(c->task.max_turns, d.task.max_turns);
   EXPECT_EQ(c->task.max_new_tokens, d.task.max_new_tokens);
   EXPECT_EQ(c->task.max_tokens, d.task.max_tokens);
@@ -741,6 +744,16 @@ TEST_F(ConfigTest, RequiredKeysAreRefusedWhenMissingOrEmpty) {
               StartsWith("config.toml: task.tool_server: missing or empty"));
   EXPECT_THAT(Refusal(Parse({}, {"task.verifier"})),
               StartsWith("config.toml: task.verifier: missing or empty"));
+  // The tool server may score instead, but not both.
+  auto in_server = Parse({{"task.verifier_in_tool_server", "true"}}, {"task.verifier"});
+  ASSERT_TRUE(in_server.ok()) << in_server.status();
+  EXPECT_TRUE(in_server->task.verifier_in_tool_server);
+  EXPECT_TRUE(in_server->task.verifier.empty());
+  EXPECT_THAT(Refusal(Parse({{"task.verifier_in_tool_server", "true"}})),
+              StartsWith("config.toml: task.verifier: is set, and so is "
+                         "task.verifier_in_tool_server"));
+  EXPECT_THAT(Refusal(Parse({{"task.verifier_in_tool_server", "1"}}, {"task.verifier"})),
+              HasSubstr("task.verifier_in_tool_server: expected a boolean"));
   EXPECT_THAT(Refusal(Parse({{"task.prompts", "\"\""}})),
               StartsWith("config.toml: task.prompts: missing"));
   EXPECT_THAT(Refusal(Parse({{"run.dir", "\"\""}})),

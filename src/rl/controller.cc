@@ -709,12 +709,21 @@ Result<Controller::Prepared> Controller::PrepareAgent(pbox::client::Client* pbox
     }
   }
   // The task must start: its tool server exits 0 at end of input, its verifier prints a number
-  // for an empty rollout. Refused here, before any rollout.
-  auto probe = pbox->Run({.sandbox_id = prepared,
-                          .argv = cfg_.task.tool_server,
-                          .timeout_ms = 30000,
-                          .stdin = "",
-                          .max_output_bytes = 4096});
+  // for a rollout without turns (with verifier_in_tool_server: the tool server answers that
+  // rollout's {"verify"} line with a numeric reward, then exits 0). Refused here, before any
+  // rollout.
+  json empty_rollout = {{"prompt", prompts_[0].text},
+                        {"meta", json::parse(prompts_[0].meta_json)},
+                        {"turns", json::array()},
+                        {"observations", json::array()},
+                        {"done", false}};
+  const bool in_server = cfg_.task.verifier_in_tool_server;
+  auto probe =
+      pbox->Run({.sandbox_id = prepared,
+                 .argv = cfg_.task.tool_server,
+                 .timeout_ms = 30000,
+                 .stdin = in_server ? json{{"verify", empty_rollout}}.dump() + "\n" : std::string(),
+                 .max_output_bytes = 4096});
   if (!probe.ok()) {
     return Annotate(probe.status(), "task.tool_server");
   }
@@ -726,15 +735,23 @@ Result<Controller::Prepared> Controller::PrepareAgent(pbox::client::Client* pbox
             probe->result().exit_code(), " ", probe->result().error(), " ",
             probe->stderr().substr(0, 300)));
   }
-  json in = {{"prompt", prompts_[0].text},
-             {"meta", json::parse(prompts_[0].meta_json)},
-             {"turns", json::array()},
-             {"observations", json::array()},
-             {"done", false}};
+  if (in_server) {
+    std::string line = probe->stdout().substr(0, probe->stdout().find('\n'));
+    json reply = json::parse(line, nullptr, false);
+    if (!reply.is_object() || !reply.contains("reward") || !reply["reward"].is_number()) {
+      return absl::FailedPreconditionError(
+          Cat("task.tool_server ", json(cfg_.task.tool_server).dump(),
+              " must answer {\"verify\": ROLLOUT} with {\"reward\": NUMBER} "
+              "(task.verifier_in_tool_server); for a rollout without turns it answered ",
+              json(line.substr(0, 120)).dump(-1, ' ', false, json::error_handler_t::replace), " ",
+              probe->stderr().substr(0, 300)));
+    }
+    return out;
+  }
   auto v = pbox->Run({.sandbox_id = prepared,
                       .argv = cfg_.task.verifier,
                       .timeout_ms = 30000,
-                      .stdin = in.dump(),
+                      .stdin = empty_rollout.dump(),
                       .max_output_bytes = 4096});
   if (!v.ok()) {
     return Annotate(v.status(), "task.verifier");
@@ -1033,7 +1050,14 @@ RolloutResult Controller::RolloutInSandbox(size_t node, uint64_t epoch, const st
                    stop_ids_,
                    client,
                    tools->get(),
-                   PboxVerifier(pbox, sandbox, &cfg_.task),
+                   cfg_.task.verifier_in_tool_server
+                       ? Verifier([tool = tools->get(),
+                                   timeout = std::chrono::milliseconds(
+                                       static_cast<int64_t>(cfg_.task.tool_timeout_s * 1000))](
+                                      const std::string& in) -> Result<VerifierOutput> {
+                           return tool->Verify(in, timeout);
+                         })
+                       : PboxVerifier(pbox, sandbox, &cfg_.task),
                    std::move(on_generate)};
     auto r = RunRollout(env, id, group, prompt, sampling, seed);
     if (r.ok()) {

@@ -214,10 +214,11 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
   double reward = 0;
   absl::string_view text = absl::StripAsciiWhitespace(v->output);
   if (!absl::SimpleAtod(text, &reward) || !std::isfinite(reward)) {
-    return Dropped(
-        std::move(r), "verifier_no_number",
-        Cat("the verifier printed ", json(std::string(text.substr(0, 80)))
-                                         .dump(-1, ' ', false, json::error_handler_t::replace)));
+    return Dropped(std::move(r), "verifier_no_number",
+                   Cat(task.verifier_in_tool_server ? "the tool server's verify answered "
+                                                    : "the verifier printed ",
+                       json(std::string(text.substr(0, 80)))
+                           .dump(-1, ' ', false, json::error_handler_t::replace)));
   }
   r.reward = reward;
   t.reward = reward;

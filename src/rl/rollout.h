@@ -59,12 +59,9 @@ struct RolloutResult {
   int64_t start_version = -1;
 };
 
-// The task's verifier run on one rollout (its JSON on stdin): what it printed, or why it failed.
-struct VerifierOutput {
-  std::string failure;  // "" when it exited 0; else its exit, signal or timeout and stderr
-  std::string output;   // its stdout
-};
-// A Status error means the verifier could not be run at all (its sandbox or the agent is gone).
+// Scores one rollout (its JSON): what the verifier printed, or why it failed (VerifierOutput,
+// tool_server.h). A Status error means the verifier could not be run at all (its sandbox or the
+// agent is gone).
 using Verifier = std::function<Result<VerifierOutput>(const std::string& input_json)>;
 
 // The task's verifier (`task.verifier`) in `sandbox_id`, through pbox exec.

@@ -122,6 +122,35 @@ std::string ToolServer::exit_description() const {
   return exit_;
 }
 
+std::variant<std::string, ToolReply> ToolServer::Exchange(const std::string& line,
+                                                          std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    out_.clear();  // a reply that came late to an earlier call is not this call's
+  }
+  if (!stdin_.valid() || !WriteAll(stdin_.get(), line).ok()) {
+    return Failure(Cat("exited: ", exit_description()), "error: tool server died\n");
+  }
+  std::unique_lock<std::mutex> l(mu_);
+  bool ready = cv_.wait_for(l, timeout, [this] {
+    return exited_ || out_.find('\n') != std::string::npos || out_.size() > kMaxReplyBytes;
+  });
+  size_t nl = out_.find('\n');
+  if (nl == std::string::npos) {
+    if (!ready) {
+      return Failure("timeout", "error: tool timed out\n");
+    }
+    if (out_.size() > kMaxReplyBytes) {
+      return Failure("bad reply: over 1 MiB without a newline", "error: tool output too long\n");
+    }
+    return Failure(oom_ ? std::string("oom") : Cat("exited: ", exit_),
+                   oom_ ? "error: tool ran out of memory\n" : "error: tool crashed\n");
+  }
+  std::string reply = out_.substr(0, nl);
+  out_.erase(0, nl + 1);
+  return reply;
+}
+
 ToolReply ToolServer::Call(std::string_view text, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> call(call_mu_);
   auto t0 = std::chrono::steady_clock::now();
@@ -132,34 +161,11 @@ ToolReply ToolServer::Call(std::string_view text, std::chrono::milliseconds time
   std::string line = nlohmann::json{{"text", std::string(text)}}.dump(
                          -1, ' ', false, nlohmann::json::error_handler_t::replace) +
                      "\n";
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    out_.clear();  // a reply that came late to an earlier call is not this call's
+  auto exchanged = Exchange(line, timeout);
+  if (auto* failed = std::get_if<ToolReply>(&exchanged)) {
+    return finish(std::move(*failed));
   }
-  if (!stdin_.valid() || !WriteAll(stdin_.get(), line).ok()) {
-    return finish(Failure(Cat("exited: ", exit_description()), "error: tool server died\n"));
-  }
-  std::string reply;
-  {
-    std::unique_lock<std::mutex> l(mu_);
-    bool ready = cv_.wait_for(l, timeout, [this] {
-      return exited_ || out_.find('\n') != std::string::npos || out_.size() > kMaxReplyBytes;
-    });
-    size_t nl = out_.find('\n');
-    if (nl == std::string::npos) {
-      if (!ready) {
-        return finish(Failure("timeout", "error: tool timed out\n"));
-      }
-      if (out_.size() > kMaxReplyBytes) {
-        return finish(
-            Failure("bad reply: over 1 MiB without a newline", "error: tool output too long\n"));
-      }
-      return finish(Failure(oom_ ? std::string("oom") : Cat("exited: ", exit_),
-                            oom_ ? "error: tool ran out of memory\n" : "error: tool crashed\n"));
-    }
-    reply = out_.substr(0, nl);
-    out_.erase(0, nl + 1);
-  }
+  const std::string& reply = std::get<std::string>(exchanged);
   nlohmann::json j = nlohmann::json::parse(reply, nullptr, false);
   ToolReply r;
   r.bytes = reply.size() + 1;
@@ -186,6 +192,61 @@ ToolReply ToolServer::Call(std::string_view text, std::chrono::milliseconds time
     r.error = it->get<bool>();
   }
   return finish(std::move(r));
+}
+
+VerifierOutput ToolServer::Verify(std::string_view rollout_json,
+                                  std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> call(call_mu_);
+  VerifierOutput out;
+  nlohmann::json rollout = nlohmann::json::parse(rollout_json, nullptr, false);
+  if (!rollout.is_object()) {
+    out.failure = "the rollout to verify is not a JSON object";
+    return out;
+  }
+  bool exited;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    exited = exited_;
+  }
+  if (exited) {
+    // Crashed, OOM-killed or timed out on the last turn (and not restarted since): the reward
+    // needs a server. Its exit is kept for the message should the new one fail too.
+    std::string before = exit_description();
+    Stop(std::chrono::milliseconds(0));
+    if (Status st = Launch(); !st.ok()) {
+      out.failure = Cat("restarting the tool server (", before, ") to verify: ", st.message());
+      return out;
+    }
+  }
+  std::string line = nlohmann::json{{"verify", std::move(rollout)}}.dump(
+                         -1, ' ', false, nlohmann::json::error_handler_t::replace) +
+                     "\n";
+  auto exchanged = Exchange(line, timeout);
+  if (auto* failed = std::get_if<ToolReply>(&exchanged)) {
+    std::lock_guard<std::mutex> l(mu_);
+    out.failure = Cat("the tool server's verify: ", failed->failure, ": ",
+                      err_.substr(err_.size() > 200 ? err_.size() - 200 : 0));
+    return out;
+  }
+  const std::string& reply = std::get<std::string>(exchanged);
+  nlohmann::json j = nlohmann::json::parse(reply, nullptr, false);
+  if (!j.is_object()) {
+    out.failure =
+        Cat("the tool server's verify: bad reply: not a JSON object: ", reply.substr(0, 80));
+    return out;
+  }
+  if (auto it = j.find("error"); it != j.end() && !it->is_null() && *it != false) {
+    out.failure = Cat("the tool server's verify failed: ",
+                      it->is_string() ? it->get<std::string>() : it->dump());
+    return out;
+  }
+  auto it = j.find("reward");
+  if (it != j.end() && it->is_number()) {
+    out.output = it->dump();
+  } else {
+    out.output = reply;  // no number: the caller reports what was answered
+  }
+  return out;
 }
 
 }  // namespace bragg::rl

@@ -4,7 +4,8 @@
 // started once through pbox exec with stdin kept open, then fed one JSON line per model turn
 // ({"text": ...}) and read one JSON line back ({"observation", "tool", "error"} or
 // {"done": true}). A fresh interpreter per call would cost ~100 ms; a line on a pipe costs
-// microseconds.
+// microseconds. With task.verifier_in_tool_server the same server scores the finished rollout
+// ({"verify": ROLLOUT} -> {"reward": X}), sparing each rollout a verifier process.
 //
 // A server that hangs past the call's timeout, dies (a crash, the sandbox's OOM killer) or
 // answers something that is not a JSON object is reported in ToolReply::failure: the caller
@@ -18,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "common/status.h"
@@ -36,6 +38,12 @@ struct ToolReply {
   size_t bytes = 0;     // size of the reply line
 };
 
+// What scoring a finished rollout gave (the verifier's stdout, or the tool server's reward).
+struct VerifierOutput {
+  std::string failure;  // "" when it ran; else its exit, signal or timeout and stderr
+  std::string output;   // what it printed: the reward, unless it printed no number
+};
+
 // What an agent loop needs of a task's tools: one call per model turn, and a fresh start after a
 // failure. ToolServer, a server in the rollout's pbox sandbox, is the real one; the controller
 // benchmark uses an in-process stub.
@@ -46,6 +54,13 @@ class ToolChannel {
   // observation, not a Status: the rollout goes on.
   virtual ToolReply Call(std::string_view text, std::chrono::milliseconds timeout) = 0;
   virtual Status Restart() = 0;
+  // task.verifier_in_tool_server: the finished rollout's reward from the tool server. Channels
+  // that cannot score say so in `failure`.
+  virtual VerifierOutput Verify(std::string_view rollout_json, std::chrono::milliseconds timeout) {
+    (void)rollout_json;
+    (void)timeout;
+    return {.failure = "this tool channel does not verify", .output = ""};
+  }
 };
 
 class ToolServer : public ToolChannel {
@@ -62,6 +77,12 @@ class ToolServer : public ToolChannel {
   // Sends one turn and waits for the reply line. A failure (timeout, exit, bad reply) is a
   // reply with `failure` set and an error observation, not a Status: the rollout goes on.
   ToolReply Call(std::string_view text, std::chrono::milliseconds timeout) override;
+  // Sends {"verify": ROLLOUT} and reads {"reward": X}; a server that has exited (a crash on
+  // the last turn) is started again first. A reply without a numeric "reward" is returned as
+  // `output` (the rollout is then dropped as verifier_no_number); {"error": "..."}, a hang, a
+  // crash or a reply that is not a JSON object is a `failure` (verifier_failed). `rollout_json`
+  // must be a JSON object.
+  VerifierOutput Verify(std::string_view rollout_json, std::chrono::milliseconds timeout) override;
   // Kills whatever runs in the sandbox and starts the server again.
   Status Restart() override;
   bool alive() const;
@@ -72,6 +93,10 @@ class ToolServer : public ToolChannel {
   ToolServer(pbox::client::Client* client, std::string sandbox_id, std::vector<std::string> argv)
       : client_(client), sandbox_id_(std::move(sandbox_id)), argv_(std::move(argv)) {}
   Status Launch();
+  // Writes `line` and waits for one reply line: the line, or a failure reply (error set).
+  // call_mu_ held.
+  std::variant<std::string, ToolReply> Exchange(const std::string& line,
+                                                std::chrono::milliseconds timeout);
   // Ends the running server: closes stdin, waits up to `grace`, kills every process in the
   // sandbox if it is still there, joins the exec thread.
   void Stop(std::chrono::milliseconds grace);

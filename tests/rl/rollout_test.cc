@@ -217,6 +217,18 @@ TEST_F(RolloutTest, EveryVerifierFailureIsADroppedResultWithItsReason) {
     EXPECT_EQ(r->dropped, cases[i].dropped) << "case " << i << ": " << r->detail;
     EXPECT_EQ(r->turn_count, 1);
   }
+  // The message names what scored: a verifier process, or the tool server's verify line.
+  ScriptedTools tools({});
+  auto r = RunRollout(Env(&tools, Prints("high")), "w", "g", Prompt{"al cu"}, SamplingConfig{}, 9);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->detail, "the verifier printed \"high\"");
+  task_.verifier_in_tool_server = true;
+  ScriptedTools tools2({});
+  r = RunRollout(Env(&tools2, Prints(R"({"reward": "high"})")), "x", "g", Prompt{"al cu"},
+                 SamplingConfig{}, 10);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->dropped, "verifier_no_number");
+  EXPECT_EQ(r->detail, R"(the tool server's verify answered "{\"reward\": \"high\"}")");
 }
 
 TEST_F(RolloutTest, ObservationsAreCutToTheTokenBudgetAndTheTrajectoryEndsOnAModelTurn) {

@@ -319,6 +319,59 @@ def test_verify_bad_input_is_exit_1_with_a_message(data, why, capsys):
     assert why in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------------------------------------
+# verify through serve (task.verifier_in_tool_server): {"verify": ROLLOUT} -> {"reward": X}
+
+
+def test_serve_answers_verify_with_a_fresh_instance_between_turns():
+    made = []
+
+    class Spy(Echo):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+        def reward(self, rollout):
+            # The serving instance's state is not the reward's: a fresh instance scores.
+            assert self is not made[0]
+            return float(len(rollout.turns))
+
+    lines = [req("a\n"), json.dumps({"verify": ROLLOUT}), req("b\n"),
+             json.dumps({"verify": {**ROLLOUT, "turns": []}})]
+    status, replies = serve_lines(lines, Spy)
+    assert status == 0
+    assert replies == [{"observation": "[a\n]", "tool": "echo"}, {"reward": 2.0},
+                       {"observation": "[b\n]", "tool": "echo"}, {"reward": 0.0}]
+    assert len(made) == 3
+
+
+@pytest.mark.parametrize("value", [float("nan"), None, "1.0", lambda: 1 / 0])
+def test_serve_verify_failures_are_error_replies_and_the_server_goes_on(value, capsys):
+    lines = [json.dumps({"verify": ROLLOUT}), json.dumps({"verify": [1]}),
+             json.dumps({"verify": {**ROLLOUT, "turns": "x"}}), req("a\n")]
+    status, replies = serve_lines(lines, reward_env(value))
+    assert status == 0
+    assert len(replies) == 4
+    assert all(set(r) == {"error"} and isinstance(r["error"], str) for r in replies[:3])
+    assert ("not a finite number" in replies[0]["error"]
+            or "ZeroDivisionError" in replies[0]["error"])
+    assert "not a JSON object" in replies[1]["error"]
+    assert '"turns"' in replies[2]["error"]
+    assert replies[3] == {"observation": "error: NotImplementedError\n", "tool": "",
+                          "error": True}
+    assert "bragg_rl.env verify:" in capsys.readouterr().err
+
+
+def test_serve_verify_print_in_reward_does_not_corrupt_the_protocol(capsys):
+    class Chatty(Echo):
+        def reward(self, rollout):
+            print("thinking about it")
+            return 0.25
+
+    assert serve_lines([json.dumps({"verify": ROLLOUT})], Chatty) == (0, [{"reward": 0.25}])
+    assert "thinking about it" in capsys.readouterr().err
+
+
 def test_rollout_defaults():
     r = brenv.Rollout.from_json({"prompt": "p", "meta": None, "turns": [], "observations": []})
     assert r == brenv.Rollout(prompt="p", meta={}, turns=[], observations=[], done=False)

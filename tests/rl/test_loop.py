@@ -211,8 +211,17 @@ def check_common(run: Path, staleness: int, steps: int) -> list:
     return m
 
 
-def test_faults_are_observations_and_counted_drops(agent, tmp_path):
+VERIFIER_LINE = 'verifier = ["python3", "/task/chaos_env.py", "verify"]'
+
+
+@pytest.mark.parametrize("scoring", ["verifier", "verifier_in_tool_server"])
+def test_faults_are_observations_and_counted_drops(agent, tmp_path, scoring):
     config = write_config(tmp_path, steps=6)
+    if scoring == "verifier_in_tool_server":
+        # The reward that raises is the tool server's {"error"} reply: dropped the same way.
+        text = config.read_text()
+        assert VERIFIER_LINE in text
+        config.write_text(text.replace(VERIFIER_LINE, "verifier_in_tool_server = true"))
     p = start(config, agent)
     finish(p, config)
     run = tmp_path / "run"
@@ -581,9 +590,16 @@ def test_bad_input_is_refused_before_anything_starts(agent, tmp_path):
     d = tmp_path / "c"
     d.mkdir()
     c = write_config(d)
-    c.write_text(c.read_text().replace('verifier = ["python3", "/task/chaos_env.py", "verify"]',
-                                       'verifier = ["echo", "maybe"]'))
+    c.write_text(c.read_text().replace(VERIFIER_LINE, 'verifier = ["echo", "maybe"]'))
     refused(c, agent, "task.verifier")
+    # verifier_in_tool_server with a tool server that does not score: `cat` answers the verify
+    # line with itself, a JSON object without a reward.
+    d = tmp_path / "v"
+    d.mkdir()
+    c = write_config(d)
+    text = c.read_text().replace(VERIFIER_LINE, "verifier_in_tool_server = true")
+    c.write_text(text.replace('["python3", "/task/chaos_env.py", "serve"]', '["cat"]'))
+    refused(c, agent, 'must answer {"verify": ROLLOUT} with {"reward": NUMBER}')
     # A prompt longer than the context.
     d = tmp_path / "e"
     d.mkdir()

@@ -188,7 +188,7 @@ def test_answer_ends_the_rollout_whatever_it_says(server):
 # ---- the verifier -------------------------------------------------------------------------
 
 
-def verify(rollout):
+def verify_in_a_process(rollout):
     data = rollout if isinstance(rollout, bytes) else json.dumps(rollout).encode()
     proc = subprocess.run([sys.executable, VERIFIER], input=data, capture_output=True,
                           timeout=30)
@@ -196,16 +196,50 @@ def verify(rollout):
     return int(proc.stdout.decode().strip())
 
 
+@pytest.fixture(scope="module")
+def long_lived_server():
+    s = Server()
+    yield s
+    assert s.close() == (0, b"")
+
+
+@pytest.fixture(params=["verifier.py", "tool_server.py verify"])
+def verify(request):
+    """The reward of a rollout two ways, which must agree: verifier.py in a process of its own
+    (task.verifier), and the verify line of one long-lived tool server (task.
+    verifier_in_tool_server), asked between ordinary turns."""
+    if request.param == "verifier.py":
+        return verify_in_a_process
+    server = request.getfixturevalue("long_lived_server")
+
+    def in_server(rollout):
+        if isinstance(rollout, bytes):
+            try:
+                rollout = json.loads(rollout)
+            except ValueError:
+                # bragg-rl sends only JSON objects; a line that is not JSON gets an error
+                # observation (no reward: the trajectory would be dropped), not a crash.
+                reply = server.ask_raw(b'{"verify": ' + rollout + b"}")
+                assert "reward" not in reply and reply["error"] is True, reply
+                return 0
+        reply = server.ask_raw(json.dumps({"verify": rollout}).encode())
+        assert set(reply) == {"reward", "reason"} and reply["reward"] in (0, 1), reply
+        assert server.ask("lattice Al\n") == {"observation": "fcc 4.05\n", "tool": "lattice"}
+        return reply["reward"]
+
+    return in_server
+
+
 def rollout(turns, prompt="Al Cu\n", meta=None):
     return {"prompt": prompt, "meta": meta or {}, "turns": turns,
             "observations": ["fcc 4.05\n", "38.47\n"][:max(0, len(turns) - 1)]}
 
 
-def test_verifier_right_answer():
+def test_verifier_right_answer(verify):
     assert verify(rollout(["lattice Al\n", "bragg 4.05 111 Cu\n", "answer 38.47\n"])) == 1
 
 
-def test_verifier_wrong_hkl():
+def test_verifier_wrong_hkl(verify):
     wrong = "%.2f" % by_hand(4.05, "110", 1.5406)
     assert verify(rollout(["lattice Al\n", "bragg 4.05 110 Cu\n", "answer %s\n" % wrong])) == 0
 
@@ -215,32 +249,32 @@ def test_verifier_wrong_hkl():
     ("38.481", 0), ("38.459", 0), ("38.5", 0), ("-38.47", 0),
     ("38.47 degrees", 0), ("abc", 0), ("", 0), ("nan", 0), ("inf", 0), ("3.847e1", 0),
 ])
-def test_verifier_tolerance_and_numbers(answer, reward):
+def test_verifier_tolerance_and_numbers(answer, reward, verify):
     assert verify(rollout(["answer %s\n" % answer])) == reward
 
 
-def test_verifier_by_hand_for_polonium():
+def test_verifier_by_hand_for_polonium(verify):
     truth = round(by_hand(3.35, "100", 1.5406), 2)
     assert verify(rollout(["answer %.2f\n" % truth], prompt="Po Cu\n")) == 1
     assert verify(rollout(["answer %.3f\n" % (truth + 0.011)], prompt="Po Cu\n")) == 0
 
 
-def test_verifier_no_answer():
+def test_verifier_no_answer(verify):
     assert verify(rollout(["lattice Al\n", "bragg 4.05 111 Cu\n"])) == 0
     assert verify(rollout([])) == 0
     assert verify(rollout(["answer\n"])) == 0
 
 
-def test_verifier_takes_the_last_answer():
+def test_verifier_takes_the_last_answer(verify):
     assert verify(rollout(["answer 38.47\n", "answer 12.00\n"])) == 0
     assert verify(rollout(["answer 12.00\n", "answer 38.47\n"])) == 1
 
 
-def test_verifier_answer_without_newline():
+def test_verifier_answer_without_newline(verify):
     assert verify(rollout(["answer 38.47"])) == 1
 
 
-def test_verifier_ignores_meta():
+def test_verifier_ignores_meta(verify):
     lying = {"element": "Al", "tube": "Cu", "structure": "fcc", "hkl": "111", "two_theta": 12.0}
     assert verify(rollout(["answer 12.00\n"], meta=lying)) == 0
     assert verify(rollout(["answer 38.47\n"], meta=lying)) == 1
@@ -255,11 +289,11 @@ def test_verifier_ignores_meta():
     json.dumps({"prompt": "Al Cu\n", "turns": "answer 38.47\n"}).encode(),
     json.dumps({"prompt": 7, "turns": ["answer 38.47\n"]}).encode(),
 ])
-def test_verifier_hostile_input(data):
+def test_verifier_hostile_input(data, verify):
     assert verify(data) == 0
 
 
-def test_verifier_skips_turns_that_are_not_text():
+def test_verifier_skips_turns_that_are_not_text(verify):
     assert verify({"prompt": "Al Cu\n", "turns": [7, None, "answer 38.47\n"]}) == 1
 
 
@@ -354,7 +388,7 @@ def test_warm_traces(data_dir):
     assert len({max(h, key=h.get) for h in chosen.values()}) > 1, chosen
 
 
-def test_the_verifier_agrees_with_the_warm_rewards(data_dir):
+def test_the_verifier_agrees_with_the_warm_rewards(data_dir, verify):
     for t in read(data_dir / "warm.jsonl")[:8]:
         lines = VOCAB.decode(t["tokens"]).splitlines(keepends=True)
         got = verify({"prompt": lines[0], "meta": {}, "turns": lines[1::2],

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "agent_fixture.h"
@@ -55,7 +56,23 @@ TEST(Vocab, RefusesBadTables) {
 constexpr char kServer[] = R"PY(
 import json, sys, time
 for line in sys.stdin:
-    text = json.loads(line)["text"]
+    req = json.loads(line)
+    if "verify" in req:
+        how = req["verify"]["prompt"]
+        if how == "hang":
+            time.sleep(3600)
+        if how == "crash":
+            sys.exit(4)
+        if how == "garbage":
+            print("not json", flush=True)
+        elif how == "error":
+            print(json.dumps({"error": "no reward for you"}), flush=True)
+        elif how == "no number":
+            print(json.dumps({"reward": "high"}), flush=True)
+        else:
+            print(json.dumps({"reward": len(req["verify"]["turns"]) + 0.5}), flush=True)
+        continue
+    text = req["text"]
     if text == "hang\n":
         time.sleep(3600)
     if text == "crash\n":
@@ -237,6 +254,67 @@ TEST_F(ToolServerTest, ManyServersAtOnce) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(good.load(), kN * 10);
+}
+
+// ---- ToolServer::Verify (task.verifier_in_tool_server) -----------------------------------------
+
+std::string Rollout(const std::string& how, int turns = 2) {
+  nlohmann::json r = {{"prompt", how}, {"turns", nlohmann::json::array()}};
+  for (int i = 0; i < turns; ++i) r["turns"].push_back("t\n");
+  return r.dump();
+}
+
+TEST_F(ToolServerTest, VerifyScoresBetweenTurnsAndEveryFailureIsNamed) {
+  auto s = Start(NewSandbox());
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->Call("a\n", 10s).observation, "got a\n");
+  VerifierOutput v = s->Verify(Rollout("score", 3), 10s);
+  EXPECT_EQ(v.failure, "");
+  EXPECT_EQ(v.output, "3.5");
+  // The server goes on after a verify, and after each failure it can answer in step.
+  EXPECT_EQ(s->Call("b\n", 10s).observation, "got b\n");
+  v = s->Verify(Rollout("error"), 10s);
+  EXPECT_EQ(v.failure, "the tool server's verify failed: no reward for you");
+  v = s->Verify(Rollout("no number"), 10s);
+  EXPECT_EQ(v.failure, "");
+  EXPECT_EQ(v.output, R"({"reward": "high"})");  // the caller drops it as verifier_no_number
+  v = s->Verify(Rollout("garbage"), 10s);
+  EXPECT_EQ(v.failure.rfind("the tool server's verify: bad reply: not a JSON object", 0), 0u)
+      << v.failure;
+  EXPECT_EQ(s->Verify(Rollout("score", 0), 10s).output, "0.5");
+  // Only a JSON object is sent as a rollout: nothing else reaches the server.
+  EXPECT_EQ(s->Verify("[1, 2]", 10s).failure, "the rollout to verify is not a JSON object");
+  EXPECT_EQ(s->Verify("{not json", 10s).failure, "the rollout to verify is not a JSON object");
+  EXPECT_EQ(s->Call("c\n", 10s).observation, "got c\n");
+}
+
+TEST_F(ToolServerTest, VerifyOnAServerThatDiedStartsItAgain) {
+  auto s = Start(NewSandbox());
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->Call("crash\n", 10s).failure, "exited: exit 3");  // the last turn crashed it
+  VerifierOutput v = s->Verify(Rollout("score"), 10s);
+  EXPECT_EQ(v.failure, "");
+  EXPECT_EQ(v.output, "2.5");
+  // A verify that crashes the server is a failure with its exit, not a hang.
+  auto t0 = std::chrono::steady_clock::now();
+  v = s->Verify(Rollout("crash"), 10s);
+  EXPECT_EQ(v.failure.rfind("the tool server's verify: exited: exit 4", 0), 0u) << v.failure;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_FALSE(s->alive());
+  EXPECT_EQ(s->Verify(Rollout("score", 1), 10s).output, "1.5");
+}
+
+TEST_F(ToolServerTest, AVerifyThatHangsTimesOut) {
+  auto s = Start(NewSandbox());
+  ASSERT_NE(s, nullptr);
+  auto t0 = std::chrono::steady_clock::now();
+  VerifierOutput v = s->Verify(Rollout("hang"), 300ms);
+  EXPECT_EQ(v.failure.rfind("the tool server's verify: timeout", 0), 0u) << v.failure;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  // The server is still hung: destroying it stays bounded.
+  t0 = std::chrono::steady_clock::now();
+  s.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
 }  // namespace

@@ -8,6 +8,9 @@ stdout line, flushed:
     lattice Al\\n          -> {"observation": "fcc 4.05\\n", "tool": "lattice"}
     bragg 4.05 111 Cu\\n   -> {"observation": "38.47\\n", "tool": "bragg"}
     answer 38.47\\n        -> {"done": true}
+    {"verify": ROLLOUT}   -> {"reward": 1, "reason": "..."}   (bragg-rl's
+                             task.verifier_in_tool_server: verifier.py's reward, without a
+                             process of its own)
     anything else         -> {"observation": "error: <reason>\\n", "tool": "<name|none>",
                               "error": true}
 
@@ -138,6 +141,11 @@ def respond(table, line):
         request = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return _error("request is not json")
+    if isinstance(request, dict) and "verify" in request:
+        import verifier  # noqa: PLC0415  (beside this file; it imports this module)
+
+        value, reason = verifier.reward(table, request["verify"])
+        return {"reward": value, "reason": reason}
     if not isinstance(request, dict) or not isinstance(request.get("text"), str):
         return _error("request has no text")
     text = request["text"]
