@@ -211,14 +211,10 @@ def _parse_request(line: str) -> Optional[Dict[str, Any]]:
     return request if isinstance(request, dict) else None
 
 
-def _score(env_factory: EnvFactory, obj: Any) -> Tuple[Optional[float], str, int]:
-    """(reward, "", 0) for the rollout ``obj`` (parsed JSON), scored by a fresh environment;
-    else (None, why, status): status 1 for input that is not a rollout or an exception in
-    ``reward`` (its traceback printed on stderr), 2 for a reward that is not a finite number."""
-    try:
-        rollout = Rollout.from_json(obj)
-    except ValueError as e:
-        return None, f"the input is not a rollout (docs/rl.md \"Tool protocol\"): {e}", 1
+def _score(env_factory: EnvFactory, rollout: Rollout) -> Tuple[Optional[float], str, int]:
+    """(reward, "", 0) for ``rollout`` scored by a fresh environment; else (None, why, status):
+    status 1 for an exception in ``reward`` (its traceback printed on stderr), 2 for a reward
+    that is not a finite number."""
     try:
         with contextlib.redirect_stdout(sys.stderr):
             reward = env_factory().reward(rollout)
@@ -230,6 +226,9 @@ def _score(env_factory: EnvFactory, obj: Any) -> Tuple[Optional[float], str, int
         return None, (f"reward returned {reward!r}, not a finite number; bragg-rl drops the "
                       f"trajectory (verifier_failed)"), 2
     return x, "", 0
+
+
+NOT_A_ROLLOUT = "the input is not a rollout (docs/rl.md \"Tool protocol\")"
 
 
 def _step_reply(env: Environment, text: str) -> Dict[str, Any]:
@@ -267,7 +266,10 @@ def serve(env_factory: EnvFactory, stdin: Optional[TextIO] = None,
         request = _parse_request(line)
         text = request.get("text") if request is not None else None
         if request is not None and "verify" in request:
-            x, why, _ = _score(env_factory, request["verify"])
+            try:
+                x, why, _ = _score(env_factory, Rollout.from_json(request["verify"]))
+            except ValueError as e:
+                x, why = None, f"{NOT_A_ROLLOUT}: {e}"
             if x is None:
                 print(f"bragg_rl.env verify: {why}", file=sys.stderr)
                 reply = {"error": _utf8_clean(why)}
@@ -312,15 +314,13 @@ def verify(env_factory: EnvFactory, stdin: Optional[TextIO] = None,
     if isinstance(data, bytes):
         data = data.decode("utf-8", "replace")
     try:
-        obj = json.loads(data)
+        rollout = Rollout.from_json(json.loads(data))
     except (ValueError, RecursionError) as e:
-        print(f"bragg_rl.env verify: the input is not a rollout (docs/rl.md \"Tool protocol\"): "
-              f"{e}; got {data[:200]!r}", file=sys.stderr)
+        print(f"bragg_rl.env verify: {NOT_A_ROLLOUT}: {e}; got {data[:200]!r}", file=sys.stderr)
         return 1
-    x, why, status = _score(env_factory, obj)
+    x, why, status = _score(env_factory, rollout)
     if x is None:
-        suffix = f"; got {data[:200]!r}" if why.startswith("the input") else ""
-        print(f"bragg_rl.env verify: {why}{suffix}", file=sys.stderr)
+        print(f"bragg_rl.env verify: {why}", file=sys.stderr)
         return status
     out.write(repr(x) + "\n")
     out.flush()

@@ -4,6 +4,7 @@
 // here with its default; a key not listed, a value of the wrong type or out of range is refused
 // by LoadConfig with a message naming the key (InvalidArgument), before anything is started.
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -86,6 +87,10 @@ struct TaskConfig {
   int64_t max_tokens = 512;                // whole trajectory (prompt + every turn + observations)
   std::vector<std::string> stop = {"\n"};  // tokens that end a model turn
   double tool_timeout_s = 10;
+  // tool_timeout_s as a duration: what a tool call, and a verifier, may take.
+  std::chrono::milliseconds tool_timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(tool_timeout_s * 1000));
+  }
   int64_t sandbox_memory_mb = 256;
   int64_t sandbox_pids = 64;
   // Prompts are drawn balanced over this meta key's values ("": uniformly over prompts).

@@ -1051,9 +1051,7 @@ RolloutResult Controller::RolloutInSandbox(size_t node, uint64_t epoch, const st
                    client,
                    tools->get(),
                    cfg_.task.verifier_in_tool_server
-                       ? Verifier([tool = tools->get(),
-                                   timeout = std::chrono::milliseconds(
-                                       static_cast<int64_t>(cfg_.task.tool_timeout_s * 1000))](
+                       ? Verifier([tool = tools->get(), timeout = cfg_.task.tool_timeout()](
                                       const std::string& in) -> Result<VerifierOutput> {
                            return tool->Verify(in, timeout);
                          })

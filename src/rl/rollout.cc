@@ -64,7 +64,7 @@ Verifier PboxVerifier(pbox::client::Client* pbox, std::string sandbox_id, const 
     BRAGG_ASSIGN_OR_RETURN(
         auto v, pbox->Run({.sandbox_id = sandbox_id,
                            .argv = task->verifier,
-                           .timeout_ms = static_cast<uint64_t>(task->tool_timeout_s * 1000),
+                           .timeout_ms = static_cast<uint64_t>(task->tool_timeout().count()),
                            .stdin = input,
                            .max_output_bytes = 4096}));
     const auto& res = v.result();
@@ -160,8 +160,7 @@ Result<RolloutResult> RunRollout(const RolloutEnv& env, const std::string& id,
     r.turns.push_back(text);
 
     auto t1 = Clock::now();
-    ToolReply reply = env.tools->Call(
-        text, std::chrono::milliseconds(static_cast<int64_t>(task.tool_timeout_s * 1000)));
+    ToolReply reply = env.tools->Call(text, task.tool_timeout());
     r.tools_s += Since(t1);
     r.tool_calls.push_back({reply.tool, reply.ms, reply.error, reply.failure, reply.bytes});
     if (!reply.failure.empty()) {

@@ -236,8 +236,9 @@ VerifierOutput ToolServer::Verify(std::string_view rollout_json,
     return out;
   }
   if (auto it = j.find("error"); it != j.end() && !it->is_null() && *it != false) {
-    out.failure = Cat("the tool server's verify failed: ",
-                      it->is_string() ? it->get<std::string>() : it->dump());
+    // Bounded like the other failures' texts: the reply itself may be up to 1 MiB.
+    std::string why = it->is_string() ? it->get<std::string>() : it->dump();
+    out.failure = Cat("the tool server's verify failed: ", why.substr(0, 200));
     return out;
   }
   auto it = j.find("reward");
